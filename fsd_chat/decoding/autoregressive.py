@@ -1,0 +1,142 @@
+"""Target-only autoregressive decoding: the baseline, yielding the same `Step` events.
+
+One target forward pass per token over the KV cache (no re-encoding of the context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fsd_chat.decoding.controls import Controls, DecodingSettings
+from fsd_chat.decoding.events import Origin, Step, StepStats
+from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.sampling import SamplingConfig, draw, probabilities
+from fsd_chat.decoding.timing import PhaseClock
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:
+    """Token ids that end a reply: the tokenizer's EOS and each model's generation-config EOS."""
+    ids: set[int] = set()
+    candidates: list[object] = [tokenizer.eos_token_id]
+    candidates += [getattr(m.generation_config, "eos_token_id", None) for m in models]
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def target_step(
+    target: CachedModel,
+    reply: Reply,
+    *,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    clock: PhaseClock,
+    settings: DecodingSettings,
+    rule: str,
+    prefill_seconds: float,
+) -> Step:
+    """One target forward pass over the last token; emits one token of origin `target`."""
+    logits = target.forward(reply.seq, reply.length, keep=1)
+    reply.seq[0, reply.length] = draw(probabilities(logits[-1], sampling), sampling, generator)
+    target_seconds = clock.lap()
+    stats = StepStats(
+        drafted=0,
+        accepted_exact=0,
+        accepted_fuzzy=0,
+        emitted=1,
+        target_forwards=1,
+        draft_forwards=0,
+        draft_seconds=0.0,
+        target_seconds=target_seconds,
+        other_seconds=0.0,
+        threshold=settings.threshold,
+        divergence=settings.divergence,
+        rule=rule,
+        draft_tokens=0,
+        prefill_seconds=prefill_seconds,
+    )
+    return reply.commit(1, [Origin.TARGET], [None], stats, clock)
+
+
+class AutoregressiveDecoder:
+    """Target-only decoding.
+
+    Args:
+        target: The target model.
+        tokenizer: Its tokenizer.
+        controls: Live controls (only the stop request matters here).
+        vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
+    """
+
+    rule = "autoregressive"
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        controls: Controls | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.controls = controls or Controls()
+        self.target = CachedModel(target, vocab_size or len(tokenizer))
+        self.context = context_length(target)
+        self.eos_token_ids = eos_token_ids(tokenizer, target)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        stop_strings: tuple[str, ...] = (),
+    ) -> Iterator[Step]:
+        """Yield one `Step` per generated token; the last has `stop_reason` set.
+
+        Raises:
+            ContextLengthError: the prompt does not fit the context window.
+            SettingsError: max_new_tokens < 1 or an empty prompt.
+        """
+        sampling = sampling or SamplingConfig()
+        self.controls.clear_stop()
+        device = self.target.device
+        reply = Reply(
+            prompt_ids,
+            tokenizer=self.tokenizer,
+            device=device,
+            max_new_tokens=max_new_tokens,
+            context=self.context,
+            headroom=0,
+            eos_token_ids=self.eos_token_ids,
+            stop_strings=stop_strings,
+            controls=self.controls,
+        )
+        generator = sampling.generator(device)
+        clock = PhaseClock(device)
+        self.target.reset()
+        if reply.length > 1:
+            self.target.forward(reply.seq, reply.length - 1, keep=1)
+        prefill_seconds = clock.lap()
+        while True:
+            step = target_step(
+                self.target,
+                reply,
+                sampling=sampling,
+                generator=generator,
+                clock=clock,
+                settings=self.controls.snapshot(),
+                rule=self.rule,
+                prefill_seconds=prefill_seconds,
+            )
+            prefill_seconds = 0.0
+            yield step
+            if step.stop_reason is not None:
+                return

@@ -1,0 +1,89 @@
+"""Divergences D(p, q) between the target's (p) and the draft's (q) next-token distributions.
+
+All functions take probability tensors of shape [..., vocab] (rows summing to 1) and return shape
+[...]. kl, reverse-kl and js are in nats; tv is a probability in [0, 1].
+
+Sources: Kullback–Leibler (1951); Jensen–Shannon as in Lin (1991), bounded by ln 2; total variation
+½Σ|p−q|, whose complement 1 − TV is the acceptance probability of the exact speculative-sampling
+test (Leviathan et al. 2023, §3.5). FSD (Holsman, Huang, Dhingra, ACL Findings 2025, §3) accepts a
+draft token when D(p, q) ≤ T.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
+DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
+
+UPPER_BOUND: dict[DivergenceName, float] = {
+    "kl": math.inf,
+    "reverse-kl": math.inf,
+    "js": math.log(2.0),
+    "tv": 1.0,
+}
+"""Largest value each divergence can take (a threshold at or above it accepts every draft token)."""
+
+
+def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # Terms with a = 0 contribute 0 (xlogy); a > 0 with b = 0 gives +inf, as KL should.
+    return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b)).sum(-1).clamp_min(0.0)
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(p‖q) = Σ p log(p/q) in nats, shape [...]. +inf where q = 0 < p (e.g. after top-k on q)."""
+    return _kl(p, q)
+
+
+def reverse_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(q‖p) = Σ q log(q/p) in nats, shape [...]."""
+    return _kl(q, p)
+
+
+def js(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence ½KL(p‖m) + ½KL(q‖m), m = (p+q)/2, in nats; in [0, ln 2]."""
+    m = 0.5 * (p + q)
+    return (0.5 * (_kl(p, m) + _kl(q, m))).clamp_max(math.log(2.0))
+
+
+def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Total variation distance ½Σ|p − q|, in [0, 1]."""
+    return (0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+DIVERGENCES: dict[DivergenceName, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "kl": kl,
+    "reverse-kl": reverse_kl,
+    "js": js,
+    "tv": tv,
+}
+
+
+def divergence(name: DivergenceName, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """D(p, q) by name, over the last dimension: [..., vocab] × [..., vocab] -> [...].
+
+    Raises:
+        KeyError: unknown divergence name.
+    """
+    return DIVERGENCES[name](p.float(), q.float())
+
+
+DIAL_RANGE: dict[DivergenceName, float] = {
+    "kl": 2.0,
+    "reverse-kl": 2.0,
+    "js": math.log(2.0),
+    "tv": 1.0,
+}
+"""Top of a threshold dial for each divergence: beyond it nearly every draft token is accepted."""
+
+THRESHOLD_STEP: dict[DivergenceName, float] = {
+    "kl": 0.05,
+    "reverse-kl": 0.05,
+    "js": 0.02,
+    "tv": 0.05,
+}
+"""One nudge of the threshold, sized to the divergence's typical spread between a draft and a target."""

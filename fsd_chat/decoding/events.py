@@ -1,0 +1,209 @@
+"""The events every decoder yields: emitted tokens with their origin, and per-step statistics.
+
+Terms follow the speculative-decoding literature (Leviathan et al. 2023; Holsman et al. 2025):
+*acceptance rate* = accepted draft tokens / drafted tokens; *mean accepted length* τ = tokens
+emitted per target forward pass; *tokens/s* counts generated tokens only, over decoding wall-clock
+time (prompt prefill excluded and reported on its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Origin(StrEnum):
+    """How a token was produced."""
+
+    DRAFT_EXACT = "draft-exact"
+    """Draft token accepted by the exact speculative-sampling test (the output follows the target)."""
+    DRAFT_FUZZY = "draft-fuzzy"
+    """Draft token accepted only because divergence ≤ threshold: the output may depart from the target."""
+    TARGET_RESAMPLED = "target-resampled"
+    """Correction drawn from the target after a rejection."""
+    TARGET_BONUS = "target-bonus"
+    """Extra target token after all k draft tokens were accepted."""
+    TARGET = "target"
+    """Plain autoregressive target token (no drafting)."""
+
+
+class StopReason(StrEnum):
+    """Why generation ended (set on the last `Step` only)."""
+
+    EOS = "eos"
+    MAX_NEW_TOKENS = "max-new-tokens"
+    STOP_STRING = "stop-string"
+    STOPPED = "stopped"
+    """A stop was requested through `Controls.request_stop`."""
+    CONTEXT = "context"
+    """The context window of a model is full."""
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One emitted token.
+
+    Attributes:
+        id: Token id in the shared vocabulary.
+        text: Text this token adds to the reply (incremental detokenisation: "" while a multi-byte
+            character is incomplete; the concatenation over a reply equals `tokenizer.decode(ids)`).
+        origin: How it was produced.
+        divergence: D(p, q) at this position in the divergence's units (nats for kl/reverse-kl/js,
+            a probability for tv), for tokens decided by an acceptance test; None otherwise.
+    """
+
+    id: int
+    text: str
+    origin: Origin
+    divergence: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Statistics of one decoding step (one target forward pass).
+
+    Attributes:
+        drafted: Draft tokens proposed (k of this step; 0 for autoregressive steps).
+        accepted_exact: Draft tokens accepted by the exact test.
+        accepted_fuzzy: Draft tokens accepted only by the divergence test (D ≤ threshold).
+        emitted: Tokens this step emitted (after EOS / max-new-tokens / stop-string trimming).
+        target_forwards: Target forward passes this step (1).
+        draft_forwards: Draft forward passes this step.
+        draft_seconds: Wall-clock seconds in draft forward passes and draft sampling.
+        target_seconds: Wall-clock seconds in target forward passes.
+        other_seconds: Wall-clock seconds in everything else (acceptance, cache rollback, detokenisation).
+        threshold: Threshold T in force for this step (divergence units).
+        divergence: Name of the divergence in force.
+        rule: Acceptance rule in force ("exact", "fuzzy", "pure"; "autoregressive" for the baseline).
+        draft_tokens: Draft length k in force.
+        prefill_seconds: Wall-clock seconds encoding the prompt (first step only; not in `seconds`).
+    """
+
+    drafted: int
+    accepted_exact: int
+    accepted_fuzzy: int
+    emitted: int
+    target_forwards: int
+    draft_forwards: int
+    draft_seconds: float
+    target_seconds: float
+    other_seconds: float
+    threshold: float
+    divergence: str
+    rule: str
+    draft_tokens: int
+    prefill_seconds: float = 0.0
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted by either test."""
+        return self.accepted_exact + self.accepted_fuzzy
+
+    @property
+    def seconds(self) -> float:
+        """Wall-clock seconds of the whole step."""
+        return self.draft_seconds + self.target_seconds + self.other_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One decoding step: the tokens it emitted and its statistics.
+
+    `stop_reason` is set on the final step of a generation only.
+    """
+
+    tokens: tuple[Token, ...]
+    stats: StepStats
+    stop_reason: StopReason | None = None
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Running totals over the steps of one generation (or several, when `add` is fed them all).
+
+    Prefill time is totalled apart and excluded from tokens/s.
+    """
+
+    tokens: int = 0
+    drafted: int = 0
+    accepted_exact: int = 0
+    accepted_fuzzy: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    steps: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    other_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    thresholds: list[float] = field(default_factory=list)
+    """Distinct thresholds in force, in the order they were first used."""
+
+    def add(self, step: Step) -> None:
+        """Fold one step's statistics into the totals."""
+        s = step.stats
+        self.tokens += s.emitted
+        self.drafted += s.drafted
+        self.accepted_exact += s.accepted_exact
+        self.accepted_fuzzy += s.accepted_fuzzy
+        self.target_forwards += s.target_forwards
+        self.draft_forwards += s.draft_forwards
+        self.steps += 1
+        self.draft_seconds += s.draft_seconds
+        self.target_seconds += s.target_seconds
+        self.other_seconds += s.other_seconds
+        self.prefill_seconds += s.prefill_seconds
+        if s.threshold not in self.thresholds:
+            self.thresholds.append(s.threshold)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Wall-clock seconds of decoding, prefill excluded."""
+        return self.draft_seconds + self.target_seconds + self.other_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of decoding (0.0 before any time has passed)."""
+        return self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0.0 when nothing was drafted)."""
+        accepted = self.accepted_exact + self.accepted_fuzzy
+        return accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens emitted per target forward pass (1.0 for autoregressive decoding)."""
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def fuzzy_share(self) -> float:
+        """Share of emitted tokens that were accepted only by the divergence test."""
+        return self.accepted_fuzzy / self.tokens if self.tokens else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of decoding time outside the two models' forward passes."""
+        return self.other_seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float | int | list[float]]:
+        """JSON-ready summary (the keys of `fsd-chat generate --json`'s final `stats`)."""
+        return {
+            "tokens": self.tokens,
+            "tokens_per_second": self.tokens_per_second,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "fuzzy_share": self.fuzzy_share,
+            "drafted": self.drafted,
+            "accepted_exact": self.accepted_exact,
+            "accepted_fuzzy": self.accepted_fuzzy,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "steps": self.steps,
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
+            "other_seconds": self.other_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "overhead_share": self.overhead_share,
+            "thresholds": list(self.thresholds),
+        }

@@ -1,0 +1,132 @@
+"""State of one reply shared by both decoders: the token buffer, detokenisation, and the rules
+that end a reply (EOS, max_new_tokens, stop strings, a full context window, a stop request)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.detokenize import IncrementalDetokenizer
+from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
+from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.errors import ContextLengthError, SettingsError
+
+
+class Reply:
+    """The growing sequence (prompt + generated tokens) and its end conditions.
+
+    Args:
+        prompt_ids: Prompt token ids (non-empty).
+        tokenizer: For incremental detokenisation.
+        device: Where the token buffer lives (the models' input device).
+        max_new_tokens: Exact cap on generated tokens.
+        context: Context window in tokens (the smaller of the two models'), or None.
+        headroom: Extra buffer slots a step may write beyond the cap (the draft length bound).
+        eos_token_ids: Tokens that end the reply (not emitted).
+        stop_strings: Texts that end the reply once generated (the token completing one is emitted).
+        controls: Source of stop requests.
+
+    Raises:
+        ContextLengthError: the prompt leaves no room for a new token.
+        SettingsError: max_new_tokens < 1 or an empty prompt.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        *,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        max_new_tokens: int,
+        context: int | None,
+        headroom: int,
+        eos_token_ids: frozenset[int],
+        stop_strings: tuple[str, ...],
+        controls: Controls,
+    ) -> None:
+        if not prompt_ids:
+            raise SettingsError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise SettingsError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if context is not None and len(prompt_ids) + 1 > context:
+            raise ContextLengthError(
+                f"the prompt is {len(prompt_ids)} tokens but the context window is {context} tokens: "
+                "shorten it to leave room for the reply"
+            )
+        self.prompt_length = len(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.context = context
+        self.seq = torch.empty((1, len(prompt_ids) + max_new_tokens + headroom + 1), dtype=torch.long, device=device)
+        self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.length = len(prompt_ids)
+        self._eos = eos_token_ids
+        self._stop_strings = stop_strings
+        self._controls = controls
+        self._detok = IncrementalDetokenizer(tokenizer)
+
+    @property
+    def produced(self) -> int:
+        """Tokens generated so far."""
+        return self.length - self.prompt_length
+
+    def room(self) -> int:
+        """Most draft tokens the next step may propose: each step emits at most k + 1 tokens, and
+        the last emitted token must still fit in the context window and under max_new_tokens."""
+        room = self.max_new_tokens - self.produced - 1
+        if self.context is not None:
+            room = min(room, self.context - 1 - self.length)
+        return max(room, 0)
+
+    def commit(
+        self,
+        count: int,
+        origins: list[Origin],
+        divergences: list[float | None],
+        stats: StepStats,
+        clock: PhaseClock,
+    ) -> Step:
+        """Emit the `count` tokens written at seq[length:length + count] as one `Step`.
+
+        Tokens after an EOS are dropped (the EOS too); the reply ends at the first end condition.
+        `stats.emitted` becomes the number of tokens actually emitted, and the time spent here
+        (detokenisation) is added to `stats.other_seconds`.
+        """
+        ids = self.seq[0, self.length : self.length + count].tolist()
+        reason: StopReason | None = None
+        tokens: list[Token] = []
+        for token_id, origin, div in zip(ids, origins, divergences, strict=True):
+            if token_id in self._eos:
+                reason = StopReason.EOS
+                break
+            text = self._detok.push(token_id)
+            tokens.append(Token(token_id, text, origin, div))
+            if text and self._completes_stop_string(text):
+                reason = StopReason.STOP_STRING
+                break
+        self.length += len(tokens)
+        if reason is None:
+            if self.produced >= self.max_new_tokens:
+                reason = StopReason.MAX_NEW_TOKENS
+            elif self.context is not None and self.length >= self.context:
+                reason = StopReason.CONTEXT
+            elif self._controls.stop_requested:
+                reason = StopReason.STOPPED
+        if reason is not None and tokens:
+            tail = self._detok.flush()
+            if tail:
+                last = tokens[-1]
+                tokens[-1] = Token(last.id, last.text + tail, last.origin, last.divergence)
+        stats = replace(stats, emitted=len(tokens), other_seconds=stats.other_seconds + clock.lap())
+        return Step(tuple(tokens), stats, reason)
+
+    def _completes_stop_string(self, delta: str) -> bool:
+        text = self._detok.text
+        return any(s in text[-(len(s) + len(delta)) :] for s in self._stop_strings)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated token ids so far."""
+        return self.seq[0, self.prompt_length : self.length].tolist()

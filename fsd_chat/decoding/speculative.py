@@ -1,0 +1,195 @@
+"""Speculative decoding with exact, fuzzy (FSD) and pure acceptance rules.
+
+One step (batch size 1; Leviathan et al. 2023, Algorithm 1, with the acceptance test of Holsman,
+Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
+
+1. Draft: k forward passes of the draft model, x̃_i ~ q_i (argmax when greedy).
+2. Verify: one target forward pass over [last token, x̃_1..x̃_k] gives p_1..p_{k+1}.
+3. Accept the prefix of positions the rule accepts (see `acceptance.verify`).
+4. Correct: a resampled target token after a rejection, or a bonus token after k acceptances.
+5. Roll both KV caches back to the accepted prefix (no accepted token is re-encoded).
+
+The settings (rule, divergence, threshold T, draft length k) are read from `Controls` at the start
+of every step, so another thread can retune them mid-reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fsd_chat.decoding.acceptance import verify
+from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
+from fsd_chat.decoding.controls import MAX_DRAFT_TOKENS, Controls, DecodingSettings
+from fsd_chat.decoding.events import Step, StepStats
+from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.sampling import SamplingConfig, draw, probabilities
+from fsd_chat.decoding.timing import PhaseClock
+
+
+class SpeculativeDecoder:
+    """Draft-then-verify decoding of a target model with a smaller draft model.
+
+    Both models must share the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`).
+
+    Args:
+        target: The target model (the distribution to follow).
+        draft: The draft model (cheap proposals).
+        tokenizer: The shared tokenizer.
+        controls: Live settings and stop requests.
+        vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        controls: Controls | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        vocab_size = vocab_size or len(tokenizer)
+        self.tokenizer = tokenizer
+        self.controls = controls or Controls()
+        self.target = CachedModel(target, vocab_size)
+        self.draft = CachedModel(draft, vocab_size)
+        contexts = [c for c in (context_length(target), context_length(draft)) if c is not None]
+        self.context = min(contexts) if contexts else None
+        self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        stop_strings: tuple[str, ...] = (),
+    ) -> Iterator[Step]:
+        """Yield one `Step` per target forward pass; the last has `stop_reason` set.
+
+        Args:
+            prompt_ids: Prompt token ids.
+            max_new_tokens: Exact cap on generated tokens (a block is cut short to respect it).
+            sampling: Temperature / top-k / top-p / seed, applied to both models alike.
+            stop_strings: Texts that end the reply.
+
+        Raises:
+            ContextLengthError: the prompt does not fit the context window.
+            SettingsError: max_new_tokens < 1 or an empty prompt.
+            UnsupportedCacheError: a model's KV cache cannot be rolled back.
+        """
+        sampling = sampling or SamplingConfig()
+        self.controls.clear_stop()
+        device = self.draft.device
+        reply = Reply(
+            prompt_ids,
+            tokenizer=self.tokenizer,
+            device=device,
+            max_new_tokens=max_new_tokens,
+            context=self.context,
+            headroom=MAX_DRAFT_TOKENS,
+            eos_token_ids=self.eos_token_ids,
+            stop_strings=stop_strings,
+            controls=self.controls,
+        )
+        generator = sampling.generator(device)
+        clock = PhaseClock(device)
+        self.target.reset()
+        self.draft.reset()
+        if reply.length > 1:
+            self.target.forward(reply.seq, reply.length - 1, keep=1)
+            self.draft.forward(reply.seq, reply.length - 1, keep=1)
+        prefill_seconds = clock.lap()
+        adaptive_k: int | None = None
+        while True:
+            settings = self.controls.snapshot()
+            if not settings.adaptive:
+                adaptive_k = None
+            k = min(adaptive_k or settings.draft_tokens, reply.room())
+            if k == 0:
+                step = target_step(
+                    self.target,
+                    reply,
+                    sampling=sampling,
+                    generator=generator,
+                    clock=clock,
+                    settings=settings,
+                    rule=settings.rule,
+                    prefill_seconds=prefill_seconds,
+                )
+            else:
+                step = self._speculative_step(
+                    reply, k, settings, sampling, generator, clock, prefill_seconds
+                )
+                if settings.adaptive:
+                    # transformers' "heuristic" schedule: +2 after a fully accepted block, else −1.
+                    full = step.stats.accepted == k
+                    adaptive_k = min(k + 2, MAX_DRAFT_TOKENS) if full else max(k - 1, 1)
+            prefill_seconds = 0.0
+            yield step
+            if step.stop_reason is not None:
+                return
+
+    def _speculative_step(
+        self,
+        reply: Reply,
+        k: int,
+        settings: DecodingSettings,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        clock: PhaseClock,
+        prefill_seconds: float,
+    ) -> Step:
+        start = reply.length
+        seq = reply.seq
+        q_rows = []
+        for i in range(k):
+            logits = self.draft.forward(seq, start + i, keep=1)
+            q = probabilities(logits[-1], sampling)
+            seq[0, start + i] = draw(q, sampling, generator)
+            q_rows.append(q)
+        draft_seconds = clock.lap()
+
+        logits = self.target.forward(seq, start + k, keep=k + 1)
+        p = probabilities(logits, sampling).to(device=seq.device)
+        target_seconds = clock.lap()
+
+        verdict = verify(
+            p,
+            torch.stack(q_rows),
+            seq[0, start : start + k],
+            rule=settings.rule,
+            divergence_name=settings.divergence,
+            threshold=settings.threshold,
+            sampling=sampling,
+            generator=generator,
+        )
+        n = verdict.accepted
+        seq[0, start + n] = verdict.next_token
+        # Both caches must hold exactly the tokens before the last emitted one.
+        self.target.rollback(start + n)
+        self.draft.rollback(start + n)
+        accepted_exact = sum(verdict.exact[:n])
+        divergences: list[float | None] = [*verdict.divergences[:n]]
+        divergences.append(verdict.divergences[n] if n < k else None)
+        stats = StepStats(
+            drafted=k,
+            accepted_exact=accepted_exact,
+            accepted_fuzzy=n - accepted_exact,
+            emitted=n + 1,
+            target_forwards=1,
+            draft_forwards=k,
+            draft_seconds=draft_seconds,
+            target_seconds=target_seconds,
+            other_seconds=clock.lap(),
+            threshold=settings.threshold,
+            divergence=settings.divergence,
+            rule=settings.rule,
+            draft_tokens=k,
+            prefill_seconds=prefill_seconds,
+        )
+        return reply.commit(n + 1, verdict.origins(), divergences, stats, clock)
