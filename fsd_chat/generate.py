@@ -1,0 +1,97 @@
+"""`fsd-chat generate`: one reply on stdout (coloured by origin on a terminal, JSON Lines with
+`--json`, plain text when piped)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.text import Text
+
+from fsd_chat.chat import Message, prompt_ids
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, Step
+from fsd_chat.models import LoadOptions, ModelSpec, load_pair
+from fsd_chat.themes import default_origin_styles
+
+
+def step_record(step: Step) -> dict[str, object]:
+    """A step as a JSON-ready dict: its tokens, its stats, and the stop reason (or None)."""
+    return {
+        "tokens": [
+            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence} for t in step.tokens
+        ],
+        "stats": asdict(step.stats),
+        "stop_reason": None if step.stop_reason is None else str(step.stop_reason),
+    }
+
+
+def _emit_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def run_generate(
+    prompt: str,
+    target: ModelSpec,
+    draft: ModelSpec,
+    options: LoadOptions,
+    *,
+    settings: DecodingSettings,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    raw: bool,
+    as_json: bool,
+    autoregressive: bool,
+) -> GenerationStats:
+    """Load the pair, decode one reply to `prompt` and write it out; returns the totals.
+
+    Raises:
+        FsdChatError: bad models, settings or a prompt that does not fit the context.
+    """
+    pair = load_pair(target, draft, options)
+    controls = Controls(settings)
+    decoder = pair.autoregressive(controls) if autoregressive else pair.speculative(controls)
+    ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
+    console = Console(highlight=False, soft_wrap=True)
+    styles = default_origin_styles()
+    colour = console.is_terminal and not as_json
+    totals = GenerationStats()
+    token_ids: list[int] = []
+    texts: list[str] = []
+    stop_reason = None
+    for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling):
+        totals.add(step)
+        token_ids += [t.id for t in step.tokens]
+        texts += [t.text for t in step.tokens]
+        stop_reason = step.stop_reason
+        if as_json:
+            _emit_json(step_record(step))
+        elif colour:
+            console.print(Text.assemble(*((t.text, styles[t.origin]) for t in step.tokens)), end="")
+        else:
+            sys.stdout.write("".join(t.text for t in step.tokens))
+            sys.stdout.flush()
+    if as_json:
+        _emit_json(
+            {
+                "prompt_ids": ids,
+                "token_ids": token_ids,
+                "text": "".join(texts),
+                "stop_reason": None if stop_reason is None else str(stop_reason),
+                "settings": asdict(settings),
+                "sampling": asdict(sampling),
+                "stats": totals.to_dict(),
+            }
+        )
+    else:
+        sys.stdout.write("\n")
+        if colour:
+            console.print(
+                f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · "
+                f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
+                f"fuzzy {totals.fuzzy_share:.0%}[/dim]",
+                highlight=False,
+            )
+    return totals

@@ -1,0 +1,314 @@
+"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility.
+
+Sources may be Hugging Face Hub ids (downloaded by transformers) or local directories. Every failure
+becomes a `ModelLoadError` / `IncompatibleModelsError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
+from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.errors import IncompatibleModelsError, ModelLoadError
+
+Quantization = Literal["none", "8bit", "4bit"]
+QUANTIZATIONS: tuple[Quantization, ...] = ("none", "8bit", "4bit")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Where a model comes from and how it is quantized.
+
+    Attributes:
+        source: A Hugging Face Hub id ("HuggingFaceTB/SmolLM2-135M-Instruct") or a local directory.
+        quantization: "none", "8bit" (LLM.int8) or "4bit" (NF4), via bitsandbytes.
+    """
+
+    source: str
+    quantization: Quantization = "none"
+
+    @property
+    def name(self) -> str:
+        """Short display name: the directory or repository name."""
+        return Path(self.source.rstrip("/")).name or self.source
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """Placement options shared by both models.
+
+    Attributes:
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        dtype: "auto" (bfloat16 on CUDA where supported, else float16; float32 on the CPU),
+            "float32", "bfloat16" or "float16".
+        trust_remote_code: Allow model repositories to run their own code (off by default).
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass(slots=True)
+class ModelPair:
+    """A loaded target and draft model sharing one tokenizer.
+
+    Attributes:
+        vocab_size: Shared vocabulary size (logits are restricted to it).
+        device: The device inputs go to (the draft's; the target's first shard).
+        dtype: Compute dtype of the unquantized weights.
+    """
+
+    target: PreTrainedModel
+    draft: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    target_spec: ModelSpec
+    draft_spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        """One line: models, quantization, device, dtype."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"target {self.target_spec.name} ({self.target_spec.quantization}) · "
+            f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
+        )
+
+    def speculative(self, controls: Controls) -> SpeculativeDecoder:
+        """A speculative decoder over this pair, driven by `controls`."""
+        return SpeculativeDecoder(
+            self.target, self.draft, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+        )
+
+    def autoregressive(self, controls: Controls) -> AutoregressiveDecoder:
+        """A target-only decoder over this pair's target."""
+        return AutoregressiveDecoder(
+            self.target, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+        )
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device for a `--device` value.
+
+    Raises:
+        ModelLoadError: CUDA was asked for but is not available, or the value is malformed.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s)")
+    elif resolved.type != "cpu":
+        raise ModelLoadError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for a `--dtype` value on `device`.
+
+    Raises:
+        ModelLoadError: unknown dtype name.
+    """
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def _is_local(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
+
+
+def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, PretrainedConfig]:
+    source = spec.source
+    if _is_local(source):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model path not found: {source}")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{source} is not a model directory (it has no config.json)")
+        source = str(path)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load a model config from {spec.source!r}: {_first_line(exc)}") from exc
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(
+            f"{spec.source} is an encoder-decoder model ({type(config).__name__}); fsd-chat needs causal LMs"
+        )
+    return source, config
+
+
+def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    if spec.quantization == "none":
+        return None
+    if spec.quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {spec.quantization!r}; use {', '.join(QUANTIZATIONS)}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError(f"{spec.quantization} quantization needs bitsandbytes: pip install bitsandbytes")
+    if spec.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+    )
+
+
+def _load_model(
+    spec: ModelSpec,
+    options: LoadOptions,
+    source: str,
+    config: PretrainedConfig,
+    *,
+    device_map: str | dict[str, str] | None,
+) -> PreTrainedModel:
+    """Load one causal LM in eval mode (device_map None: all of it on the resolved device)."""
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    quantization = _quantization_config(spec, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            config=config,
+            dtype=dtype,
+            device_map=device_map or {"": str(device)},
+            quantization_config=quantization,
+            trust_remote_code=options.trust_remote_code,
+        )
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ModelLoadError(
+                f"{spec.source} is not a causal language model ({type(config).__name__})"
+            ) from exc
+        raise _load_failure(spec, exc) from exc
+    except (OSError, RuntimeError, ImportError, TypeError) as exc:
+        raise _load_failure(spec, exc) from exc
+    return model.eval()
+
+
+def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
+    if spec.quantization != "none":
+        return ModelLoadError(f"{spec.quantization} quantization of {spec.source} failed: {_first_line(exc)}")
+    return ModelLoadError(f"could not load {spec.source}: {_first_line(exc)}")
+
+
+def _load_tokenizer(spec: ModelSpec, source: str, options: LoadOptions) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {spec.source}: {_first_line(exc)}") from exc
+
+
+def check_compatible(
+    target_tokenizer: PreTrainedTokenizerBase,
+    draft_tokenizer: PreTrainedTokenizerBase,
+    target_vocab: int,
+    draft_vocab: int,
+) -> int:
+    """Check that the draft and target share a vocabulary; return the shared vocabulary size.
+
+    Token strings must map to the same ids in both tokenizers. An lm_head padded beyond the
+    tokenizer is fine: the shared size is the smallest of the tokenizer and the two output layers.
+
+    Raises:
+        IncompatibleModelsError: the tokenizers disagree on any token's id.
+    """
+    target_map = target_tokenizer.get_vocab()
+    draft_map = draft_tokenizer.get_vocab()
+    if target_map != draft_map:
+        differing = sum(1 for tok, i in target_map.items() if draft_map.get(tok) != i)
+        differing += sum(1 for tok in draft_map if tok not in target_map)
+        raise IncompatibleModelsError(
+            f"the draft and target tokenizers differ ({differing} of {max(len(target_map), len(draft_map))} "
+            "tokens map to different ids): speculative decoding needs one shared vocabulary"
+        )
+    return min(len(target_tokenizer), target_vocab, draft_vocab)
+
+
+def load_pair(
+    target: ModelSpec,
+    draft: ModelSpec,
+    options: LoadOptions,
+    progress: Progress | None = None,
+) -> ModelPair:
+    """Load and check a target/draft pair.
+
+    With several GPUs and `device` auto or cuda, the target is spread over them
+    (`device_map="auto"`); the draft stays on the first.
+
+    Args:
+        target: The target model.
+        draft: The draft model.
+        options: Device, dtype, trust_remote_code.
+        progress: Called with a short description before each phase.
+
+    Raises:
+        ModelLoadError: either model or tokenizer fails to load.
+        IncompatibleModelsError: the models do not share a vocabulary.
+    """
+    report = progress or (lambda _message: None)
+    device = resolve_device(options.device)
+    report(f"loading tokenizers of {target.name} and {draft.name}")
+    target_source, target_config = _load_config(target, options)
+    draft_source, draft_config = _load_config(draft, options)
+    target_tokenizer = _load_tokenizer(target, target_source, options)
+    draft_tokenizer = _load_tokenizer(draft, draft_source, options)
+    vocab_size = check_compatible(
+        target_tokenizer,
+        draft_tokenizer,
+        target_config.get_text_config().vocab_size,
+        draft_config.get_text_config().vocab_size,
+    )
+    spread = device.type == "cuda" and options.device in ("auto", "cuda") and torch.cuda.device_count() > 1
+    report(f"loading target model {target.name} ({target.quantization})")
+    target_model = _load_model(
+        target, options, target_source, target_config, device_map="auto" if spread else None
+    )
+    report(f"loading draft model {draft.name} ({draft.quantization})")
+    draft_model = _load_model(draft, options, draft_source, draft_config, device_map=None)
+    report("ready")
+    return ModelPair(
+        target=target_model,
+        draft=draft_model,
+        tokenizer=target_tokenizer,
+        vocab_size=vocab_size,
+        target_spec=target,
+        draft_spec=draft,
+        device=device,
+        dtype=resolve_dtype(options.dtype, device),
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
