@@ -63,7 +63,9 @@ def generate(
     dtype: o.DtypeOpt = "auto",
     trust_remote_code: o.TrustRemoteCodeOpt = False,
     raw: Annotated[bool, typer.Option("--raw", help="Plain text prompt, no chat template.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON Lines: one object per step, then a summary.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="JSON Lines: one object per step, then a summary.")
+    ] = False,
     autoregressive: Annotated[
         bool, typer.Option("--autoregressive", help="Target-only decoding (the baseline).")
     ] = False,
@@ -114,4 +116,3 @@ def main(argv: list[str] | None = None) -> None:
         return
     if isinstance(status, int) and status:
         raise SystemExit(status)
-

@@ -23,7 +23,9 @@ SAMPLING = "Sampling"
 
 TargetOpt = Annotated[
     str,
-    typer.Option("--target", help="Target model: a Hugging Face Hub id or a local directory.", rich_help_panel=MODELS),
+    typer.Option(
+        "--target", help="Target model: a Hugging Face Hub id or a local directory.", rich_help_panel=MODELS
+    ),
 ]
 DraftOpt = Annotated[
     str,
@@ -31,7 +33,9 @@ DraftOpt = Annotated[
 ]
 QuantizeTargetOpt = Annotated[
     Quantization,
-    typer.Option("--quantize-target", help="bitsandbytes quantization of the target.", rich_help_panel=MODELS),
+    typer.Option(
+        "--quantize-target", help="bitsandbytes quantization of the target.", rich_help_panel=MODELS
+    ),
 ]
 QuantizeDraftOpt = Annotated[
     Quantization,
@@ -58,7 +62,10 @@ TrustRemoteCodeOpt = Annotated[
 ThresholdOpt = Annotated[
     float,
     typer.Option(
-        "--threshold", "-T", help="FSD threshold T (divergence units; 0 = exact SD).", rich_help_panel=DECODING
+        "--threshold",
+        "-T",
+        help="FSD threshold T (divergence units; 0 = exact SD).",
+        rich_help_panel=DECODING,
     ),
 ]
 DivergenceOpt = Annotated[
@@ -79,14 +86,22 @@ DraftTokensOpt = Annotated[
 ]
 AdaptiveOpt = Annotated[
     bool,
-    typer.Option("--adaptive-k", help="Adapt k each step (+2 on a full accept, −1 on a rejection).", rich_help_panel=DECODING),
+    typer.Option(
+        "--adaptive-k",
+        help="Adapt k each step (+2 on a full accept, −1 on a rejection).",
+        rich_help_panel=DECODING,
+    ),
 ]
 TemperatureOpt = Annotated[
     float,
     typer.Option("--temperature", help="0 = greedy.", rich_help_panel=SAMPLING),
 ]
-TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)]
-TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
+TopPOpt = Annotated[
+    float, typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)
+]
+TopKOpt = Annotated[
+    int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)
+]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.", rich_help_panel=SAMPLING)]
 MaxNewTokensOpt = Annotated[
     int, typer.Option("--max-new-tokens", help="Cap on generated tokens per reply.", rich_help_panel=SAMPLING)

@@ -20,7 +20,8 @@ def step_record(step: Step) -> dict[str, object]:
     """A step as a JSON-ready dict: its tokens, its stats, and the stop reason (or None)."""
     return {
         "tokens": [
-            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence} for t in step.tokens
+            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence}
+            for t in step.tokens
         ],
         "stats": asdict(step.stats),
         "stop_reason": None if step.stop_reason is None else str(step.stop_reason),

@@ -162,7 +162,9 @@ def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, Pretrained
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not load a model config from {spec.source!r}: {_first_line(exc)}") from exc
+        raise ModelLoadError(
+            f"could not load a model config from {spec.source!r}: {_first_line(exc)}"
+        ) from exc
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(
             f"{spec.source} is an encoder-decoder model ({type(config).__name__}); fsd-chat needs causal LMs"
@@ -179,9 +181,7 @@ def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> BitsAndBytesCon
         raise ModelLoadError(f"{spec.quantization} quantization needs bitsandbytes: pip install bitsandbytes")
     if spec.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-    )
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
 def _load_model(

@@ -50,7 +50,9 @@ class DecodingSettings:
                 f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCE_NAMES)}"
             )
         if math.isnan(self.threshold) or self.threshold < 0:
-            raise SettingsError(f"threshold must be ≥ 0 (0 = exact speculative decoding), got {self.threshold}")
+            raise SettingsError(
+                f"threshold must be ≥ 0 (0 = exact speculative decoding), got {self.threshold}"
+            )
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
 

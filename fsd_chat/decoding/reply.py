@@ -59,7 +59,9 @@ class Reply:
         self.prompt_length = len(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.context = context
-        self.seq = torch.empty((1, len(prompt_ids) + max_new_tokens + headroom + 1), dtype=torch.long, device=device)
+        self.seq = torch.empty(
+            (1, len(prompt_ids) + max_new_tokens + headroom + 1), dtype=torch.long, device=device
+        )
         self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.length = len(prompt_ids)
         self._eos = eos_token_ids

@@ -122,9 +122,7 @@ class SpeculativeDecoder:
                     prefill_seconds=prefill_seconds,
                 )
             else:
-                step = self._speculative_step(
-                    reply, k, settings, sampling, generator, clock, prefill_seconds
-                )
+                step = self._speculative_step(reply, k, settings, sampling, generator, clock, prefill_seconds)
                 if settings.adaptive:
                     # transformers' "heuristic" schedule: +2 after a fully accepted block, else −1.
                     full = step.stats.accepted == k
