@@ -1,0 +1,181 @@
+"""The `chat`, `history` and `export` commands.
+
+Only light modules are imported here; Textual, torch and transformers load inside `chat`.
+Settings come from the command line, else config.toml, else the built-in defaults.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from click.core import ParameterSource
+
+from fsd_chat import cli_options as o
+from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
+from fsd_chat.errors import ModelLoadError
+from fsd_chat.store import SessionStore
+from fsd_chat.transcript import render_markdown, write_atomic
+
+CHAT = "Chat"
+
+SystemOpt = Annotated[
+    str | None, typer.Option("--system", help="System prompt (first turn).", rich_help_panel=CHAT)
+]
+ThemeOpt = Annotated[
+    str | None,
+    typer.Option("--theme", help="fsd-dark, fsd-light, fsd-okabe-ito or a user theme.", rich_help_panel=CHAT),
+]
+TranscriptsDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--transcripts-dir",
+        help="Folder the export dialog suggests (default: the current directory).",
+        rich_help_panel=CHAT,
+    ),
+]
+ResumeOpt = Annotated[
+    str | None,
+    typer.Option("--resume", help="Continue a saved session (its id or a prefix).", rich_help_panel=CHAT),
+]
+RawOpt = Annotated[
+    bool, typer.Option("--raw", help="Plain-text turns, no chat template.", rich_help_panel=CHAT)
+]
+AutoregressiveOpt = Annotated[
+    bool, typer.Option("--autoregressive", help="Target-only decoding (no draft).", rich_help_panel=CHAT)
+]
+OptionalTargetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help="Target model: a Hugging Face Hub id or a local directory (default: from config.toml, or "
+        "the resumed session's).",
+        rich_help_panel=o.MODELS,
+    ),
+]
+OptionalDraftOpt = Annotated[
+    str | None,
+    typer.Option("--draft", help="Draft model sharing the target's tokenizer.", rich_help_panel=o.MODELS),
+]
+
+
+def _with_config(ctx: typer.Context, values: dict[str, Any], config: dict[str, object]) -> dict[str, Any]:
+    """Option values with config.toml filling in every option not given on the command line."""
+    merged = dict(values)
+    for name, value in config.items():
+        if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+            merged[name] = value
+    return merged
+
+
+def _check_local(source: str) -> None:
+    """A path-like model source must exist (checked before the TUI starts)."""
+    if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+        raise ModelLoadError(f"model path not found: {source}")
+
+
+def chat(
+    ctx: typer.Context,
+    target: OptionalTargetOpt = None,
+    draft: OptionalDraftOpt = None,
+    threshold: o.ThresholdOpt = o.DEFAULT_THRESHOLD,
+    divergence: o.DivergenceOpt = o.DEFAULT_DIVERGENCE,
+    rule: o.RuleOpt = o.DEFAULT_RULE,
+    draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
+    adaptive_k: o.AdaptiveOpt = False,
+    temperature: o.TemperatureOpt = 0.0,
+    top_p: o.TopPOpt = 1.0,
+    top_k: o.TopKOpt = 0,
+    seed: o.SeedOpt = None,
+    max_new_tokens: o.MaxNewTokensOpt = 256,
+    quantize_target: o.QuantizeTargetOpt = "none",
+    quantize_draft: o.QuantizeDraftOpt = "none",
+    device: o.DeviceOpt = "auto",
+    dtype: o.DtypeOpt = "auto",
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
+    raw: RawOpt = False,
+    autoregressive: AutoregressiveOpt = False,
+    system: SystemOpt = None,
+    theme: ThemeOpt = None,
+    transcripts_dir: TranscriptsDirOpt = None,
+    resume: ResumeOpt = None,
+) -> None:
+    """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
+    config = load_config()
+    v = _with_config(ctx, dict(ctx.params), config.options)
+    store = SessionStore(sessions_path())
+    session = store.load(resume) if resume else None
+    target_source = v["target"] or (session.models["target"] if session else None)
+    draft_source = v["draft"] or (session.models["draft"] if session else None)
+    if not target_source or not draft_source:
+        raise ConfigError(
+            "no model pair: pass --target and --draft (or set target and draft in "
+            f"{config.path}, or --resume a session)"
+        )
+    for source in (target_source, draft_source):
+        _check_local(source)
+    settings = o.decoding_settings(
+        v["rule"], v["divergence"], float(v["threshold"]), v["draft_tokens"], v["adaptive_k"]
+    )
+    sampling = o.sampling_config(float(v["temperature"]), v["top_k"], float(v["top_p"]), v["seed"])
+    specs = o.pair_specs(
+        target_source,
+        draft_source,
+        v["quantize_target"],
+        v["quantize_draft"],
+        v["device"],
+        v["dtype"],
+        v["trust_remote_code"],
+    )
+
+    from fsd_chat.cli import quiet_libraries
+    from fsd_chat.tui.app import ChatOptions, FsdChatApp
+    from fsd_chat.tui.keys import check_keymap
+
+    check_keymap(config.keymap)
+    quiet_libraries()
+    options = ChatOptions(
+        target=specs[0],
+        draft=specs[1],
+        load=specs[2],
+        store=store,
+        settings=settings,
+        sampling=sampling,
+        max_new_tokens=v["max_new_tokens"],
+        raw=v["raw"],
+        autoregressive=v["autoregressive"],
+        system=v["system"] if v["system"] is not None else (session.system if session else None),
+        theme=v["theme"],
+        transcripts_dir=Path(v["transcripts_dir"] or Path.cwd()).expanduser(),
+        resume=session,
+        keymap=config.keymap,
+        user_themes_dir=user_themes_dir(),
+    )
+    FsdChatApp(options).run()
+
+
+def history() -> None:
+    """List the saved chat sessions, most recent first."""
+    summaries = SessionStore(sessions_path()).summaries()
+    if not summaries:
+        print("no saved sessions yet")
+        return
+    for s in summaries:
+        models = f"{Path(s.target).name} + {Path(s.draft).name}"
+        print(f"{s.id}  {s.updated[:16].replace('T', ' ')}  {s.turns:3d} turns  {models}  {s.title}")
+
+
+def export(
+    session_id: Annotated[str, typer.Argument(metavar="SESSION", help="Session id (or a prefix).")],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here instead of to stdout.")
+    ] = None,
+) -> None:
+    """Write a saved session as a Markdown transcript."""
+    markdown = render_markdown(SessionStore(sessions_path()).load(session_id))
+    if output is None:
+        sys.stdout.write(markdown)
+    else:
+        print(write_atomic(output, markdown))

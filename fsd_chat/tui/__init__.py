@@ -1,0 +1,1 @@
+"""The chat TUI (Textual): `FsdChatApp` and its screens and widgets."""

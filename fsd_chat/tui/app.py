@@ -1,0 +1,221 @@
+"""`FsdChatApp`: themes, keymap, the model-loading worker, and the command palette.
+
+The models load in a thread worker behind `LoadingScreen`; once loaded, the app switches to the
+`ChatScreen`. Tests inject `loader` (e.g. an already loaded pair) and `decoder_factory` (e.g. a
+wrapper that pauses between steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from textual import work
+from textual.app import App, SystemCommand
+from textual.screen import Screen
+from textual.worker import Worker, WorkerState
+
+from fsd_chat.decoding.controls import Controls, DecodingSettings
+from fsd_chat.decoding.sampling import SamplingConfig
+from fsd_chat.errors import FsdChatError
+from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
+from fsd_chat.session import Session, new_session_id, now
+from fsd_chat.store import SessionStore
+from fsd_chat.themes import DEFAULT_THEME, load_themes
+from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
+from fsd_chat.tui.messages import LoadProgress
+from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup, Decoder
+from fsd_chat.tui.screens.loading import LoadingScreen
+from fsd_chat.tui.themes import default_variables, to_textual
+
+Loader = Callable[[Progress], ModelPair]
+DecoderFactory = Callable[[ModelPair, Controls], Decoder]
+
+
+@dataclass(slots=True)
+class ChatOptions:
+    """What `fsd-chat chat` was asked for.
+
+    Attributes:
+        target, draft, load: The models and how to load them.
+        settings: Decoding settings at the start (the dial moves them).
+        sampling: Sampling settings.
+        max_new_tokens: Cap per reply.
+        raw: Plain-text turns even for chat models.
+        autoregressive: Target-only decoding.
+        system: System prompt (None: none, or the resumed session's).
+        theme: Theme name (None: the default).
+        transcripts_dir: Where exports go by default.
+        store: Session store.
+        resume: A saved session to continue.
+        keymap: Binding id -> keys.
+        user_themes_dir: Folder of the user's theme files.
+    """
+
+    target: ModelSpec
+    draft: ModelSpec
+    store: SessionStore
+    load: LoadOptions = field(default_factory=LoadOptions)
+    settings: DecodingSettings = field(default_factory=DecodingSettings)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_new_tokens: int = 256
+    raw: bool = False
+    autoregressive: bool = False
+    system: str | None = None
+    theme: str | None = None
+    transcripts_dir: Path = field(default_factory=Path.cwd)
+    resume: Session | None = None
+    keymap: dict[str, str] = field(default_factory=dict)
+    user_themes_dir: Path | None = None
+
+
+def default_decoder(pair: ModelPair, controls: Controls) -> Decoder:
+    """A speculative decoder over the pair."""
+    return pair.speculative(controls)
+
+
+def autoregressive_decoder(pair: ModelPair, controls: Controls) -> Decoder:
+    """A target-only decoder over the pair."""
+    return pair.autoregressive(controls)
+
+
+class FsdChatApp(App[None]):
+    """The fsd-chat TUI.
+
+    Args:
+        options: The command line's choices.
+        loader: Loads the model pair, reporting progress (default: `load_pair` with the options).
+        decoder_factory: Builds the decoder over the loaded pair.
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "fsd-chat"
+    BINDINGS = APP_BINDINGS
+
+    def __init__(
+        self,
+        options: ChatOptions,
+        *,
+        loader: Loader | None = None,
+        decoder_factory: DecoderFactory | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = options
+        self.loader = loader or self._load_pair
+        self.decoder_factory = decoder_factory or (
+            autoregressive_decoder if options.autoregressive else default_decoder
+        )
+        self.controls = Controls(options.settings)
+        self.theme_errors: list[str] = []
+        self._register_themes()
+
+    def _load_pair(self, progress: Progress) -> ModelPair:
+        from fsd_chat.models import load_pair
+
+        o = self.options
+        return load_pair(o.target, o.draft, o.load, progress)
+
+    def _register_themes(self) -> None:
+        specs, self.theme_errors = load_themes(self.options.user_themes_dir)
+        for spec in specs.values():
+            self.register_theme(to_textual(spec))
+        wanted = self.options.theme or DEFAULT_THEME
+        if wanted not in self.available_themes:
+            self.theme_errors.append(f"theme {wanted!r} is not available; using {DEFAULT_THEME}")
+            wanted = DEFAULT_THEME
+        self.theme = wanted
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        """Origin colours of the default theme, for themes without their own."""
+        return default_variables()
+
+    def on_mount(self) -> None:
+        """Apply the keymap, report theme problems, and start loading the models."""
+        self.set_keymap(self.options.keymap)
+        for error in self.theme_errors:
+            self.notify(error, title="Theme", severity="warning", timeout=8)
+        o = self.options
+        self.push_screen(LoadingScreen(f"target {o.target.source} · draft {o.draft.source}"))
+        self._load()
+
+    @work(thread=True, group="load", exit_on_error=False)
+    def _load(self) -> ModelPair:
+        """Load the pair in a thread, posting progress."""
+        pair = self.loader(lambda text: self.post_message(LoadProgress(text)))
+        if pair.device.type == "cpu" and torch.get_num_threads() > 1:
+            # torch's intra-op threads spin-wait for each other on every core; when the UI thread
+            # (or anything else) takes a core from them, each step stalls (measured on 2 cores:
+            # 5 tokens/s instead of 1100). One core is left to the UI.
+            torch.set_num_threads(torch.get_num_threads() - 1)
+        return pair
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        """Show the loader's phase."""
+        if isinstance(self.screen, LoadingScreen):
+            self.screen.show_progress(message.text)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """Loaded: open the chat. Failed: show why on the loading screen."""
+        if event.worker.group != "load" or not isinstance(self.screen, LoadingScreen):
+            return
+        if event.state == WorkerState.SUCCESS:
+            self.switch_screen(ChatScreen(self._setup(event.worker.result)))
+        elif event.state == WorkerState.ERROR:
+            error = event.worker.error
+            message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"
+            self.screen.show_error(message)
+
+    def _setup(self, pair: ModelPair) -> ChatSetup:
+        o = self.options
+        return ChatSetup(
+            tokenizer=pair.tokenizer,
+            decoder=self.decoder_factory(pair, self.controls),
+            controls=self.controls,
+            describe=pair.describe() + (" · autoregressive" if o.autoregressive else ""),
+            sampling=o.sampling,
+            max_new_tokens=o.max_new_tokens,
+            raw=o.raw,
+            autoregressive=o.autoregressive,
+            store=o.store,
+            session=o.resume or self._new_session(pair),
+            transcripts_dir=o.transcripts_dir,
+            keymap=o.keymap,
+        )
+
+    def _new_session(self, pair: ModelPair) -> Session:
+        o = self.options
+        models = {
+            "target": o.target.source,
+            "draft": o.draft.source,
+            "quantize_target": o.target.quantization,
+            "quantize_draft": o.draft.quantization,
+            "device": str(pair.device),
+            "dtype": str(pair.dtype).removeprefix("torch."),
+        }
+        settings = {
+            **asdict(o.settings),
+            **asdict(o.sampling),
+            "max_new_tokens": o.max_new_tokens,
+            "mode": "autoregressive" if o.autoregressive else "speculative",
+        }
+        return Session(new_session_id(), now(), models, settings, o.system)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's commands (theme, quit, ...) plus every chat action."""
+        yield from super().get_system_commands(screen)
+        if isinstance(screen, ChatScreen):
+            for binding in CHAT_BINDINGS:
+                action = binding.action
+                yield SystemCommand(
+                    binding.tooltip,
+                    f"{binding.description} ({binding.id})",
+                    lambda a=action: screen.run_action(a),
+                )
+
+    async def action_quit(self) -> None:
+        """Stop any reply (the decoder ends within one step), then quit."""
+        if isinstance(self.screen, ChatScreen):
+            self.screen.stop_generation()
+        self.exit()

@@ -1,0 +1,92 @@
+"""Every key binding of the chat, with an id so `[keymap]` in config.toml can remap it.
+
+Chat keys are priority bindings of the chat screen: they work while the prompt has focus and while
+a reply streams. The help screen and the README's key table are built from these lists.
+"""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+
+from fsd_chat.config import ConfigError
+
+APP_BINDINGS = [
+    Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, tooltip="Quit (the session is saved)"),
+]
+CHAT_BINDINGS = [
+    Binding(
+        "ctrl+up", "raise_threshold", "T+", id="raise-threshold", priority=True, tooltip="Raise T by one step"
+    ),
+    Binding(
+        "ctrl+down",
+        "lower_threshold",
+        "T−",
+        id="lower-threshold",
+        priority=True,
+        tooltip="Lower T by one step",
+    ),
+    Binding(
+        "ctrl+r", "exact", "T=0", id="exact", priority=True, tooltip="Set T = 0: exact speculative decoding"
+    ),
+    Binding(
+        "ctrl+t",
+        "cycle_divergence",
+        "Divergence",
+        id="cycle-divergence",
+        priority=True,
+        tooltip="Cycle the divergence: kl, reverse-kl, js, tv",
+    ),
+    Binding(
+        "escape",
+        "stop",
+        "Stop",
+        id="stop",
+        priority=True,
+        tooltip="Stop the reply (the partial reply is kept)",
+    ),
+    Binding(
+        "ctrl+o",
+        "toggle_view",
+        "Origins/MD",
+        id="toggle-view",
+        priority=True,
+        tooltip="Toggle finished replies between origin colours and Markdown",
+    ),
+    Binding("ctrl+n", "new_chat", "New", id="new-chat", priority=True, tooltip="Start a new chat"),
+    Binding(
+        "ctrl+s", "export", "Export", id="export", priority=True, tooltip="Export the transcript as Markdown"
+    ),
+    Binding("f1", "help", "Help", id="help", priority=True, tooltip="Keys, colours and the dial explained"),
+]
+PROMPT_BINDINGS = [
+    Binding("enter", "submit", "Send", id="send", priority=True, tooltip="Send the message"),
+    Binding(
+        "ctrl+j", "newline", "Newline", id="newline", priority=True, tooltip="Insert a newline in the prompt"
+    ),
+]
+DIAL_BINDINGS = [
+    Binding(
+        "right", "screen.raise_threshold", "T+", id="dial-right", show=False, tooltip="Dial focused: raise T"
+    ),
+    Binding(
+        "left", "screen.lower_threshold", "T−", id="dial-left", show=False, tooltip="Dial focused: lower T"
+    ),
+]
+ALL_BINDINGS = APP_BINDINGS + PROMPT_BINDINGS + CHAT_BINDINGS + DIAL_BINDINGS
+
+
+def check_keymap(keymap: dict[str, str]) -> None:
+    """Reject a keymap naming a binding id that does not exist.
+
+    Raises:
+        ConfigError: an unknown id (with the list of known ones).
+    """
+    known = [b.id for b in ALL_BINDINGS if b.id]
+    unknown = sorted(set(keymap) - set(known))
+    if unknown:
+        raise ConfigError(f"[keymap]: unknown binding id(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
+def key_rows(keymap: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(keys, binding id, what it does) for every binding, with the keymap applied."""
+    return [(keymap.get(b.id or "", b.key), b.id or "", b.tooltip) for b in ALL_BINDINGS]

@@ -1,0 +1,1 @@
+"""Screens: loading, chat, help and the export dialog."""

@@ -1,0 +1,307 @@
+"""The chat screen: the conversation, the prompt, the threshold dial and the live stats.
+
+A message is sent through the generation worker (a thread): the decoder yields one `Step` per
+target forward pass, posted as `StepDecoded` and appended to the streaming `ReplyView`. Keys
+change the shared `Controls`, which the decoder reads at the start of every step. The session is
+saved after the user's message and after every finished reply.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from fsd_chat.chat import Message, fit_to_context
+from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.divergence import DIAL_RANGE, DIVERGENCE_NAMES, THRESHOLD_STEP
+from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.sampling import SamplingConfig
+from fsd_chat.errors import FsdChatError
+from fsd_chat.session import Session, Turn, new_session_id, now
+from fsd_chat.store import SessionStore
+from fsd_chat.transcript import default_path, render_markdown, write_atomic
+from fsd_chat.tui.keys import CHAT_BINDINGS
+from fsd_chat.tui.messages import StepDecoded
+from fsd_chat.tui.screens.export import ExportScreen
+from fsd_chat.tui.screens.help import HelpScreen
+from fsd_chat.tui.widgets.dial import ThresholdDial
+from fsd_chat.tui.widgets.legend import Legend
+from fsd_chat.tui.widgets.prompt import PromptInput
+from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
+from fsd_chat.tui.widgets.stats import StatsStrip
+
+GROUP = "generation"
+
+
+class Decoder(Protocol):
+    """What the chat needs of a decoder (`SpeculativeDecoder`, `AutoregressiveDecoder`)."""
+
+    context: int | None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        stop_strings: tuple[str, ...] = (),
+    ) -> Iterator[Step]:
+        """Yield one `Step` per decoding step."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSetup:
+    """Everything the chat screen runs with.
+
+    Attributes:
+        tokenizer: The pair's shared tokenizer (for the prompt).
+        decoder: Built once over the loaded pair; reused for every reply.
+        controls: Shared with the decoder.
+        describe: The header line (models, quantization, device).
+        sampling: Sampling settings.
+        max_new_tokens: Cap per reply.
+        raw: Plain-text turns even when the tokenizer has a chat template.
+        autoregressive: Target-only decoding (the dial is off).
+        store: Where sessions are saved.
+        session: The session to continue (a fresh one, or a resumed one).
+        transcripts_dir: Folder the export dialog suggests.
+        keymap: Binding id -> keys (for the help screen).
+    """
+
+    tokenizer: object
+    decoder: Decoder
+    controls: Controls
+    describe: str
+    sampling: SamplingConfig
+    max_new_tokens: int
+    raw: bool
+    autoregressive: bool
+    store: SessionStore
+    session: Session
+    transcripts_dir: Path
+    keymap: dict[str, str]
+
+
+class ChatScreen(Screen[None]):
+    """The main screen."""
+
+    BINDINGS = CHAT_BINDINGS
+
+    def __init__(self, setup: ChatSetup) -> None:
+        super().__init__()
+        self.setup = setup
+        self.session = setup.session
+        self.controls = setup.controls
+        self.generation = 0
+        """Number of the current generation; steps of older ones (before ctrl+n) are dropped."""
+        self.streaming: ReplyView | None = None
+        # One generation at a time uses the decoder's KV caches, even when a cancelled one is
+        # still finishing its last step.
+        self._decoder_lock = threading.Lock()
+
+    def compose(self) -> ComposeResult:
+        """Header, conversation, legend, dial and stats, prompt, footer."""
+        yield Header()
+        yield VerticalScroll(id="conversation")
+        yield Legend(self.setup.autoregressive, id="legend")
+        with Horizontal(id="controls"):
+            yield ThresholdDial(id="dial")
+            yield StatsStrip(id="stats")
+        yield PromptInput(id="prompt", placeholder="Message (Enter sends, ctrl+j newline, F1 help)")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Show the session so far, the settings, and focus the prompt."""
+        self.sub_title = self.setup.describe
+        dial = self.query_one(ThresholdDial)
+        dial.autoregressive = self.setup.autoregressive
+        dial.settings = self.controls.snapshot()
+        self._show_turns()
+        self.query_one("#conversation", VerticalScroll).anchor()
+        self.query_one(PromptInput).focus()
+
+    def _show_turns(self) -> None:
+        conversation = self.query_one("#conversation", VerticalScroll)
+        widgets = [
+            UserMessage(t.content) if t.reply is None else ReplyView(t.reply) for t in self.session.turns
+        ]
+        if widgets:
+            conversation.mount_all(widgets)
+
+    # --- sending and streaming -------------------------------------------------------------
+
+    def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        """Send the prompt's text, unless a reply is streaming or the text cannot fit the context."""
+        text = event.text.strip()
+        if not text:
+            return
+        if self.streaming is not None:
+            self.notify("A reply is streaming: wait for it, or press Esc to stop it.", severity="warning")
+            return
+        turn = Turn("user", text)
+        messages = [*self.session.messages(), Message("user", text)]
+        context = self.setup.decoder.context
+        # Keep half the window for the prompt at least: a large --max-new-tokens must not make
+        # every prompt impossible (the reply then ends at the window's edge instead).
+        reserve = (
+            self.setup.max_new_tokens if context is None else min(self.setup.max_new_tokens, context // 2)
+        )
+        try:
+            kept, ids = fit_to_context(
+                self.setup.tokenizer,  # type: ignore[arg-type]
+                messages,
+                context=context,
+                reserve=reserve,
+                raw=self.setup.raw,
+            )
+        except FsdChatError as exc:
+            self.notify(str(exc), title="Message not sent", severity="error")
+            return
+        if len(kept) < len(messages):
+            self.notify(
+                f"{len(messages) - len(kept)} earlier message(s) no longer fit the model's context "
+                f"({context} tokens) and were left out of the prompt.",
+                severity="warning",
+            )
+        self.query_one(PromptInput).clear()
+        self.session.turns.append(turn)
+        self._save()
+        reply = ReplyView()
+        self.streaming = reply
+        self.generation += 1
+        self.query_one("#conversation", VerticalScroll).mount_all([UserMessage(text), reply])
+        self._generate(ids, self.generation)
+
+    @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
+    def _generate(self, ids: list[int], generation: int) -> None:
+        """Decode one reply in this thread, posting one `StepDecoded` per step."""
+        worker = get_current_worker()
+        with self._decoder_lock:
+            steps = self.setup.decoder.generate(
+                ids, max_new_tokens=self.setup.max_new_tokens, sampling=self.setup.sampling
+            )
+            for step in steps:
+                self.post_message(StepDecoded(generation, step))
+                if worker.is_cancelled:
+                    break
+
+    def on_step_decoded(self, message: StepDecoded) -> None:
+        """Append a step to the streaming reply; finish the reply on its last step."""
+        if message.generation != self.generation or self.streaming is None:
+            return
+        self.streaming.add_step(message.step)
+        self.query_one(StatsStrip).add(message.step)
+        if message.step.stop_reason is not None:
+            self._finish_reply()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """A generation that failed ends its reply with the error; the conversation stays."""
+        if event.worker.group != GROUP or event.state != WorkerState.ERROR:
+            return
+        error = event.worker.error
+        message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"
+        self.notify(message, title="Generation failed", severity="error")
+        if self.streaming is not None:
+            self._finish_reply(error=message)
+
+    def _finish_reply(self, error: str | None = None) -> None:
+        reply = self.streaming
+        assert reply is not None
+        self.streaming = None
+        if error is not None and reply.record.stop_reason is None:
+            reply.record.stop_reason = "error"
+        reply.finish(error)
+        self.session.turns.append(Turn("assistant", reply.record.text, reply=reply.record))
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            self.setup.store.save(self.session)
+        except FsdChatError as exc:
+            self.notify(str(exc), title="Session not saved", severity="error")
+
+    # --- the dial ---------------------------------------------------------------------------
+
+    def _update_controls(self, **changes: object) -> None:
+        try:
+            settings = self.controls.update(**changes)
+        except FsdChatError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.query_one(ThresholdDial).settings = settings
+
+    def action_raise_threshold(self) -> None:
+        """T up one step of the divergence in use (capped at the dial's top)."""
+        s = self.controls.snapshot()
+        top = DIAL_RANGE[s.divergence]
+        if s.threshold < top:
+            self._update_controls(threshold=round(min(s.threshold + THRESHOLD_STEP[s.divergence], top), 6))
+
+    def action_lower_threshold(self) -> None:
+        """T down one step (not below 0)."""
+        s = self.controls.snapshot()
+        self._update_controls(threshold=round(max(s.threshold - THRESHOLD_STEP[s.divergence], 0.0), 6))
+
+    def action_exact(self) -> None:
+        """T = 0: exact speculative decoding."""
+        self._update_controls(threshold=0.0)
+
+    def action_cycle_divergence(self) -> None:
+        """The next divergence; T stays, capped at the new divergence's dial range."""
+        s = self.controls.snapshot()
+        following = DIVERGENCE_NAMES[(DIVERGENCE_NAMES.index(s.divergence) + 1) % len(DIVERGENCE_NAMES)]
+        self._update_controls(divergence=following, threshold=min(s.threshold, DIAL_RANGE[following]))
+
+    # --- other actions ----------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        """Stop the streaming reply after the step in progress; the partial reply is kept."""
+        if self.streaming is not None:
+            self.controls.request_stop()
+
+    def action_toggle_view(self) -> None:
+        """Finished replies: origin colours <-> Markdown."""
+        self.toggle_class("-markdown")
+        view = "Markdown" if self.has_class("-markdown") else "origin colours"
+        self.notify(f"Finished replies: {view}", timeout=2)
+
+    def action_new_chat(self) -> None:
+        """Stop any reply and start a new session (the old one stays saved)."""
+        self.stop_generation()
+        self.generation += 1
+        self.streaming = None
+        old = self.session
+        self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
+        self.query_one("#conversation", VerticalScroll).remove_children()
+        self.query_one(StatsStrip).clear()
+        self.query_one(PromptInput).focus()
+        self.notify(f"New chat {self.session.id}", timeout=2)
+
+    def stop_generation(self) -> None:
+        """Ask the running generation (if any) to end now."""
+        self.controls.request_stop()
+        self.app.workers.cancel_group(self, GROUP)
+
+    def action_export(self) -> None:
+        """Open the export dialog."""
+        path = default_path(self.setup.transcripts_dir, self.session)
+        self.app.push_screen(ExportScreen(path, self.write_transcript))
+
+    def write_transcript(self, path: Path) -> Path:
+        """Write the session's transcript to `path` (atomically); returns the path written."""
+        return write_atomic(path, render_markdown(self.session))
+
+    def action_help(self) -> None:
+        """Open the help screen."""
+        self.app.push_screen(HelpScreen(self.setup.keymap))

@@ -1,0 +1,78 @@
+"""The help screen (f1): the keys, what each colour means, what the dial does, what T = 0 means."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Markdown, Static
+
+from fsd_chat.decoding.events import Origin
+from fsd_chat.tui.keys import key_rows
+from fsd_chat.tui.themes import origin_style
+
+COLOURS: dict[Origin, str] = {
+    Origin.DRAFT_EXACT: "draft token accepted by the exact speculative test: follows the target's distribution",
+    Origin.DRAFT_FUZZY: "draft token accepted only because D(p, q) ≤ T: here the text may depart from the target",
+    Origin.TARGET_RESAMPLED: "token drawn from the target after it rejected a draft token",
+    Origin.TARGET_BONUS: "the target's extra token after all k draft tokens were accepted",
+    Origin.TARGET: "plain target token (autoregressive mode, no drafting)",
+}
+
+DIAL = """\
+## The dial
+
+`T 0.10 ▕█▍        ▏ js · fuzzy · k 4` — the threshold **T** of Fuzzy Speculative Decoding, a bar
+over the divergence's useful range, the divergence **D** and the acceptance rule in force.
+
+For every draft token the target model checks the draft's proposal. With the **fuzzy** rule a
+draft token is kept when the exact speculative test accepts it **or** when the divergence between
+the target's and the draft's next-token distributions is at most T. Raising T keeps more draft
+tokens: faster replies (higher acceptance, longer accepted runs τ) that may drift from what the
+target alone would write. A change applies from the next decoding step and is marked ⟨…⟩ in the
+reply. Each divergence has its own units and step: kl and reverse-kl in nats (0–2 on the dial),
+js in nats (0–ln 2), tv a probability (0–1).
+
+**T = 0** (ctrl+r) is exact speculative decoding: only the exact test accepts, so the replies
+follow the target model's own distribution — lossless, only faster than decoding with the target alone.
+
+The stats strip shows tokens/s, acceptance rate, mean accepted length τ (tokens per target
+forward pass) and the share of fuzzy-accepted tokens over the last 16 steps, and a sparkline of
+tokens per step.
+"""
+
+
+def keys_markdown(keymap: dict[str, str]) -> str:
+    """The key table with the user's keymap applied."""
+    rows = "\n".join(f"| `{keys}` | {what} | `{binding_id}` |" for keys, binding_id, what in key_rows(keymap))
+    return f"## Keys\n\n| Keys | Action | Binding id |\n|---|---|---|\n{rows}\n"
+
+
+def colours_content() -> Content:
+    """One line per origin: a sample in its theme colour, then what it means."""
+    lines: list[Content | tuple[str, str] | str] = []
+    for origin, meaning in COLOURS.items():
+        lines += [(f"■ {origin.value:<17}", origin_style(origin)), f"{meaning}\n"]
+    return Content.assemble(*lines)
+
+
+class HelpScreen(ModalScreen[None]):
+    """Keys, colours, the dial. Esc, f1 or q closes it."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,f1,q", "app.pop_screen", "Close")]
+
+    def __init__(self, keymap: dict[str, str]) -> None:
+        super().__init__()
+        self.keymap = keymap
+
+    def compose(self) -> ComposeResult:
+        """The help text."""
+        with VerticalScroll(id="help-box"):
+            yield Markdown("# fsd-chat help\n\n" + keys_markdown(self.keymap))
+            yield Markdown("## Colours")
+            yield Static(colours_content(), id="help-colours")
+            yield Markdown(DIAL)

@@ -1,0 +1,37 @@
+"""fsd-chat theme files -> Textual `Theme`s whose variables carry the token-origin colours.
+
+Widgets style tokens with `$origin-<origin>` (e.g. `$origin-draft-fuzzy`), so every colour comes
+from the active theme; Textual's own themes fall back to the default theme's origin colours.
+"""
+
+from __future__ import annotations
+
+from textual.theme import Theme
+
+from fsd_chat.decoding.events import Origin
+from fsd_chat.themes import ThemeSpec, default_origin_styles
+
+
+def origin_variable(origin: Origin) -> str:
+    """The theme variable holding an origin's colour, e.g. "origin-draft-exact"."""
+    return f"origin-{origin.value}"
+
+
+def origin_style(origin: Origin) -> str:
+    """A Content style string for an origin's tokens (resolved against the active theme)."""
+    return f"${origin_variable(origin)}"
+
+
+def origin_variables(origins: dict[Origin, str]) -> dict[str, str]:
+    """Theme variables for a mapping of origin -> colour."""
+    return {origin_variable(o): colour for o, colour in origins.items()}
+
+
+def default_variables() -> dict[str, str]:
+    """Origin variables of the default theme (for themes that do not set them)."""
+    return origin_variables(default_origin_styles())
+
+
+def to_textual(spec: ThemeSpec) -> Theme:
+    """A Textual `Theme` from a parsed theme file."""
+    return Theme(name=spec.name, dark=spec.dark, variables=origin_variables(spec.origins), **spec.palette)

@@ -1,0 +1,27 @@
+"""The colour legend of token origins (colours from the theme's `$origin-*` variables)."""
+
+from __future__ import annotations
+
+from textual.content import Content
+from textual.widgets import Static
+
+from fsd_chat.decoding.events import Origin
+from fsd_chat.tui.themes import origin_style
+
+SPECULATIVE_ORIGINS = (Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY, Origin.TARGET_RESAMPLED, Origin.TARGET_BONUS)
+
+
+def legend_content(origins: tuple[Origin, ...]) -> Content:
+    """`■ draft-exact  ■ draft-fuzzy ...`, each square in its origin's colour."""
+    parts: list[Content | tuple[str, str] | str] = []
+    for origin in origins:
+        parts += [("■ ", origin_style(origin)), (origin.value, origin_style(origin)), "  "]
+    return Content.assemble(*parts)
+
+
+class Legend(Static):
+    """One line naming the colour of each origin in use."""
+
+    def __init__(self, autoregressive: bool, **kwargs: object) -> None:
+        origins = (Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS
+        super().__init__(legend_content(origins), **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,58 @@
+"""The stats strip: tokens/s, acceptance rate, mean accepted length τ and fuzzy share over the
+last few steps (so a retune shows at once), and a sparkline of tokens per step."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Sparkline, Static
+
+from fsd_chat.decoding.events import GenerationStats, Step
+
+WINDOW = 16
+"""Steps the figures are taken over."""
+SPARK_STEPS = 48
+"""Steps the sparkline shows."""
+
+
+class StatsStrip(Horizontal):
+    """Live figures of the recent decoding steps."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._steps: deque[Step] = deque(maxlen=SPARK_STEPS)
+
+    def compose(self) -> ComposeResult:
+        """The figures, then the sparkline."""
+        yield Static(self._figures(), id="figures")
+        yield Sparkline([], id="spark")
+
+    def window(self) -> GenerationStats:
+        """Totals over the last `WINDOW` steps."""
+        totals = GenerationStats()
+        for step in list(self._steps)[-WINDOW:]:
+            totals.add(step)
+        return totals
+
+    def _figures(self) -> str:
+        w = self.window()
+        if not w.steps:
+            return "tok/s –   acc –   τ –   fuzzy –"
+        return (
+            f"{w.tokens_per_second:6.0f} tok/s  acc {w.acceptance_rate:4.0%}  "
+            f"τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}"
+        )
+
+    def add(self, step: Step) -> None:
+        """Take in one step and refresh."""
+        self._steps.append(step)
+        self.query_one("#figures", Static).update(self._figures())
+        self.query_one("#spark", Sparkline).data = [s.stats.emitted for s in self._steps]
+
+    def clear(self) -> None:
+        """Forget all steps (a new chat)."""
+        self._steps.clear()
+        self.query_one("#figures", Static).update(self._figures())
+        self.query_one("#spark", Sparkline).data = []

@@ -1,0 +1,93 @@
+"""Helpers for driving the real app: a decoder that waits between steps, and polling."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from textual.pilot import Pilot
+
+from fsd_chat.decoding import Controls, SamplingConfig, Step
+from fsd_chat.models import ModelPair
+from fsd_chat.store import SessionStore
+from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.screens.chat import Decoder
+
+SIZE = (110, 32)
+
+
+class GatedDecoder:
+    """The real speculative decoder, made to wait for `allow()` before each step.
+
+    Every step the real decoder yields is recorded in `steps` (in the worker thread) so tests can
+    compare what the UI shows with what the engine produced.
+    """
+
+    def __init__(self, inner: Decoder) -> None:
+        self.inner = inner
+        self.context = inner.context
+        self.steps: list[Step] = []
+        self._permits = threading.Semaphore(0)
+
+    def allow(self, steps: int = 1) -> None:
+        """Let the decoder run `steps` more steps."""
+        for _ in range(steps):
+            self._permits.release()
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        stop_strings: tuple[str, ...] = (),
+    ) -> Iterator[Step]:
+        """The inner generator, one permit per step (10 s at most, so a broken test cannot hang)."""
+        steps = self.inner.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
+        )
+        while self._permits.acquire(timeout=10):
+            step = next(steps, None)
+            if step is None:
+                return
+            self.steps.append(step)
+            yield step
+
+
+def make_app(
+    pair: ModelPair,
+    tmp_path: Path,
+    *,
+    gate: list[GatedDecoder] | None = None,
+    **options: object,
+) -> FsdChatApp:
+    """The real app over the already loaded pair, saving into tmp_path; with `gate`, the decoder
+    is a `GatedDecoder` appended to it."""
+
+    def factory(p: ModelPair, controls: Controls) -> Decoder:
+        decoder = p.speculative(controls)
+        if gate is None:
+            return decoder
+        gated = GatedDecoder(decoder)
+        gate.append(gated)
+        return gated
+
+    chat_options = ChatOptions(
+        target=pair.target_spec,
+        draft=pair.draft_spec,
+        store=SessionStore(tmp_path / "sessions.sqlite3"),
+        transcripts_dir=tmp_path / "transcripts",
+        **options,  # type: ignore[arg-type]
+    )
+    return FsdChatApp(chat_options, loader=lambda progress: pair, decoder_factory=factory)
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], object], timeout: float = 10.0) -> None:
+    """Let the app run until `condition()` is true (fails the test after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {condition}")
+        await pilot.pause(0.02)
