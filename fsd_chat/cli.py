@@ -90,6 +90,9 @@ def generate(
 
 
 # Commands defined in their own modules register below this line.
+from fsd_chat.bench import command as bench_command  # noqa: E402
+
+app.command("bench")(bench_command.bench)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,153 @@
+"""The `fsd-chat bench` command: sweep, report, plot.
+
+List options take comma-separated values (`--thresholds 0.05,0.1,0.2`); `--quick` fills every
+sweep option left unset from the quick preset (which finishes in under 10 minutes on a 2-core CPU
+with the CPU-scale pair) instead of the full one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fsd_chat import cli_options as o
+
+SWEEP = "Sweep"
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """Defaults of the sweep options."""
+
+    limit: int
+    max_new_tokens: int
+    thresholds: str
+    divergences: str
+    rules: str
+    draft_tokens: str
+    repeats: int
+
+
+FULL = Preset(
+    limit=20,
+    max_new_tokens=128,
+    thresholds="0.05,0.1,0.2,0.3,0.5",
+    divergences="js,kl,tv",
+    rules="fuzzy",
+    draft_tokens="4",
+    repeats=1,
+)
+QUICK = Preset(
+    limit=8,
+    max_new_tokens=96,
+    thresholds="0.05,0.1,0.2,0.3,0.5",
+    divergences="js",
+    rules="fuzzy",
+    draft_tokens="4",
+    repeats=1,
+)
+
+
+def _opt(flag: str, help_text: str, panel: str = SWEEP, **extra: object) -> typer.models.OptionInfo:
+    return typer.Option(flag, help=help_text, rich_help_panel=panel, **extra)  # type: ignore[arg-type]
+
+
+def bench(
+    target: o.TargetOpt,
+    draft: o.DraftOpt,
+    prompts: Annotated[
+        str,
+        _opt(
+            "--prompts",
+            "Prompt set: tinystories, commonsenseqa, gsm8k, mt-bench, or a JSONL file with `prompt` (and optionally `answer`) fields.",
+        ),
+    ],
+    data_dir: Annotated[
+        Path, _opt("--data-dir", "Directory of the built-in prompt sets' data.", envvar="FSD_CHAT_DATA")
+    ] = Path("../shared/data"),
+    limit: Annotated[int | None, _opt("--limit", "Number of prompts (from the start of the set).")] = None,
+    max_new_tokens: Annotated[
+        int | None, _opt("--max-new-tokens", "Cap on generated tokens per reply.")
+    ] = None,
+    thresholds: Annotated[
+        str | None, _opt("--thresholds", "FSD thresholds T, comma-separated (divergence units).")
+    ] = None,
+    divergences: Annotated[
+        str | None, _opt("--divergences", "Divergences: kl, reverse-kl, js, tv (comma-separated).")
+    ] = None,
+    rules: Annotated[str | None, _opt("--rules", "FSD rules: fuzzy, pure (comma-separated).")] = None,
+    draft_tokens: Annotated[str | None, _opt("--draft-tokens", "Draft lengths k (comma-separated).")] = None,
+    temperature: Annotated[str, _opt("--temperature", "Temperatures, comma-separated (0 = greedy).")] = "0",
+    seed: Annotated[int, _opt("--seed", "Base seed: prompt i is decoded with seed + i by every method.")] = 0,
+    baselines: Annotated[
+        str, _opt("--baselines", "Baselines: autoregressive, exact, hf-assisted (comma-separated, or none).")
+    ] = "autoregressive,exact,hf-assisted",
+    repeats: Annotated[int | None, _opt("--repeats", "Runs of each prompt per configuration.")] = None,
+    quick: Annotated[bool, _opt("--quick", "The quick preset (under 10 minutes on a 2-core CPU).")] = False,
+    output: Annotated[
+        Path, _opt("--output", "Directory for report.json, report.md and tradeoff.png.")
+    ] = Path("bench-out"),
+    quantize_target: Annotated[
+        str,
+        _opt(
+            "--quantize-target",
+            "bitsandbytes quantization of the target: none, 8bit, 4bit (comma-separated).",
+            o.MODELS,
+        ),
+    ] = "none",
+    quantize_draft: Annotated[
+        str,
+        _opt(
+            "--quantize-draft",
+            "bitsandbytes quantization of the draft: none, 8bit, 4bit (comma-separated).",
+            o.MODELS,
+        ),
+    ] = "none",
+    device: o.DeviceOpt = "auto",
+    dtype: Annotated[
+        str, _opt("--dtype", "Dtypes: auto, float32, bfloat16, float16 (comma-separated).", o.MODELS)
+    ] = "auto",
+    threads: Annotated[
+        int | None, _opt("--threads", "torch CPU threads (default: torch's choice).", o.MODELS)
+    ] = None,
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
+) -> None:
+    """Measure FSD's speed/quality trade-off against autoregressive decoding, exact speculative
+    decoding and transformers' assisted generation, side by side in one run."""
+    from fsd_chat.bench.session import run_bench
+    from fsd_chat.bench.sweep import SweepSpec
+    from fsd_chat.cli import quiet_libraries
+
+    preset = QUICK if quick else FULL
+    spec = SweepSpec(
+        thresholds=thresholds if thresholds is not None else preset.thresholds,
+        divergences=divergences if divergences is not None else preset.divergences,
+        rules=rules if rules is not None else preset.rules,
+        draft_tokens=draft_tokens if draft_tokens is not None else preset.draft_tokens,
+        temperatures=temperature,
+        baselines=baselines,
+        dtypes=dtype,
+        quantize_target=quantize_target,
+        quantize_draft=quantize_draft,
+    )
+    quiet_libraries()
+    status = run_bench(
+        target=target,
+        draft=draft,
+        prompts=prompts,
+        data_dir=data_dir,
+        limit=limit if limit is not None else preset.limit,
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else preset.max_new_tokens,
+        spec=spec,
+        seed=seed,
+        repeats=repeats if repeats is not None else preset.repeats,
+        output=output,
+        device=device,
+        threads=threads,
+        trust_remote_code=trust_remote_code,
+    )
+    if status:
+        raise typer.Exit(status)

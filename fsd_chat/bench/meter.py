@@ -1,0 +1,77 @@
+"""Forward-pass counts and costs of a model, measured with torch forward hooks.
+
+The hooks see every call of the model's top-level module, whoever makes it (fsd-chat's decoders
+or transformers' `generate`), so every method is measured by the same clock. The first call of a
+generation is its prompt prefill; it is counted but kept out of the per-forward cost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class ForwardTally:
+    """Forward passes of one model during one generation.
+
+    Attributes:
+        calls: Forward passes, the prefill included.
+        seconds: Wall-clock seconds in all of them.
+        decode_calls: Forward passes after the first (the prefill).
+        decode_seconds: Seconds in those.
+    """
+
+    calls: int = 0
+    seconds: float = 0.0
+    decode_calls: int = 0
+    decode_seconds: float = 0.0
+
+
+class ForwardMeter:
+    """Times every forward pass of `model` into `tally` (replace it with `start()` per generation).
+
+    Args:
+        model: The model whose top-level forward is timed.
+        device: Its device; on CUDA the clock synchronises so that a pass is charged its kernels.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.tally = ForwardTally()
+        self._cuda = device.type == "cuda"
+        self._device = device
+        self._began = 0.0
+        self._handles = [
+            model.register_forward_pre_hook(self._before),
+            model.register_forward_hook(self._after),
+        ]
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def _before(self, *_args: object) -> None:
+        self._began = self._now()
+
+    def _after(self, *_args: object) -> None:
+        elapsed = self._now() - self._began
+        tally = self.tally
+        if tally.calls:
+            tally.decode_calls += 1
+            tally.decode_seconds += elapsed
+        tally.calls += 1
+        tally.seconds += elapsed
+
+    def start(self) -> ForwardTally:
+        """Begin a new generation's tally and return it."""
+        self.tally = ForwardTally()
+        return self.tally
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()

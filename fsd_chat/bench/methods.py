@@ -1,0 +1,157 @@
+"""One timed generation per method on a loaded pair.
+
+fsd-chat's own decoders run `autoregressive`, `exact`, `fuzzy` and `pure`; `hf-assisted` is
+transformers' assisted generation (`generate(assistant_model=draft)`) with a constant draft length k
+and the assistant's confidence early exit disabled, so both sides draft exactly k tokens per step.
+Wall-clock time covers the whole call, prompt prefill included, for every method alike (transformers
+does not separate its prefill from the first verification).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from fsd_chat.bench.meter import ForwardMeter, ForwardTally
+from fsd_chat.bench.sweep import Config
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
+from fsd_chat.decoding.autoregressive import eos_token_ids
+from fsd_chat.decoding.kv_cache import context_length
+from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.models import ModelPair
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One measured generation.
+
+    Attributes:
+        token_ids: Generated token ids (EOS excluded).
+        seconds: Wall-clock seconds of the whole call (prefill included).
+        stats: fsd-chat's own step statistics (None for hf-assisted).
+        target: The target's forward passes.
+        draft: The draft's forward passes.
+    """
+
+    token_ids: list[int]
+    seconds: float
+    stats: GenerationStats | None
+    target: ForwardTally
+    draft: ForwardTally
+
+
+@contextmanager
+def assistant_settings(pair: ModelPair, k: int) -> Iterator[None]:
+    """Set the draft's generation config for assisted generation with exactly k draft tokens per
+    step (transformers 5 reads these from the *assistant's* config), and restore it afterwards."""
+    config = pair.draft.generation_config
+    wanted = {
+        "num_assistant_tokens": k,
+        "num_assistant_tokens_schedule": "constant",
+        # 0 disables the confidence-based early exit (a threshold of 0 is falsy in transformers).
+        "assistant_confidence_threshold": 0.0,
+    }
+    saved = {key: getattr(config, key, None) for key in wanted}
+    for key, value in wanted.items():
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+class PairRunner:
+    """Runs any configuration's method on one loaded pair, metering both models' forward passes.
+
+    Args:
+        pair: The loaded pair (its setup is the configurations').
+    """
+
+    def __init__(self, pair: ModelPair) -> None:
+        self.pair = pair
+        self.eos = eos_token_ids(pair.tokenizer, pair.target, pair.draft)
+        self.context = context_length(pair.target)
+        self._target_meter = ForwardMeter(pair.target, pair.device)
+        self._draft_meter = ForwardMeter(pair.draft, pair.device)
+
+    def run(
+        self,
+        config: Config,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        seed: int,
+        stop_strings: tuple[str, ...],
+    ) -> Generation:
+        """Generate a reply to `prompt_ids` with `config`'s method and time it."""
+        sampling = SamplingConfig(temperature=config.temperature, seed=seed)
+        target, draft = self._target_meter.start(), self._draft_meter.start()
+        if config.method == "hf-assisted":
+            assert config.draft_tokens is not None
+            clock = PhaseClock(self.pair.device)
+            ids = self._hf_assisted(prompt_ids, config.draft_tokens, sampling, max_new_tokens, stop_strings)
+            return Generation(ids, clock.lap(), None, target, draft)
+        controls = Controls(
+            DecodingSettings(
+                rule="exact" if config.method in ("exact", "autoregressive") else config.method,  # type: ignore[arg-type]
+                divergence=config.divergence or DecodingSettings().divergence,  # type: ignore[arg-type]
+                threshold=config.threshold or 0.0,
+                draft_tokens=config.draft_tokens or DecodingSettings().draft_tokens,
+            )
+        )
+        decoder = (
+            self.pair.autoregressive(controls)
+            if config.method == "autoregressive"
+            else self.pair.speculative(controls)
+        )
+        stats = GenerationStats()
+        ids: list[int] = []
+        clock = PhaseClock(self.pair.device)
+        for step in decoder.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
+        ):
+            stats.add(step)
+            ids += [t.id for t in step.tokens]
+        return Generation(ids, clock.lap(), stats, target, draft)
+
+    def _hf_assisted(
+        self,
+        prompt_ids: list[int],
+        k: int,
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...],
+    ) -> list[int]:
+        pair = self.pair
+        if self.context is not None:
+            max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))
+        input_ids = torch.tensor([prompt_ids], device=pair.device)
+        if sampling.greedy:
+            options: dict[str, object] = {"do_sample": False}
+        else:
+            # top_k=0 switches off transformers' default top-k of 50: fsd-chat samples the full vocabulary.
+            options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
+            torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
+        if stop_strings:
+            options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
+        with assistant_settings(pair, k), torch.inference_mode():
+            out = pair.target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                assistant_model=pair.draft,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=min(self.eos) if self.eos else None,
+                **options,
+            )
+        ids: list[int] = out[0, len(prompt_ids) :].tolist()
+        end = next((i for i, token in enumerate(ids) if token in self.eos), len(ids))
+        return ids[:end]
+
+    def close(self) -> None:
+        """Remove the forward hooks from the models."""
+        self._target_meter.close()
+        self._draft_meter.close()

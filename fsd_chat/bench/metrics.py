@@ -1,0 +1,300 @@
+"""Per-configuration summaries of a sweep: speed, acceptance, forward costs, quality.
+
+Terms follow the speculative-decoding literature (Leviathan et al. 2023; Holsman et al. 2025):
+acceptance rate = accepted / drafted tokens; mean accepted length τ = tokens per target forward.
+Speed-ups are paired: the median over prompts of the ratio of two configurations' tokens/s on the
+same prompt (same models, same sampling), so drift between prompts cancels.
+
+For hf-assisted, transformers reports no step statistics: target forwards are counted by the hooks
+(every one is a verification), drafted tokens = draft forwards (one token each), and accepted
+tokens = generated tokens − target forwards (each step emits its accepted tokens plus one).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from fsd_chat.bench.quality import greedy_agreement
+from fsd_chat.bench.runner import Run
+from fsd_chat.bench.sweep import Config
+
+Z95 = 1.959964
+"""Two-sided 95% normal quantile (confidence intervals of NLL changes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """Distribution of a per-prompt value: median, quartiles, extremes."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        """Spread of a non-empty list (quartiles by the inclusive method; equal to the value for one)."""
+        if len(values) == 1:
+            return cls(values[0], values[0], values[0], values[0], values[0])
+        q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(median, q1, q3, min(values), max(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Quality:
+    """Quality of a configuration's replies.
+
+    Attributes:
+        target_nll: Mean target negative log-likelihood per generated token (nats).
+        target_nll_change: Relative change of target_nll against the reference (the group's
+            autoregressive run, else exact SD with the same k); 0.02 = 2% worse.
+        target_nll_change_ci95: Half-width of its 95% confidence interval (normal approximation
+            over prompts of the paired per-prompt differences); None with fewer than 2 prompts.
+        reference: The method target_nll_change is relative to.
+        accuracy: Share of correct answers (sets with answers only).
+        greedy_agreement: Mean over prompts of the share of the reply equal to target-only greedy
+            output before the first difference (greedy runs with an autoregressive baseline only).
+    """
+
+    target_nll: float | None
+    target_nll_change: float | None = None
+    target_nll_change_ci95: float | None = None
+    reference: str | None = None
+    accuracy: float | None = None
+    greedy_agreement: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Everything measured for one configuration (the items of report.json's `configs`).
+
+    Attributes:
+        config: The configuration.
+        runs: Measured generations.
+        tokens: Generated tokens in all of them.
+        tokens_per_second: Per-run generated tokens / wall-clock seconds of the call (prefill
+            included, the same clock for every method), over runs.
+        decode_tokens_per_second: Median of fsd-chat's own tokens/s (prefill excluded); None for
+            hf-assisted.
+        speedup: Paired median tokens/s ratio against each baseline of the same group (and k).
+        mean_accepted_length: τ, tokens per target forward.
+        acceptance_rate: Accepted / drafted draft tokens (None without drafting).
+        fuzzy_share: Share of tokens accepted only by the divergence test.
+        target_forwards_per_token: Target forwards / tokens (1/τ).
+        draft_forwards_per_token: Draft forwards / tokens.
+        target_forward_seconds: Mean seconds of one target forward (prefill excluded).
+        draft_forward_seconds: Mean seconds of one draft forward (prefill excluded).
+        limit_tokens_per_second: The analytic limit with zero overhead: tokens / (target forwards ×
+            target_forward_seconds + draft forwards × draft_forward_seconds).
+        overhead_share: fsd-chat's other_seconds / decode seconds (acceptance, rollback,
+            detokenisation); None for hf-assisted.
+        outside_forward_share: Share of wall-clock time outside the models' forward passes
+            (sampling included), for every method alike.
+        prefill_seconds: Mean prompt prefill seconds (fsd-chat's decoders only).
+        quality: See `Quality`.
+    """
+
+    config: Config
+    runs: int
+    tokens: int
+    tokens_per_second: Spread
+    decode_tokens_per_second: float | None
+    speedup: dict[str, float]
+    mean_accepted_length: float
+    acceptance_rate: float | None
+    fuzzy_share: float
+    target_forwards_per_token: float
+    draft_forwards_per_token: float
+    target_forward_seconds: float | None
+    draft_forward_seconds: float | None
+    limit_tokens_per_second: float | None
+    overhead_share: float | None
+    outside_forward_share: float
+    prefill_seconds: float | None
+    quality: Quality
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready dict: the configuration's fields flattened in, tokens/s as its median with a
+        separate `tokens_per_second_spread`."""
+        data = asdict(self)
+        config = data.pop("config")
+        setup = config.pop("setup")
+        spread = data.pop("tokens_per_second")
+        return {
+            **config,
+            **setup,
+            "label": self.config.label,
+            "tokens_per_second": spread["median"],
+            "tokens_per_second_spread": spread,
+            **data,
+        }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _mean_cost(seconds: Iterable[float], calls: Iterable[int]) -> float | None:
+    total_calls = sum(calls)
+    return sum(seconds) / total_calls if total_calls else None
+
+
+def _rate(run: Run) -> float:
+    return len(run.generation.token_ids) / run.generation.seconds if run.generation.seconds > 0 else 0.0
+
+
+def _trial(run: Run) -> tuple[int, int]:
+    return (run.prompt, run.repeat)
+
+
+def _reference(config: Config, method: str) -> Config:
+    """The baseline `method` that `config` is compared with (same group; same k for SD baselines)."""
+    k = None if method == "autoregressive" else config.draft_tokens
+    return Config(config.setup, config.temperature, method, k)  # type: ignore[arg-type]
+
+
+def _counts(runs: list[Run]) -> tuple[int, int, int, int, int]:
+    """(target forwards, draft forwards, drafted, accepted, fuzzy-accepted) over runs."""
+    target = draft = drafted = accepted = fuzzy = 0
+    for run in runs:
+        stats, tokens = run.generation.stats, len(run.generation.token_ids)
+        if stats is None:  # hf-assisted: from the hooks (see the module docstring)
+            target += run.generation.target.calls
+            draft += run.generation.draft.calls
+            drafted += run.generation.draft.calls
+            accepted += max(tokens - run.generation.target.calls, 0)
+        else:
+            target += stats.target_forwards
+            draft += stats.draft_forwards
+            drafted += stats.drafted
+            accepted += stats.accepted_exact + stats.accepted_fuzzy
+            fuzzy += stats.accepted_fuzzy
+    return target, draft, drafted, accepted, fuzzy
+
+
+def _nll_change(
+    runs: list[Run], reference: list[Run], nll: float | None
+) -> tuple[float | None, float | None]:
+    ref_tokens = sum(len(r.generation.token_ids) for r in reference)
+    if nll is None or not ref_tokens:
+        return None, None
+    ref_nll = sum(r.nll for r in reference) / ref_tokens
+    if ref_nll <= 0:
+        return None, None
+    ref_by_trial = {_trial(r): r for r in reference}
+    diffs = [
+        r.nll / len(r.generation.token_ids) - ref.nll / len(ref.generation.token_ids)
+        for r in runs
+        if (ref := ref_by_trial.get(_trial(r))) is not None
+        and r.generation.token_ids
+        and ref.generation.token_ids
+    ]
+    ci = Z95 * statistics.stdev(diffs) / math.sqrt(len(diffs)) / ref_nll if len(diffs) >= 2 else None
+    return (nll - ref_nll) / ref_nll, ci
+
+
+def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]) -> Quality:
+    tokens = sum(len(r.generation.token_ids) for r in runs)
+    nll = sum(r.nll for r in runs) / tokens if tokens else None
+    reference = next(
+        (
+            method
+            for method in ("autoregressive", "exact")
+            if by_config.get(_reference(config, method)) and _reference(config, method) != config
+        ),
+        None,
+    )
+    change = ci = None
+    if reference is not None:
+        change, ci = _nll_change(runs, by_config[_reference(config, reference)], nll)
+    elif config.method in ("autoregressive", "exact"):
+        change = 0.0
+    checked = [r.correct for r in runs if r.correct is not None]
+    agreement = None
+    greedy_reference = by_config.get(_reference(config, "autoregressive"), [])
+    if config.temperature == 0 and greedy_reference:
+        ref_ids = {_trial(r): r.generation.token_ids for r in greedy_reference}
+        scores = [
+            greedy_agreement(r.generation.token_ids, ref_ids[_trial(r)]) for r in runs if _trial(r) in ref_ids
+        ]
+        agreement = statistics.fmean(scores) if scores else None
+    return Quality(
+        target_nll=nll,
+        target_nll_change=change,
+        target_nll_change_ci95=ci,
+        reference=reference,
+        accuracy=statistics.fmean(checked) if checked else None,
+        greedy_agreement=agreement,
+    )
+
+
+def _speedups(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]) -> dict[str, float]:
+    speedups: dict[str, float] = {}
+    for method in ("autoregressive", "exact", "hf-assisted"):
+        reference = by_config.get(_reference(config, method))
+        if not reference:
+            continue
+        rates = {_trial(r): _rate(r) for r in reference}
+        ratios = [_rate(r) / rates[_trial(r)] for r in runs if rates.get(_trial(r))]
+        if ratios:
+            speedups[method] = statistics.median(ratios)
+    return speedups
+
+
+def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
+    """One `Summary` per configuration that has at least one run, in the configurations' order."""
+    by_config: dict[Config, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_config[run.config].append(run)
+    summaries = []
+    for config in configs:
+        mine = by_config.get(config)
+        if not mine:
+            continue
+        tokens = sum(len(r.generation.token_ids) for r in mine)
+        target_forwards, draft_forwards, drafted, accepted, fuzzy = _counts(mine)
+        t_target = _mean_cost(
+            (r.generation.target.decode_seconds for r in mine),
+            (r.generation.target.decode_calls for r in mine),
+        )
+        t_draft = _mean_cost(
+            (r.generation.draft.decode_seconds for r in mine), (r.generation.draft.decode_calls for r in mine)
+        )
+        forward_time = target_forwards * (t_target or 0.0) + draft_forwards * (t_draft or 0.0)
+        engine = [r.generation.stats for r in mine if r.generation.stats is not None]
+        wall = sum(r.generation.seconds for r in mine)
+        metered = sum(r.generation.target.seconds + r.generation.draft.seconds for r in mine)
+        summaries.append(
+            Summary(
+                config=config,
+                runs=len(mine),
+                tokens=tokens,
+                tokens_per_second=Spread.of([_rate(r) for r in mine]),
+                decode_tokens_per_second=statistics.median(s.tokens_per_second for s in engine)
+                if engine
+                else None,
+                speedup=_speedups(config, mine, by_config),
+                mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
+                acceptance_rate=_ratio(accepted, drafted),
+                fuzzy_share=_ratio(fuzzy, tokens) or 0.0,
+                target_forwards_per_token=_ratio(target_forwards, tokens) or 0.0,
+                draft_forwards_per_token=_ratio(draft_forwards, tokens) or 0.0,
+                target_forward_seconds=t_target,
+                draft_forward_seconds=t_draft,
+                limit_tokens_per_second=_ratio(tokens, forward_time),
+                overhead_share=_ratio(
+                    sum(s.other_seconds for s in engine), sum(s.decode_seconds for s in engine)
+                )
+                if engine
+                else None,
+                outside_forward_share=max(1.0 - metered / wall, 0.0) if wall > 0 else 0.0,
+                prefill_seconds=statistics.fmean(s.prefill_seconds for s in engine) if engine else None,
+                quality=_quality(config, mine, by_config),
+            )
+        )
+    return summaries

@@ -1,0 +1,182 @@
+"""report.json (machine-readable) and report.md (for people), and the table rows both share with the
+terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from fsd_chat.bench.metrics import Summary
+from fsd_chat.models import ModelPair
+
+HEADERS = (
+    "setup",
+    "temp",
+    "method",
+    "div",
+    "T",
+    "k",
+    "tok/s (median [q1–q3])",
+    "×AR",
+    "×exact",
+    "×HF",
+    "limit tok/s",
+    "τ",
+    "accept",
+    "fuzzy",
+    "NLL",
+    "ΔNLL (±95%)",
+    "greedy agree",
+    "accuracy",
+    "fwd ms t/d",
+    "outside fwd",
+)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(pairs: dict[str, ModelPair]) -> dict[str, object]:
+    """Versions, device, threads and the loaded setups (keyed by setup label)."""
+    devices = {str(p.device) for p in pairs.values()}
+    cuda = [torch.cuda.get_device_name(torch.device(d)) for d in devices if d.startswith("cuda")]
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in ("fsd-chat", "torch", "transformers", "bitsandbytes")},
+        "device": sorted(devices),
+        "device_name": cuda or [_cpu_name()],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "setups": {label: pair.describe() for label, pair in pairs.items()},
+        "scorer": next(iter(pairs.values())).describe() if pairs else None,
+        "argv": sys.argv,
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(
+    path: Path,
+    *,
+    environment: dict[str, object],
+    sweep: dict[str, object],
+    summaries: list[Summary],
+    interrupted: bool,
+) -> None:
+    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs`."""
+    report = {
+        "environment": environment,
+        "sweep": sweep,
+        "interrupted": interrupted,
+        "configs": [s.to_dict() for s in summaries],
+    }
+    path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
+    """One row of `HEADERS` cells per summary."""
+    rows = []
+    for s in summaries:
+        c, q, tps = s.config, s.quality, s.tokens_per_second
+        change = "–"
+        if q.target_nll_change is not None:
+            change = f"{q.target_nll_change:+.1%}"
+            if q.target_nll_change_ci95 is not None:
+                change += f" ±{q.target_nll_change_ci95:.1%}"
+        ms = [
+            _num(None if t is None else 1000 * t, ".1f")
+            for t in (s.target_forward_seconds, s.draft_forward_seconds)
+        ]
+        rows.append(
+            (
+                c.setup.label,
+                f"{c.temperature:g}",
+                c.method,
+                c.divergence or "–",
+                "–" if c.threshold is None else f"{c.threshold:g}",
+                "–" if c.draft_tokens is None else str(c.draft_tokens),
+                f"{tps.median:.1f} [{tps.q1:.1f}–{tps.q3:.1f}]",
+                _num(s.speedup.get("autoregressive")),
+                _num(s.speedup.get("exact")),
+                _num(s.speedup.get("hf-assisted")),
+                _num(s.limit_tokens_per_second, ".1f"),
+                f"{s.mean_accepted_length:.2f}",
+                _num(s.acceptance_rate, ".0%"),
+                f"{s.fuzzy_share:.0%}",
+                _num(q.target_nll, ".3f"),
+                change,
+                _num(q.greedy_agreement, ".0%"),
+                _num(q.accuracy, ".0%"),
+                "/".join(ms),
+                f"{s.outside_forward_share:.1%}",
+            )
+        )
+    return rows
+
+
+def write_markdown(
+    path: Path,
+    *,
+    title: str,
+    environment: dict[str, object],
+    summaries: list[Summary],
+    interrupted: bool,
+    plot_name: str | None,
+) -> None:
+    """Write report.md: what ran where, the table, the column legend and the plot."""
+    packages = environment["packages"]
+    assert isinstance(packages, dict)
+    lines = [
+        f"# {title}",
+        "",
+        f"- device: {', '.join(map(str, environment['device']))} ({', '.join(map(str, environment['device_name']))}), "  # type: ignore[call-overload]
+        f"{environment['torch_threads']} torch threads, {environment['cpu_count']} CPUs",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in packages.items() if v)}",
+        f"- quality scored by: {environment['scorer']}",
+    ]
+    if interrupted:
+        lines.append("- **interrupted**: the sweep was stopped early; these are the runs measured so far")
+    lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(summaries)]
+    lines += [
+        "",
+        "tok/s: generated tokens / wall-clock seconds of the whole call, over prompts. ×AR, ×exact, ×HF: "
+        "paired median speed-up against target-only decoding, exact speculative decoding and transformers' "
+        "assisted generation (same k). limit: tokens/s with zero overhead from the measured forward costs. "
+        "τ: tokens per target forward. accept: accepted / drafted. fuzzy: share of tokens accepted only by "
+        "D ≤ T. NLL: target negative log-likelihood per generated token (nats). ΔNLL: relative to "
+        "autoregressive decoding. greedy agree: share of the reply equal to target-only greedy output "
+        "before the first difference. fwd ms: mean target / draft forward (prefill excluded). outside fwd: "
+        "share of wall-clock time outside the models' forward passes (sampling, acceptance, cache "
+        "rollback, detokenisation, framework). report.json has every figure, with fsd-chat's own "
+        "overhead_share (other_seconds / decode seconds).",
+    ]
+    if plot_name:
+        lines += ["", f"![quality against speed]({plot_name})"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")

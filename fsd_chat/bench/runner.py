@@ -1,0 +1,111 @@
+"""The sweep: every configuration on every prompt, interleaved.
+
+For each prompt (and repeat), all configurations run back to back, in an order rotated by one from
+one prompt to the next, so that drift of the machine (other processes, thermal state) falls on
+every configuration alike and no configuration always runs first. Every configuration runs once,
+untimed, on a short reply before measuring starts (first-call allocations and lazy initialisation).
+A KeyboardInterrupt ends the sweep early and keeps what was measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fsd_chat.bench.methods import Generation, PairRunner
+from fsd_chat.bench.prompts import PromptSet
+from fsd_chat.bench.quality import target_nll
+from fsd_chat.bench.sweep import Config, Setup
+from fsd_chat.chat import Message, prompt_ids
+from fsd_chat.models import ModelPair
+
+WARMUP_TOKENS = 8
+
+OnRun = Callable[[Config, str], None]
+"""Called after every generation with its configuration and "warm-up" or "measure"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One measured generation and its quality.
+
+    Attributes:
+        config: The configuration.
+        prompt: Index of the prompt in the set.
+        repeat: Repeat number (0-based).
+        prompt_ids: The prompt's token ids.
+        generation: Tokens, time and forward passes.
+        nll: Summed target negative log-likelihood of the reply (nats).
+        correct: Whether the reply's answer is right (None when the set has no answers).
+    """
+
+    config: Config
+    prompt: int
+    repeat: int
+    prompt_ids: list[int]
+    generation: Generation
+    nll: float
+    correct: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """All runs, and whether Ctrl-C cut the sweep short."""
+
+    runs: list[Run]
+    interrupted: bool
+
+
+def run_sweep(
+    pairs: dict[Setup, ModelPair],
+    configs: list[Config],
+    prompt_set: PromptSet,
+    *,
+    max_new_tokens: int,
+    seed: int,
+    repeats: int,
+    on_run: OnRun | None = None,
+) -> SweepResult:
+    """Run every configuration on every prompt `repeats` times; quality is scored by the target
+    of the first setup (so that quantized or low-precision setups are judged by one reference).
+
+    Prompt i is decoded with seed `seed + i` by every configuration (common random numbers: the
+    configurations' quality differences are not drowned in sampling noise).
+    """
+    notify = on_run or (lambda _config, _phase: None)
+    scorer = next(iter(pairs.values()))
+    runners = {setup: PairRunner(pair) for setup, pair in pairs.items()}
+    ids = [prompt_ids(scorer.tokenizer, [Message("user", item.text)]) for item in prompt_set.items]
+    runs: list[Run] = []
+    try:
+        for config in configs:
+            runners[config.setup].run(
+                config, ids[0], max_new_tokens=WARMUP_TOKENS, seed=seed, stop_strings=prompt_set.stop_strings
+            )
+            notify(config, "warm-up")
+        trial = 0
+        for index, item in enumerate(prompt_set.items):
+            for repeat in range(repeats):
+                shift = trial % len(configs)
+                for config in configs[shift:] + configs[:shift]:
+                    generation = runners[config.setup].run(
+                        config,
+                        ids[index],
+                        max_new_tokens=max_new_tokens,
+                        seed=seed + index,
+                        stop_strings=prompt_set.stop_strings,
+                    )
+                    correct = None
+                    if prompt_set.checker is not None and item.answer is not None:
+                        text = scorer.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+                        correct = prompt_set.checker(text, item.answer)
+                    nll = target_nll(scorer.target, scorer.vocab_size, ids[index], generation.token_ids)
+                    runs.append(Run(config, index, repeat, ids[index], generation, nll, correct))
+                    notify(config, "measure")
+                trial += 1
+    except KeyboardInterrupt:
+        return SweepResult(runs, interrupted=True)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return SweepResult(runs, interrupted=False)

@@ -1,0 +1,176 @@
+"""One `fsd-chat bench` run: check the inputs, load the setups, sweep with a progress bar, write
+report.json, report.md and tradeoff.png, and show the table and plots on the terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from fsd_chat.bench import plot, report, terminal
+from fsd_chat.bench.metrics import summarize
+from fsd_chat.bench.prompts import load_prompt_set
+from fsd_chat.bench.runner import Run, SweepResult, run_sweep
+from fsd_chat.bench.sweep import Config, SweepSpec, build_sweep
+from fsd_chat.cli_options import pair_specs
+from fsd_chat.errors import FsdChatError
+from fsd_chat.models import ModelPair, load_pair
+
+EXIT_INTERRUPTED = 130
+
+
+def _sweep_record(
+    spec: SweepSpec, prompts: str, count: int, max_new_tokens: int, seed: int, repeats: int
+) -> dict[str, object]:
+    return {
+        "prompts": prompts,
+        "prompt_count": count,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "repeats": repeats,
+        "thresholds": spec.thresholds,
+        "divergences": spec.divergences,
+        "rules": spec.rules,
+        "draft_tokens": spec.draft_tokens,
+        "temperatures": spec.temperatures,
+        "baselines": spec.baselines,
+        "dtypes": spec.dtypes,
+        "quantize_target": spec.quantize_target,
+        "quantize_draft": spec.quantize_draft,
+    }
+
+
+def run_bench(
+    *,
+    target: str,
+    draft: str,
+    prompts: str,
+    data_dir: Path,
+    limit: int,
+    max_new_tokens: int,
+    spec: SweepSpec,
+    seed: int,
+    repeats: int,
+    output: Path,
+    device: str,
+    threads: int | None,
+    trust_remote_code: bool,
+) -> int:
+    """Run the benchmark; returns the exit status (0, or 130 when Ctrl-C cut the sweep short).
+
+    Raises:
+        FsdChatError: bad lists, prompt set, counts, or models that fail to load.
+    """
+    setups, configs = build_sweep(spec)
+    prompt_set = load_prompt_set(prompts, data_dir=data_dir, limit=limit)
+    if max_new_tokens < 1 or repeats < 1:
+        raise FsdChatError("--max-new-tokens and --repeats must be ≥ 1")
+    if threads is not None:
+        if threads < 1:
+            raise FsdChatError(f"--threads must be ≥ 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FsdChatError(f"cannot create the output directory {output}: {exc.strerror}") from None
+    console = Console(stderr=True)
+    pairs: dict[str, ModelPair] = {}
+    by_setup = {}
+    for setup in setups:
+        specs = pair_specs(
+            target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
+        )  # type: ignore[arg-type]
+        with console.status(f"loading {setup.label}"):
+            pair = load_pair(*specs)
+        pairs[setup.label] = by_setup[setup] = pair
+
+    runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("warming up", total=runs_total)
+
+        def advance(config: Config, phase: str) -> None:
+            progress.update(
+                task,
+                advance=1,
+                description=f"{phase} · {config.setup.label} · t={config.temperature:g} · {config.label}",
+            )
+
+        result: SweepResult = run_sweep(
+            by_setup,
+            configs,
+            prompt_set,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            repeats=repeats,
+            on_run=advance,
+        )
+    write_outputs(
+        output,
+        runs=result.runs,
+        configs=configs,
+        pairs=pairs,
+        sweep=_sweep_record(spec, prompt_set.name, len(prompt_set.items), max_new_tokens, seed, repeats),
+        interrupted=result.interrupted,
+        title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
+        f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",
+    )
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def write_outputs(
+    output: Path,
+    *,
+    runs: list[Run],
+    configs: list[Config],
+    pairs: dict[str, ModelPair],
+    sweep: dict[str, object],
+    interrupted: bool,
+    title: str,
+) -> None:
+    """Summarise the runs, write the three files and show the results on stdout."""
+    summaries = summarize(configs, runs)
+    environment = report.environment(pairs)
+    report.write_json(
+        output / "report.json",
+        environment=environment,
+        sweep=sweep,
+        summaries=summaries,
+        interrupted=interrupted,
+    )
+    plot_name = None
+    if summaries:
+        plot.write_plot(output / "tradeoff.png", summaries, title=title)
+        plot_name = "tradeoff.png"
+    report.write_markdown(
+        output / "report.md",
+        title=title,
+        environment=environment,
+        summaries=summaries,
+        interrupted=interrupted,
+        plot_name=plot_name,
+    )
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows
+        console = Console(width=200)
+    console.print(f"[bold]{title}[/bold]" + (" [red](interrupted)[/red]" if interrupted else ""))
+    terminal.show(console, summaries)
+    console.print(
+        f"wrote {output / 'report.json'}, {output / 'report.md'}"
+        + (f", {output / plot_name}" if plot_name else "")
+    )

@@ -1,0 +1,179 @@
+"""The configurations a sweep runs: model setups (dtype × quantization) × temperatures × methods.
+
+Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
+engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same k), and FSD's
+`fuzzy` / `pure` rules at every divergence × threshold. Speculative methods run at every k asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from fsd_chat.decoding.controls import MAX_DRAFT_TOKENS
+from fsd_chat.decoding.divergence import DIVERGENCE_NAMES
+from fsd_chat.errors import FsdChatError
+from fsd_chat.models import DTYPES, QUANTIZATIONS
+
+Method = Literal["autoregressive", "exact", "hf-assisted", "fuzzy", "pure"]
+BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
+FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """How the pair is loaded: compute dtype and bitsandbytes quantization of each model."""
+
+    dtype: str
+    quantize_target: str = "none"
+    quantize_draft: str = "none"
+
+    @property
+    def label(self) -> str:
+        """Short label, e.g. "float32" or "bfloat16 · target 4bit"."""
+        parts = [self.dtype]
+        if self.quantize_target != "none":
+            parts.append(f"target {self.quantize_target}")
+        if self.quantize_draft != "none":
+            parts.append(f"draft {self.quantize_draft}")
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One measured configuration.
+
+    Attributes:
+        setup: How the models are loaded.
+        temperature: Sampling temperature (0 = greedy).
+        method: autoregressive, exact, hf-assisted, fuzzy or pure.
+        draft_tokens: Draft length k (None for autoregressive).
+        divergence: D of the fuzzy test (fuzzy/pure only).
+        threshold: T in the divergence's units (fuzzy/pure only).
+    """
+
+    setup: Setup
+    temperature: float
+    method: Method
+    draft_tokens: int | None = None
+    divergence: str | None = None
+    threshold: float | None = None
+
+    @property
+    def label(self) -> str:
+        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4"."""
+        parts: list[str] = [self.method]
+        if self.divergence is not None:
+            parts.append(f"{self.divergence} T={self.threshold:g}")
+        if self.draft_tokens is not None:
+            parts.append(f"k={self.draft_tokens}")
+        return " ".join(parts)
+
+    @property
+    def group(self) -> tuple[Setup, float]:
+        """Configurations of one group are compared with each other (same models, same sampling)."""
+        return (self.setup, self.temperature)
+
+
+def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tuple[T, ...] = ()) -> list[T]:
+    """Comma-separated values of `option`, converted and de-duplicated in order.
+
+    Raises:
+        FsdChatError: an empty list, a value `convert` rejects, or one not in `allowed`.
+    """
+    values: list[T] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        try:
+            value = convert(item)
+        except ValueError:
+            raise FsdChatError(f"{option}: bad value {item!r} in {text!r}") from None
+        if allowed and value not in allowed:
+            raise FsdChatError(
+                f"{option}: unknown value {item!r}; choose from {', '.join(map(str, allowed))}"
+            )
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise FsdChatError(f"{option}: empty list")
+    return values
+
+
+def _threshold(text: str) -> float:
+    value = float(text)
+    # Finite only (JSON has no infinity): T at the divergence's upper bound (ln 2 for js, 1 for tv)
+    # already accepts every draft token.
+    if not 0 <= value < math.inf:
+        raise ValueError(text)
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(text)
+    return value
+
+
+def _draft_tokens(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise ValueError(text)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SweepSpec:
+    """The sweep as asked for on the command line (comma-separated lists, still unparsed)."""
+
+    thresholds: str
+    divergences: str
+    rules: str
+    draft_tokens: str
+    temperatures: str
+    baselines: str
+    dtypes: str
+    quantize_target: str
+    quantize_draft: str
+
+
+def build_sweep(spec: SweepSpec) -> tuple[list[Setup], list[Config]]:
+    """Parse the lists and expand them into setups and configurations (in a fixed order).
+
+    Raises:
+        FsdChatError: any malformed or out-of-range list item.
+    """
+    thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
+    divergences = parse_list(spec.divergences, "--divergences", str, DIVERGENCE_NAMES)
+    rules = parse_list(spec.rules, "--rules", str, FSD_RULES)
+    ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
+    temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
+    baselines = (
+        []
+        if spec.baselines.strip() in ("", "none")
+        else parse_list(spec.baselines, "--baselines", str, BASELINES)
+    )
+    dtypes = parse_list(spec.dtypes, "--dtype", str, DTYPES)
+    quant_t = parse_list(spec.quantize_target, "--quantize-target", str, QUANTIZATIONS)
+    quant_d = parse_list(spec.quantize_draft, "--quantize-draft", str, QUANTIZATIONS)
+    setups = [Setup(d, qt, qd) for d in dtypes for qt in quant_t for qd in quant_d]
+    configs: list[Config] = []
+    for setup in setups:
+        for temperature in temperatures:
+            if "autoregressive" in baselines:
+                configs.append(Config(setup, temperature, "autoregressive"))
+            for k in ks:
+                configs += [
+                    Config(setup, temperature, m, k) for m in ("exact", "hf-assisted") if m in baselines
+                ]
+                configs += [
+                    Config(setup, temperature, rule, k, divergence, threshold)  # type: ignore[arg-type]
+                    for rule in rules
+                    for divergence in divergences
+                    for threshold in thresholds
+                ]
+    return setups, configs

@@ -1,0 +1,231 @@
+"""`fsd-chat bench` end to end on the real offline pair, and its parts on real data files.
+
+The sweeps are tiny (a few prompts, a few dozen tokens, one torch thread so that other processes on
+a small machine cannot stall it); speed is never asserted, only the report's structure and the
+invariants that hold whatever the timing: exact SD and transformers' assisted generation reproduce
+target-only greedy output, fuzzy SD at T = 0 is exact SD, acceptance grows with the threshold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsd_chat.bench.methods import PairRunner
+from fsd_chat.bench.prompts import (
+    choice_correct,
+    generic_correct,
+    load_prompt_set,
+    number_correct,
+)
+from fsd_chat.bench.runner import run_sweep
+from fsd_chat.bench.session import write_outputs
+from fsd_chat.bench.sweep import Config, Setup
+from fsd_chat.chat import Message, prompt_ids
+from fsd_chat.cli import main
+from fsd_chat.errors import FsdChatError
+from fsd_chat.models import ModelPair
+
+DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+REQUIRED_KEYS = {
+    "method",
+    "divergence",
+    "threshold",
+    "draft_tokens",
+    "tokens_per_second",
+    "mean_accepted_length",
+    "acceptance_rate",
+    "fuzzy_share",
+    "quality",
+}
+
+
+@pytest.fixture(scope="module")
+def report(target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One tiny sweep through the real CLI: greedy and sampling, three baselines, three thresholds."""
+    out = tmp_path_factory.mktemp("bench")
+    threads = torch.get_num_threads()  # --threads sets a process-wide value: give it back after
+    main(
+        [
+            "bench",
+            "--target", str(target_dir),
+            "--draft", str(draft_dir),
+            "--prompts", "tinystories",
+            "--data-dir", str(DATA_DIR),
+            "--limit", "3",
+            "--max-new-tokens", "24",
+            "--thresholds", "0,0.2,0.7",
+            "--divergences", "js",
+            "--draft-tokens", "3",
+            "--temperature", "0,1",
+            "--device", "cpu",
+            "--dtype", "float32",
+            "--threads", "1",
+            "--output", str(out),
+        ]
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    return json.loads((out / "report.json").read_text()), out
+
+
+def _config(report: dict, temperature: float, method: str, threshold: float | None = None) -> dict:
+    (match,) = [
+        c
+        for c in report["configs"]
+        if c["temperature"] == temperature and c["method"] == method and c["threshold"] == threshold
+    ]
+    return match
+
+
+def test_report_structure(report: tuple[dict, Path]) -> None:
+    data, out = report
+    env = data["environment"]
+    assert env["packages"]["torch"] and env["packages"]["transformers"]
+    assert env["device"] == ["cpu"] and env["torch_threads"] == 1
+    assert data["interrupted"] is False
+    # 2 temperatures × (autoregressive, exact, hf-assisted, fuzzy at 3 thresholds)
+    assert len(data["configs"]) == 12
+    for config in data["configs"]:
+        assert config.keys() >= REQUIRED_KEYS
+        assert config["runs"] == 3 and config["tokens"] > 0 and config["tokens_per_second"] > 0
+        assert config["quality"]["target_nll"] > 0
+        assert config["quality"]["accuracy"] is None  # TinyStories has no answers
+        assert (config["quality"]["greedy_agreement"] is None) == (config["temperature"] != 0)
+    assert {c["method"] for c in data["configs"]} == {"autoregressive", "exact", "hf-assisted", "fuzzy"}
+    assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "report.md").read_text()
+    assert "| setup | temp | method |" in markdown and "hf-assisted" in markdown
+
+
+def test_lossless_baselines_reproduce_greedy_output(report: tuple[dict, Path]) -> None:
+    data, _ = report
+    exact = _config(data, 0, "exact")
+    # Agreement 1.0 for both means both equal target-only greedy output token for token.
+    assert exact["quality"]["greedy_agreement"] == 1.0
+    assert _config(data, 0, "hf-assisted")["quality"]["greedy_agreement"] == 1.0
+    assert _config(data, 0, "fuzzy", 0.0)["quality"]["greedy_agreement"] == 1.0
+    assert _config(data, 0, "fuzzy", 0.0)["acceptance_rate"] == exact["acceptance_rate"]
+    assert exact["fuzzy_share"] == 0.0 and exact["speedup"]["exact"] == 1.0
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_acceptance_grows_with_threshold(report: tuple[dict, Path], temperature: float) -> None:
+    data, _ = report
+    rates = [_config(data, temperature, "fuzzy", t)["acceptance_rate"] for t in (0.0, 0.2, 0.7)]
+    assert rates[0] <= rates[1] <= rates[2]
+    # js ≤ ln 2 < 0.7: every draft token is accepted, most of them only by the divergence test.
+    assert rates[2] == 1.0
+    assert _config(data, temperature, "fuzzy", 0.7)["fuzzy_share"] > 0
+    assert _config(data, temperature, "fuzzy", 0.0)["fuzzy_share"] == 0.0
+
+
+def test_hf_assisted_and_exact_greedy_outputs_identical(pair: ModelPair) -> None:
+    runner = PairRunner(pair)
+    setup = Setup("float32")
+    ids = prompt_ids(pair.tokenizer, [Message("user", "Once upon a time, there was a little cat.")])
+    try:
+        outputs = {
+            method: runner.run(
+                Config(setup, 0.0, method, 4), ids, max_new_tokens=40, seed=0, stop_strings=()
+            ).token_ids  # type: ignore[arg-type]
+            for method in ("exact", "hf-assisted")
+        }
+    finally:
+        runner.close()
+    assert len(outputs["exact"]) > 0
+    assert outputs["exact"] == outputs["hf-assisted"]
+
+
+def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> None:
+    setup = Setup("float32")
+    configs = [Config(setup, 0.0, "autoregressive"), Config(setup, 0.0, "exact", 3)]
+    prompt_set = load_prompt_set("tinystories", data_dir=DATA_DIR, limit=2)
+    calls = []
+
+    def ctrl_c_after_three(config: Config, phase: str) -> None:
+        calls.append(phase)
+        if calls.count("measure") == 3:
+            raise KeyboardInterrupt
+
+    result = run_sweep(
+        {setup: pair}, configs, prompt_set, max_new_tokens=8, seed=0, repeats=1, on_run=ctrl_c_after_three
+    )
+    assert result.interrupted and len(result.runs) == 3
+    write_outputs(
+        tmp_path,
+        runs=result.runs,
+        configs=configs,
+        pairs={"float32": pair},
+        sweep={},
+        interrupted=True,
+        title="t",
+    )
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["interrupted"] is True
+    assert sorted(c["runs"] for c in data["configs"]) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompts", "nosuchset"], "unknown prompt set 'nosuchset'"),
+        (["--prompts", "gsm8k", "--data-dir", "/nonexistent"], "data file not found"),
+        (["--prompts", "missing.jsonl"], "data file not found"),
+        (["--prompts", "tinystories", "--thresholds", "0.1,abc"], "--thresholds: bad value 'abc'"),
+        (["--prompts", "tinystories", "--thresholds", "-1"], "--thresholds: bad value '-1'"),
+        (["--prompts", "tinystories", "--divergences", "js,cosine"], "--divergences: unknown value 'cosine'"),
+        (["--prompts", "tinystories", "--rules", "exact"], "--rules: unknown value 'exact'"),
+        (["--prompts", "tinystories", "--draft-tokens", "0"], "--draft-tokens: bad value '0'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(
+            ["bench", "--target", "t", "--draft", "d", "--data-dir", str(DATA_DIR), *args, "--output", "out"]
+        )
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("fsd-chat: error:") and message in err
+    assert not (tmp_path / "out").exists()  # nothing loaded, nothing written
+
+
+def test_presets_read_the_real_data() -> None:
+    csqa = load_prompt_set("commonsenseqa", data_dir=DATA_DIR, limit=2)
+    first = csqa.items[0]
+    assert first.answer == "A" and first.text.endswith("(E) new york\nA:")
+    assert first.text.count("Therefore, the answer is") == 7 and csqa.stop_strings == ("\nQ:",)
+    gsm8k = load_prompt_set("gsm8k", data_dir=DATA_DIR, limit=1)
+    assert gsm8k.items[0].answer == "18" and gsm8k.items[0].text.startswith("Q: Janet")
+    stories = load_prompt_set("tinystories", data_dir=DATA_DIR, limit=2)
+    assert stories.items[0].text == "One day, a little girl named Lily found a needle in her room."
+    assert len(load_prompt_set("mt-bench", data_dir=DATA_DIR, limit=None).items) == 80
+
+
+def test_answer_checks() -> None:
+    assert choice_correct("Blotters absorb ink. Therefore, the answer is E.", "E")
+    assert not choice_correct("the answer is (C), no wait, the answer is (B)", "C")
+    assert number_correct("16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is $18.", "18")
+    assert number_correct("She makes 1,250 dollars", "1250")
+    assert not number_correct("The answer is 17. 18 was a typo", "18")
+    assert generic_correct("It is in Paris.", "paris") and not generic_correct("Lyon", "Paris")
+
+
+def test_jsonl_prompt_file(tmp_path: Path) -> None:
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"prompt": "2+2?", "answer": 4}\n\n{"prompt": "Hi"}\n')
+    prompt_set = load_prompt_set(str(path), data_dir=tmp_path, limit=None)
+    assert [i.text for i in prompt_set.items] == ["2+2?", "Hi"]
+    assert prompt_set.items[0].answer == "4" and prompt_set.checker is generic_correct
+    path.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(FsdChatError, match="no string `prompt` field"):
+        load_prompt_set(str(path), data_dir=tmp_path, limit=None)
