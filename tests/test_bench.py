@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from fsd_chat.bench.methods import PairRunner
+from fsd_chat.bench.metrics import summarize
+from fsd_chat.bench.plot import quality_axis
 from fsd_chat.bench.prompts import (
     choice_correct,
     generic_correct,
@@ -92,8 +94,13 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
         assert config.keys() >= REQUIRED_KEYS
         assert config["runs"] == 3 and config["tokens"] > 0 and config["tokens_per_second"] > 0
         assert config["quality"]["target_nll"] > 0
+        # Forward passes are metered during generation only (not while the quality is scored).
+        assert 0 < config["outside_forward_share"] < 1
+        assert config["limit_tokens_per_second"] > 0
         assert config["quality"]["accuracy"] is None  # TinyStories has no answers
         assert (config["quality"]["greedy_agreement"] is None) == (config["temperature"] != 0)
+    autoregressive = _config(data, 0, "autoregressive")
+    assert autoregressive["target_forwards_per_token"] == 1.0 and autoregressive["acceptance_rate"] is None
     assert {c["method"] for c in data["configs"]} == {"autoregressive", "exact", "hf-assisted", "fuzzy"}
     assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "report.md").read_text()
@@ -229,3 +236,21 @@ def test_jsonl_prompt_file(tmp_path: Path) -> None:
     path.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(FsdChatError, match="no string `prompt` field"):
         load_prompt_set(str(path), data_dir=tmp_path, limit=None)
+
+
+def test_accuracy_on_a_set_with_answers(pair: ModelPair, tmp_path: Path) -> None:
+    path = tmp_path / "qa.jsonl"
+    path.write_text(
+        '{"prompt": "Lily and Ben went to the park.", "answer": "Lily"}\n'
+        '{"prompt": "Tom had a red ball.", "answer": "zebra crossing"}\n'
+    )
+    setup = Setup("float32")
+    configs = [Config(setup, 0.0, "autoregressive"), Config(setup, 0.0, "fuzzy", 3, "js", 0.2)]
+    prompt_set = load_prompt_set(str(path), data_dir=tmp_path, limit=None)
+    result = run_sweep({setup: pair}, configs, prompt_set, max_new_tokens=48, seed=0, repeats=1)
+    summaries = summarize(configs, result.runs)
+    for summary in summaries:
+        runs = [r for r in result.runs if r.config == summary.config]
+        assert [r.correct for r in runs if r.prompt == 1] == [False]  # no story mentions a zebra crossing
+        assert summary.quality.accuracy == sum(bool(r.correct) for r in runs) / 2
+    assert quality_axis(summaries) == ("accuracy", True)

@@ -20,7 +20,7 @@ SWEEP = "Sweep"
 
 @dataclass(frozen=True, slots=True)
 class Preset:
-    """Defaults of the sweep options."""
+    """Defaults of the sweep options (threads None: torch's choice)."""
 
     limit: int
     max_new_tokens: int
@@ -29,25 +29,30 @@ class Preset:
     rules: str
     draft_tokens: str
     repeats: int
+    threads: int | None
 
 
 FULL = Preset(
     limit=20,
     max_new_tokens=128,
-    thresholds="0.05,0.1,0.2,0.3,0.5",
+    thresholds="0.01,0.02,0.05,0.1,0.2,0.4",
     divergences="js,kl,tv",
     rules="fuzzy",
     draft_tokens="4",
     repeats=1,
+    threads=None,
 )
+# One torch thread: on a small machine shared with other processes, two OpenMP threads on two cores
+# stall each other whenever another process takes a core (measured 5-8x slower and erratic).
 QUICK = Preset(
     limit=8,
     max_new_tokens=96,
-    thresholds="0.05,0.1,0.2,0.3,0.5",
-    divergences="js",
+    thresholds="0.02,0.05,0.1,0.2,0.4",
+    divergences="js,tv",
     rules="fuzzy",
     draft_tokens="4",
     repeats=1,
+    threads=1,
 )
 
 
@@ -111,7 +116,8 @@ def bench(
         str, _opt("--dtype", "Dtypes: auto, float32, bfloat16, float16 (comma-separated).", o.MODELS)
     ] = "auto",
     threads: Annotated[
-        int | None, _opt("--threads", "torch CPU threads (default: torch's choice).", o.MODELS)
+        int | None,
+        _opt("--threads", "torch CPU threads (default: torch's choice; 1 with --quick).", o.MODELS),
     ] = None,
     trust_remote_code: o.TrustRemoteCodeOpt = False,
 ) -> None:
@@ -146,7 +152,7 @@ def bench(
         repeats=repeats if repeats is not None else preset.repeats,
         output=output,
         device=device,
-        threads=threads,
+        threads=threads if threads is not None else preset.threads,
         trust_remote_code=trust_remote_code,
     )
     if status:

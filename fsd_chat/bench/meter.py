@@ -32,7 +32,8 @@ class ForwardTally:
 
 
 class ForwardMeter:
-    """Times every forward pass of `model` into `tally` (replace it with `start()` per generation).
+    """Times the forward passes of `model` between `start()` and `stop()` into a fresh tally
+    (passes outside, such as quality scoring, are not counted).
 
     Args:
         model: The model whose top-level forward is timed.
@@ -40,7 +41,7 @@ class ForwardMeter:
     """
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.tally = ForwardTally()
+        self.tally: ForwardTally | None = None
         self._cuda = device.type == "cuda"
         self._device = device
         self._began = 0.0
@@ -55,11 +56,14 @@ class ForwardMeter:
         return time.perf_counter()
 
     def _before(self, *_args: object) -> None:
-        self._began = self._now()
+        if self.tally is not None:
+            self._began = self._now()
 
     def _after(self, *_args: object) -> None:
-        elapsed = self._now() - self._began
         tally = self.tally
+        if tally is None:
+            return
+        elapsed = self._now() - self._began
         if tally.calls:
             tally.decode_calls += 1
             tally.decode_seconds += elapsed
@@ -70,6 +74,10 @@ class ForwardMeter:
         """Begin a new generation's tally and return it."""
         self.tally = ForwardTally()
         return self.tally
+
+    def stop(self) -> None:
+        """Stop counting (until the next `start()`)."""
+        self.tally = None
 
     def close(self) -> None:
         """Remove the hooks."""

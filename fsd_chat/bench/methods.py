@@ -90,6 +90,22 @@ class PairRunner:
         """Generate a reply to `prompt_ids` with `config`'s method and time it."""
         sampling = SamplingConfig(temperature=config.temperature, seed=seed)
         target, draft = self._target_meter.start(), self._draft_meter.start()
+        try:
+            return self._run(config, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft)
+        finally:
+            self._target_meter.stop()
+            self._draft_meter.stop()
+
+    def _run(
+        self,
+        config: Config,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...],
+        target: ForwardTally,
+        draft: ForwardTally,
+    ) -> Generation:
         if config.method == "hf-assisted":
             assert config.draft_tokens is not None
             clock = PhaseClock(self.pair.device)

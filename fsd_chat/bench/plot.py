@@ -1,13 +1,15 @@
 """tradeoff.png: quality against tokens/s, one panel per (setup, temperature).
 
 In each panel: one curve per FSD (rule, divergence, k) through its thresholds, the baselines as
-marked points, and the Pareto front (no other point is both faster and better) as a dashed line.
+marked points, and the Pareto front (the points no other point beats on both speed and quality)
+joined by a wide dashed grey line.
 Quality is accuracy where the prompt set has answers, else target NLL per token (lower is better,
 so that axis is inverted: up is better everywhere).
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -87,11 +89,12 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
         if points:
             coords = [(s.tokens_per_second.median, q) for s, q in points]
             front = sorted((coords[i] for i in pareto_front(coords, higher)), key=lambda xy: xy[0])
-            ax.step(
+            ax.plot(
                 [x for x, _ in front],
                 [y for _, y in front],
-                where="post",
                 linestyle="--",
+                linewidth=4,
+                alpha=0.3,
                 color="grey",
                 label="Pareto front",
                 zorder=1,
@@ -103,7 +106,7 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
         ax.set_ylabel("accuracy" if axis == "accuracy" else "target NLL per token, nats (↑ better)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
