@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from textual.pilot import Pilot
@@ -25,8 +26,9 @@ class GatedDecoder:
     compare what the UI shows with what the engine produced.
     """
 
-    def __init__(self, inner: Decoder) -> None:
+    def __init__(self, inner: Decoder, *, fixed_clock: bool = False) -> None:
         self.inner = inner
+        self.fixed_clock = fixed_clock
         self.context = inner.context
         self.steps: list[Step] = []
         self._permits = threading.Semaphore(0)
@@ -52,6 +54,17 @@ class GatedDecoder:
             step = next(steps, None)
             if step is None:
                 return
+            if self.fixed_clock:  # deterministic timings, for snapshots
+                step = replace(
+                    step,
+                    stats=replace(
+                        step.stats,
+                        draft_seconds=0.0005 * step.stats.drafted,
+                        target_seconds=0.001,
+                        other_seconds=0.0002,
+                        prefill_seconds=0.0,
+                    ),
+                )
             self.steps.append(step)
             yield step
 
@@ -61,16 +74,17 @@ def make_app(
     tmp_path: Path,
     *,
     gate: list[GatedDecoder] | None = None,
+    fixed_clock: bool = False,
     **options: object,
 ) -> FsdChatApp:
     """The real app over the already loaded pair, saving into tmp_path; with `gate`, the decoder
-    is a `GatedDecoder` appended to it."""
+    is a `GatedDecoder` (with `fixed_clock` if asked) appended to it."""
 
     def factory(p: ModelPair, controls: Controls) -> Decoder:
         decoder = p.speculative(controls)
         if gate is None:
             return decoder
-        gated = GatedDecoder(decoder)
+        gated = GatedDecoder(decoder, fixed_clock=fixed_clock)
         gate.append(gated)
         return gated
 
@@ -91,3 +105,13 @@ async def wait_for(pilot: Pilot, condition: Callable[[], object], timeout: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {condition}")
         await pilot.pause(0.02)
+
+
+async def wait_for_chat(pilot: Pilot) -> None:
+    """Wait until the chat screen is up and mounted (the prompt has focus)."""
+    from fsd_chat.tui.screens.chat import ChatScreen
+    from fsd_chat.tui.widgets.prompt import PromptInput
+
+    app = pilot.app
+    await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, PromptInput))
+    await pilot.pause()

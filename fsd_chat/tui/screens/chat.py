@@ -17,8 +17,9 @@ from typing import Protocol
 from textual import work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
+from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Header
+from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat import Message, fit_to_context
@@ -112,7 +113,7 @@ class ChatScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         """Header, conversation, legend, dial and stats, prompt, footer."""
-        yield Header()
+        yield Static(Content.assemble(("fsd-chat ", "bold $accent"), self.setup.describe), id="header")
         yield VerticalScroll(id="conversation")
         yield Legend(self.setup.autoregressive, id="legend")
         with Horizontal(id="controls"):
@@ -123,7 +124,6 @@ class ChatScreen(Screen[None]):
 
     def on_mount(self) -> None:
         """Show the session so far, the settings, and focus the prompt."""
-        self.sub_title = self.setup.describe
         dial = self.query_one(ThresholdDial)
         dial.autoregressive = self.setup.autoregressive
         dial.settings = self.controls.snapshot()

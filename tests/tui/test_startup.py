@@ -1,0 +1,97 @@
+"""Start-up: loading view, load failure, themes (built-in, user, broken, unknown)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.widgets import Static
+
+from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.store import SessionStore
+from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.screens.loading import LoadingScreen
+from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
+
+USER_THEME = """
+name = "my-theme"
+dark = false
+[palette]
+primary = "#123456"
+[origins]
+draft-exact = "#010203"
+draft-fuzzy = "#040506"
+target-resampled = "#070809"
+target-bonus = "#0a0b0c"
+target = "#0d0e0f"
+"""
+
+
+async def test_load_failure_is_shown_on_the_loading_view(tmp_path: Path, target_dir: Path) -> None:
+    options = ChatOptions(
+        target=ModelSpec(str(target_dir)),
+        draft=ModelSpec(str(tmp_path / "no-such-draft")),
+        load=LoadOptions(device="cpu"),
+        store=SessionStore(tmp_path / "s.sqlite3"),
+    )
+    app = FsdChatApp(options)  # the real loader: load_pair
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(
+            pilot, lambda: "not found" in str(app.screen.query_one("#loading-error", Static).content)
+        )
+        assert isinstance(app.screen, LoadingScreen)
+        error = str(app.screen.query_one("#loading-error", Static).content)
+        assert f"model path not found: {tmp_path / 'no-such-draft'}" in error
+        assert "ctrl+q" in error
+        await pilot.press("ctrl+q")
+    assert app.return_code == 0
+
+
+async def test_the_real_loader_reports_progress_then_opens_the_chat(
+    tmp_path: Path, target_dir: Path, draft_dir: Path
+) -> None:
+    options = ChatOptions(
+        target=ModelSpec(str(target_dir)),
+        draft=ModelSpec(str(draft_dir)),
+        load=LoadOptions(device="cpu", dtype="float32"),
+        store=SessionStore(tmp_path / "s.sqlite3"),
+    )
+    seen: list[str] = []
+
+    def loader(progress):  # type: ignore[no-untyped-def]
+        def report(text: str) -> None:
+            seen.append(text)
+            progress(text)
+
+        return load_pair(options.target, options.draft, options.load, report)
+
+    app = FsdChatApp(options, loader=loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        assert seen[-1] == "ready" and any("loading target model stories260K" in s for s in seen)
+        assert "target stories260K (none) · draft stories260K-draft (none) · cpu float32" in str(
+            app.screen.query_one("#header", Static).content
+        )
+
+
+async def test_user_theme_is_offered_and_broken_theme_falls_back(pair: ModelPair, tmp_path: Path) -> None:
+    themes = tmp_path / "themes"
+    themes.mkdir()
+    (themes / "my-theme.toml").write_text(USER_THEME, encoding="utf-8")
+    (themes / "broken.toml").write_text('name = "broken"\n[palette\nprimary = 1', encoding="utf-8")
+    app = make_app(pair, tmp_path, theme="broken", user_themes_dir=themes)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        assert app.theme == "fsd-dark"
+        messages = [n.message for n in app._notifications]
+        assert any(m.startswith("theme broken.toml: invalid TOML") for m in messages)
+        assert any("theme 'broken' is not available; using fsd-dark" in m for m in messages)
+        assert app.theme_variables["origin-draft-fuzzy"].upper() == "#E5C07B"
+        app.theme = "my-theme"  # a valid user theme, with its own origin colours
+        await pilot.pause()
+        assert app.theme_variables["origin-draft-fuzzy"] == "#040506"
+        app.theme = "fsd-okabe-ito"
+        await pilot.pause()
+        assert app.theme_variables["origin-draft-exact"].upper() == "#009E73"
+        app.theme = "textual-dark"  # Textual's own themes fall back to the default origin colours
+        await pilot.pause()
+        assert app.theme_variables["origin-target-bonus"].upper() == "#61AFEF"
