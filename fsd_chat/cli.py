@@ -90,6 +90,12 @@ def generate(
 
 
 # Commands defined in their own modules register below this line.
+from fsd_chat import chat_cli  # noqa: E402  (registered after `app` exists)
+
+app.command("chat")(chat_cli.chat)
+app.command("history")(chat_cli.history)
+app.command("export")(chat_cli.export)
+
 from fsd_chat.bench import command as bench_command  # noqa: E402
 
 app.command("bench")(bench_command.bench)
