@@ -89,8 +89,9 @@ class Summary:
         draft_forwards_per_token: Draft forwards / tokens.
         target_forward_seconds: Mean seconds of one target forward (prefill excluded).
         draft_forward_seconds: Mean seconds of one draft forward (prefill excluded).
-        limit_tokens_per_second: The analytic limit with zero overhead: tokens / (target forwards ×
-            target_forward_seconds + draft forwards × draft_forward_seconds).
+        limit_tokens_per_second: The analytic limit with zero overhead, median over runs of
+            tokens / (target forwards × mean target forward seconds + draft forwards × mean draft
+            forward seconds), each run with its own measured costs (comparable to tokens_per_second).
         overhead_share: fsd-chat's other_seconds / decode seconds (acceptance, rollback,
             detokenisation); None for hf-assisted.
         outside_forward_share: Share of wall-clock time outside the models' forward passes
@@ -158,23 +159,41 @@ def _reference(config: Config, method: str) -> Config:
     return Config(config.setup, config.temperature, method, k)  # type: ignore[arg-type]
 
 
-def _counts(runs: list[Run]) -> tuple[int, int, int, int, int]:
-    """(target forwards, draft forwards, drafted, accepted, fuzzy-accepted) over runs."""
-    target = draft = drafted = accepted = fuzzy = 0
-    for run in runs:
-        stats, tokens = run.generation.stats, len(run.generation.token_ids)
-        if stats is None:  # hf-assisted: from the hooks (see the module docstring)
-            target += run.generation.target.calls
-            draft += run.generation.draft.calls
-            drafted += run.generation.draft.calls
-            accepted += max(tokens - run.generation.target.calls, 0)
-        else:
-            target += stats.target_forwards
-            draft += stats.draft_forwards
-            drafted += stats.drafted
-            accepted += stats.accepted_exact + stats.accepted_fuzzy
-            fuzzy += stats.accepted_fuzzy
-    return target, draft, drafted, accepted, fuzzy
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    """Forward passes and acceptance counts of one run (see the module docstring for hf-assisted)."""
+
+    target: int
+    draft: int
+    drafted: int
+    accepted: int
+    fuzzy: int
+
+    @classmethod
+    def of(cls, run: Run) -> _Counts:
+        g = run.generation
+        if g.stats is None:
+            return cls(
+                g.target.calls, g.draft.calls, g.draft.calls, max(len(g.token_ids) - g.target.calls, 0), 0
+            )
+        s = g.stats
+        return cls(
+            s.target_forwards,
+            s.draft_forwards,
+            s.drafted,
+            s.accepted_exact + s.accepted_fuzzy,
+            s.accepted_fuzzy,
+        )
+
+
+def _limit(run: Run, counts: _Counts) -> float | None:
+    """Zero-overhead tokens/s of one run: its forward counts × its mean forward costs."""
+    g = run.generation
+    seconds = 0.0
+    for tally, calls in ((g.target, counts.target), (g.draft, counts.draft)):
+        if calls and tally.decode_calls:
+            seconds += calls * tally.decode_seconds / tally.decode_calls
+    return len(g.token_ids) / seconds if seconds > 0 else None
 
 
 def _nll_change(
@@ -257,7 +276,10 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
         if not mine:
             continue
         tokens = sum(len(r.generation.token_ids) for r in mine)
-        target_forwards, draft_forwards, drafted, accepted, fuzzy = _counts(mine)
+        counts = [_Counts.of(r) for r in mine]
+        target_forwards = sum(c.target for c in counts)
+        draft_forwards = sum(c.draft for c in counts)
+        limits = [x for r, c in zip(mine, counts, strict=True) if (x := _limit(r, c)) is not None]
         t_target = _mean_cost(
             (r.generation.target.decode_seconds for r in mine),
             (r.generation.target.decode_calls for r in mine),
@@ -265,7 +287,6 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
         t_draft = _mean_cost(
             (r.generation.draft.decode_seconds for r in mine), (r.generation.draft.decode_calls for r in mine)
         )
-        forward_time = target_forwards * (t_target or 0.0) + draft_forwards * (t_draft or 0.0)
         engine = [r.generation.stats for r in mine if r.generation.stats is not None]
         wall = sum(r.generation.seconds for r in mine)
         metered = sum(r.generation.target.seconds + r.generation.draft.seconds for r in mine)
@@ -280,13 +301,13 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
                 else None,
                 speedup=_speedups(config, mine, by_config),
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
-                acceptance_rate=_ratio(accepted, drafted),
-                fuzzy_share=_ratio(fuzzy, tokens) or 0.0,
+                acceptance_rate=_ratio(sum(c.accepted for c in counts), sum(c.drafted for c in counts)),
+                fuzzy_share=_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0,
                 target_forwards_per_token=_ratio(target_forwards, tokens) or 0.0,
                 draft_forwards_per_token=_ratio(draft_forwards, tokens) or 0.0,
                 target_forward_seconds=t_target,
                 draft_forward_seconds=t_draft,
-                limit_tokens_per_second=_ratio(tokens, forward_time),
+                limit_tokens_per_second=statistics.median(limits) if limits else None,
                 overhead_share=_ratio(
                     sum(s.other_seconds for s in engine), sum(s.decode_seconds for s in engine)
                 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -39,9 +40,12 @@ COLUMNS = tuple(
 
 def results_table(summaries: list[Summary], title: str) -> Table:
     """The report's table, in the columns that fit a terminal, as a rich Table."""
-    table = Table(*(HEADERS[i] for i in COLUMNS), title=title, header_style="bold", title_justify="left")
+    # escape: "[q1–q3]" and the like would otherwise be read as rich markup tags
+    table = Table(
+        *(escape(HEADERS[i]) for i in COLUMNS), title=escape(title), header_style="bold", title_justify="left"
+    )
     for row in table_rows(summaries):
-        table.add_row(*(row[i] for i in COLUMNS))
+        table.add_row(*(escape(row[i]) for i in COLUMNS))
     return table
 
 
