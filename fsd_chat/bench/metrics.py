@@ -82,6 +82,8 @@ class Summary:
         decode_tokens_per_second: Median of fsd-chat's own tokens/s (prefill excluded); None for
             hf-assisted.
         speedup: Paired median tokens/s ratio against each baseline of the same group (and k).
+        speedup_ci95: Distribution-free 95% confidence interval of each of those medians (from 6
+            prompts × repeats up; see `median_ci95`).
         mean_accepted_length: τ, tokens per target forward.
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
         fuzzy_share: Share of tokens accepted only by the divergence test.
@@ -106,6 +108,7 @@ class Summary:
     tokens_per_second: Spread
     decode_tokens_per_second: float | None
     speedup: dict[str, float]
+    speedup_ci95: dict[str, tuple[float, float]]
     mean_accepted_length: float
     acceptance_rate: float | None
     fuzzy_share: float
@@ -252,8 +255,26 @@ def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
     )
 
 
-def _speedups(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]) -> dict[str, float]:
+def median_ci95(values: list[float]) -> tuple[float, float] | None:
+    """Distribution-free 95% confidence interval of the median: the order statistics
+    (x_(j), x_(n+1-j)) with the largest j whose coverage 1 - 2·P(Bin(n, ½) < j) is still ≥ 95%
+    (the sign-test interval; Conover, Practical Nonparametric Statistics). None for n < 6 (no such j)."""
+    n = len(values)
+    ordered = sorted(values)
+    j, below = 0, 0.0  # below = P(Bin(n, ½) < j + 1) as j grows
+    while True:
+        below += math.comb(n, j) / 2**n
+        if 1 - 2 * below < 0.95:
+            break
+        j += 1
+    return (ordered[j - 1], ordered[n - j]) if j >= 1 else None
+
+
+def _speedups(
+    config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     speedups: dict[str, float] = {}
+    intervals: dict[str, tuple[float, float]] = {}
     for method in ("autoregressive", "exact", "hf-assisted"):
         reference = by_config.get(_reference(config, method))
         if not reference:
@@ -262,7 +283,9 @@ def _speedups(config: Config, runs: list[Run], by_config: dict[Config, list[Run]
         ratios = [_rate(r) / rates[_trial(r)] for r in runs if rates.get(_trial(r))]
         if ratios:
             speedups[method] = statistics.median(ratios)
-    return speedups
+            if (interval := median_ci95(ratios)) is not None:
+                intervals[method] = interval
+    return speedups, intervals
 
 
 def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
@@ -288,6 +311,7 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
             (r.generation.draft.decode_seconds for r in mine), (r.generation.draft.decode_calls for r in mine)
         )
         engine = [r.generation.stats for r in mine if r.generation.stats is not None]
+        speedups, intervals = _speedups(config, mine, by_config)
         wall = sum(r.generation.seconds for r in mine)
         metered = sum(r.generation.target.seconds + r.generation.draft.seconds for r in mine)
         summaries.append(
@@ -299,7 +323,8 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
                 decode_tokens_per_second=statistics.median(s.tokens_per_second for s in engine)
                 if engine
                 else None,
-                speedup=_speedups(config, mine, by_config),
+                speedup=speedups,
+                speedup_ci95=intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
                 acceptance_rate=_ratio(sum(c.accepted for c in counts), sum(c.drafted for c in counts)),
                 fuzzy_share=_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0,
