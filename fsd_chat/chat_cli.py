@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from click.core import ParameterSource
 
 from fsd_chat import cli_options as o
 from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
@@ -65,7 +64,9 @@ def _with_config(ctx: typer.Context, values: dict[str, Any], config: dict[str, o
     """Option values with config.toml filling in every option not given on the command line."""
     merged = dict(values)
     for name, value in config.items():
-        if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+        source = ctx.get_parameter_source(name)
+        # By name: typer vendors its own click, whose ParameterSource is not click's.
+        if source is None or source.name != "COMMANDLINE":
             merged[name] = value
     return merged
 
@@ -114,12 +115,12 @@ def chat(
             "no model pair: pass --target and --draft (or set target and draft in "
             f"{config.path}, or --resume a session)"
         )
-    for source in (target_source, draft_source):
-        _check_local(source)
     settings = o.decoding_settings(
         v["rule"], v["divergence"], float(v["threshold"]), v["draft_tokens"], v["adaptive_k"]
     )
     sampling = o.sampling_config(float(v["temperature"]), v["top_k"], float(v["top_p"]), v["seed"])
+    for source in (target_source, draft_source):
+        _check_local(source)
     specs = o.pair_specs(
         target_source,
         draft_source,

@@ -11,10 +11,11 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 from fsd_chat.errors import FsdChatError
-from fsd_chat.session import Session, Turn, now, reply_from_dict
+from fsd_chat.session import Session, Turn, reply_from_dict
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -92,7 +93,8 @@ class SessionStore:
                 (
                     session.id,
                     session.created,
-                    now(),
+                    # Microseconds: sessions saved within one second still sort by recency.
+                    datetime.now().astimezone().isoformat(),
                     session.title,
                     json.dumps(session.models),
                     json.dumps(session.settings),

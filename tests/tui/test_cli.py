@@ -1,0 +1,70 @@
+"""The chat, history and export commands through the real CLI entry point (`fsd-chat`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsd_chat.cli import main
+from fsd_chat.config import config_dir, sessions_path
+from fsd_chat.store import SessionStore
+from tests.test_store import make_session
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run `fsd-chat ARGV`; (exit code, stdout, stderr)."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_history_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["history"], capsys) == (0, "no saved sessions yet\n", "")
+    SessionStore(sessions_path()).save(make_session("abcd1234"))
+    code, out, _ = run(["history"], capsys)
+    assert code == 0 and out.startswith("abcd1234  ") and "2 turns  t + d  Hello" in out
+    code, out, _ = run(["export", "abcd"], capsys)
+    assert code == 0 and out.startswith("# fsd-chat session abcd1234\n") and "## Assistant" in out
+    target = tmp_path / "t.md"
+    code, out, _ = run(["export", "abcd1234", "-o", str(target)], capsys)
+    assert code == 0 and out.strip() == str(target)
+    assert target.read_text().startswith("# fsd-chat session abcd1234")
+    code, _, err = run(["export", "nope"], capsys)
+    assert code == 2 and err == "fsd-chat: error: no saved session 'nope'; `fsd-chat history` lists them\n"
+
+
+def test_chat_errors_before_the_tui_starts(
+    tmp_path: Path, target_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing"
+    # No command: `chat` is meant.
+    code, _, err = run(["--target", str(missing), "--draft", str(target_dir)], capsys)
+    assert code == 2 and err == f"fsd-chat: error: model path not found: {missing}\n"
+    code, _, err = run(["chat"], capsys)
+    assert code == 2 and err.startswith("fsd-chat: error: no model pair: pass --target and --draft")
+    code, _, err = run(["chat", "--resume", "nope"], capsys)
+    assert code == 2 and "no saved session 'nope'" in err
+
+
+def test_config_fills_in_and_flags_override(
+    tmp_path: Path, target_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_dir().mkdir(parents=True)
+    (config_dir() / "config.toml").write_text(
+        f'target = "{target_dir}"\ndraft = "{tmp_path / "gone"}"\nthreshold = -1.0\n'
+    )
+    code, _, err = run([], capsys)  # target, draft and threshold all from the config
+    assert code == 2 and "threshold must be ≥ 0" in err
+    code, _, err = run(["--threshold", "0.2"], capsys)  # the flag wins; the draft is still the config's
+    assert code == 2 and err == f"fsd-chat: error: model path not found: {tmp_path / 'gone'}\n"
+    (config_dir() / "config.toml").write_text('[keymap]\nstopp = "x"\n')
+    code, _, err = run(["--target", str(target_dir), "--draft", str(target_dir)], capsys)
+    assert code == 2 and "unknown binding id(s) stopp" in err
+    (config_dir() / "config.toml").write_text("colour = 1\n")
+    code, _, err = run(["history"], capsys)  # other commands do not read config.toml
+    assert code == 0
