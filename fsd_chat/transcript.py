@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +145,16 @@ def write_atomic(path: Path, text: str) -> Path:
         TranscriptError: the folder cannot be created or written, or the path is a folder.
     """
     path = path.expanduser().absolute()
+    # Not tempfile.mkstemp: its 0600 mode would stay on the transcript; "x" honours the umask.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with open(tmp, "x", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
     except OSError as exc:
         raise TranscriptError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,9 @@ def test_atomic_write_and_unwritable_paths(tmp_path: Path) -> None:
     assert path.name == "fsd-chat-2025-03-04-0506-feed0001.md"
     written = write_atomic(path, "hello")
     assert written == path and path.read_text() == "hello"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not the 0600 of a temporary file
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     with pytest.raises(TranscriptError, match="cannot write"):
         write_atomic(tmp_path / "out", "a folder is not a file")
