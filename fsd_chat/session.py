@@ -6,7 +6,7 @@ No UI and no torch: the TUI builds sessions, `store` persists them, `transcript`
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -139,23 +139,6 @@ class Session:
         head = [Message("system", self.system)] if self.system else []
         return head + [Message(t.role, t.content) for t in self.turns]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (runs' origins as their string values)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Session:
-        """Inverse of `to_dict`."""
-        turns = [turn_from_dict(t) for t in data.get("turns", [])]
-        return cls(
-            id=data["id"],
-            created=data["created"],
-            models=dict(data["models"]),
-            settings=dict(data["settings"]),
-            system=data.get("system"),
-            turns=turns,
-        )
-
 
 def reply_from_dict(data: dict[str, Any]) -> ReplyRecord:
     """A `ReplyRecord` from its `asdict` form."""
@@ -164,14 +147,3 @@ def reply_from_dict(data: dict[str, Any]) -> ReplyRecord:
         for r in data.get("runs", [])
     ]
     return ReplyRecord(runs=runs, stats=dict(data.get("stats", {})), stop_reason=data.get("stop_reason"))
-
-
-def turn_from_dict(data: dict[str, Any]) -> Turn:
-    """A `Turn` from its `asdict` form."""
-    reply = data.get("reply")
-    return Turn(
-        role=data["role"],
-        content=data["content"],
-        created=data["created"],
-        reply=None if reply is None else reply_from_dict(reply),
-    )
