@@ -34,12 +34,16 @@ def root() -> None:
     """
 
 
-def quiet_transformers() -> None:
-    """Silence transformers' progress bars and advisory logs (they would garble the output)."""
+def quiet_libraries() -> None:
+    """Silence transformers' progress bars and the advisory logs of transformers and bitsandbytes
+    (bitsandbytes' 8-bit matmul logs a warning on every call on the CPU)."""
+    import logging
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 @app.command()
@@ -76,7 +80,7 @@ def generate(
     settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, adaptive_k)
     sampling = o.sampling_config(temperature, top_k, top_p, seed)
     specs = o.pair_specs(target, draft, quantize_target, quantize_draft, device, dtype, trust_remote_code)
-    quiet_transformers()
+    quiet_libraries()
     run_generate(
         prompt,
         *specs,

@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
@@ -169,6 +170,13 @@ def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, Pretrained
         raise ModelLoadError(
             f"{spec.source} is an encoder-decoder model ({type(config).__name__}); fsd-chat needs causal LMs"
         )
+    remote_causal = options.trust_remote_code and "AutoModelForCausalLM" in (
+        getattr(config, "auto_map", None) or {}
+    )
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote_causal:
+        raise ModelLoadError(
+            f"{spec.source} is not a causal language model (model type {config.model_type!r})"
+        )
     return source, config
 
 
@@ -205,15 +213,24 @@ def _load_model(
             quantization_config=quantization,
             trust_remote_code=options.trust_remote_code,
         )
-    except ValueError as exc:
-        if "Unrecognized configuration class" in str(exc):
-            raise ModelLoadError(
-                f"{spec.source} is not a causal language model ({type(config).__name__})"
-            ) from exc
+    except (OSError, ValueError, RuntimeError, ImportError, TypeError) as exc:
         raise _load_failure(spec, exc) from exc
-    except (OSError, RuntimeError, ImportError, TypeError) as exc:
+    model.eval()
+    if quantization is not None:
+        _check_quantized_forward(spec, model)
+    return model
+
+
+def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
+    # Some bitsandbytes kernels accept the weights at load time and fail only on the first
+    # forward pass (e.g. the CPU 4-bit kernel needs layer widths divisible by 32): fail here,
+    # with a clear message, rather than mid-reply.
+    token = torch.zeros((1, 1), dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    try:
+        with torch.inference_mode():
+            model(input_ids=token, use_cache=False)
+    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as exc:
         raise _load_failure(spec, exc) from exc
-    return model.eval()
 
 
 def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
