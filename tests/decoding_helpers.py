@@ -1,0 +1,37 @@
+"""Small helpers for decoding tests: run a decoder to the end and collect what it emitted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fsd_chat.decoding import GenerationStats, Step
+
+
+@dataclass
+class Run:
+    """Everything one generation emitted."""
+
+    steps: list[Step] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.id for s in self.steps for t in s.tokens]
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for s in self.steps for t in s.tokens)
+
+    @property
+    def origins(self) -> list[str]:
+        return [str(t.origin) for s in self.steps for t in s.tokens]
+
+
+def collect(steps: Iterable[Step]) -> Run:
+    """Consume a decoder's steps."""
+    run = Run()
+    for step in steps:
+        run.steps.append(step)
+        run.stats.add(step)
+    return run
