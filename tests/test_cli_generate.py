@@ -1,0 +1,135 @@
+"""`fsd-chat generate` end to end: JSON Lines output, plain output, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsd_chat.cli import main
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def pair_args(target_dir: Path, draft_dir: Path) -> list[str]:
+    return ["--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu"]
+
+
+def test_json_lines(target_dir: Path, draft_dir: Path, pair, capsys) -> None:
+    args = [
+        "generate",
+        *pair_args(target_dir, draft_dir),
+        "--json",
+        "--max-new-tokens",
+        "40",
+        "-T",
+        "0",
+        "Once upon a time",
+    ]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    steps, final = records[:-1], records[-1]
+    assert all({"tokens", "stats", "stop_reason"} <= set(r) for r in steps)
+    assert final["token_ids"] == [t["id"] for r in steps for t in r["tokens"]]
+    assert final["text"] == pair.tokenizer.decode(final["token_ids"], skip_special_tokens=True)
+    assert final["prompt_ids"] == pair.tokenizer("Once upon a time").input_ids
+    stats = final["stats"]
+    for key in (
+        "tokens_per_second",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "drafted",
+        "accepted_exact",
+        "accepted_fuzzy",
+        "target_forwards",
+    ):
+        assert key in stats
+    assert len(final["token_ids"]) == 40
+    assert stats["target_forwards"] == len(steps)
+    assert stats["mean_accepted_length"] == pytest.approx(40 / len(steps))
+    origins = {t["origin"] for r in steps for t in r["tokens"]}
+    assert origins <= {"draft-exact", "target-resampled", "target-bonus", "target"}
+
+
+def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path, capsys) -> None:
+    args = [
+        "generate",
+        *pair_args(target_dir, draft_dir),
+        "--autoregressive",
+        "--max-new-tokens",
+        "20",
+        "Once upon a time",
+    ]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    assert out.startswith(", there was a little")  # the target's greedy continuation
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--threshold", "-0.5"], "threshold must be ≥ 0"),
+        (["--threshold", "nan"], "threshold must be ≥ 0"),
+        (["--divergence", "hellinger"], "--divergence"),
+        (["--draft-tokens", "0"], "draft length k"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--device", "cuda"], "no CUDA GPU"),
+        (["--quantize-target", "4bit"], "4bit quantization"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(
+    target_dir: Path, draft_dir: Path, capsys, extra: list[str], message: str
+) -> None:
+    code, out, err = run_cli(["generate", *pair_args(target_dir, draft_dir), *extra, "Once"], capsys)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+    assert "Traceback" not in err
+
+
+def test_bad_models_and_prompts_exit_2(target_dir: Path, draft_dir: Path, tmp_path: Path, capsys) -> None:
+    cases = [
+        (["--target", str(tmp_path / "missing"), "--draft", str(draft_dir), "x"], "model path not found"),
+        (
+            ["--target", str(target_dir), "--draft", str(draft_dir), "word " * 600],
+            "context window is 512 tokens",
+        ),
+    ]
+    for args, message in cases:
+        code, _, err = run_cli(["generate", "--device", "cpu", *args], capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_bitsandbytes_is_one_line(target_dir: Path, draft_dir: Path, tmp_path: Path) -> None:
+    # A broken bitsandbytes install (its import fails), in a real subprocess of the console script.
+    shadow = tmp_path / "shadow" / "bitsandbytes"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('bitsandbytes is broken here')\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
+    args = [
+        sys.executable,
+        "-m",
+        "fsd_chat",
+        "generate",
+        *pair_args(target_dir, draft_dir),
+        "--quantize-draft",
+        "8bit",
+        "x",
+    ]
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "8bit quantization" in lines[0], result.stderr
