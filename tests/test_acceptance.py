@@ -1,0 +1,126 @@
+"""Acceptance rules on teacher-forced positions of real text, with the real models' distributions."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from fsd_chat.decoding.acceptance import verify
+from fsd_chat.decoding.events import Origin
+from fsd_chat.decoding.sampling import SamplingConfig, probabilities
+from fsd_chat.models import ModelPair
+
+TEXT = (
+    "Once upon a time, there was a little girl named Lily. She loved to play with her red ball in the"
+    " park. One day, a big dog came and took the ball away. Lily was sad, but her friend Tom helped her."
+)
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def teacher_forced(pair: ModelPair) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p and q at every position of TEXT ([n, vocab] each) and the tokens that actually follow ([n])."""
+    ids = torch.tensor([pair.tokenizer(TEXT).input_ids])
+    with torch.inference_mode():
+        p = probabilities(pair.target(ids).logits[0, :-1, : pair.vocab_size], GREEDY)
+        q = probabilities(pair.draft(ids).logits[0, :-1, : pair.vocab_size], GREEDY)
+    return p, q, ids[0, 1:]
+
+
+def accepted_positions(teacher_forced, rule: str, divergence: str, threshold: float) -> set[int]:
+    """Positions whose next text token the rule accepts, each tested as a block of k = 1."""
+    p, q, tokens = teacher_forced
+    generator = torch.Generator().manual_seed(0)
+    accepted = set()
+    for i in range(tokens.shape[0]):
+        verdict = verify(
+            torch.stack([p[i], p[i]]),  # the second row stands for the bonus position
+            q[i : i + 1],
+            tokens[i : i + 1],
+            rule=rule,
+            divergence_name=divergence,
+            threshold=threshold,
+            sampling=GREEDY,
+            generator=generator,
+        )
+        if verdict.accepted:
+            accepted.add(i)
+    return accepted
+
+
+@pytest.mark.parametrize("divergence", ["kl", "reverse-kl", "js", "tv"])
+def test_acceptance_set_grows_with_the_threshold(teacher_forced, divergence: str) -> None:
+    n = teacher_forced[2].shape[0]
+    thresholds = [0.0, 0.01, 0.03, 0.1, 0.3, 1.0, math.inf]
+    sets = [accepted_positions(teacher_forced, "fuzzy", divergence, t) for t in thresholds]
+    for smaller, larger in itertools.pairwise(sets):
+        assert smaller <= larger
+    assert len(sets[0]) < n  # the exact test rejects some of the real text...
+    assert len(sets[-1]) == n  # ...and T = ∞ accepts every position
+    assert len(set(map(len, sets))) >= 3  # the dial really moves the rule
+
+
+def test_fuzzy_at_zero_is_the_exact_test(teacher_forced) -> None:
+    exact = accepted_positions(teacher_forced, "exact", "js", 0.0)
+    assert accepted_positions(teacher_forced, "fuzzy", "js", 0.0) == exact
+    # Greedy exact test: the text token is the target's argmax.
+    p, _, tokens = teacher_forced
+    assert exact == {i for i in range(tokens.shape[0]) if int(p[i].argmax()) == int(tokens[i])}
+
+
+def test_pure_rule_ignores_the_exact_test(teacher_forced) -> None:
+    assert accepted_positions(teacher_forced, "pure", "tv", 0.0) == set()
+    n = teacher_forced[2].shape[0]
+    assert accepted_positions(teacher_forced, "pure", "tv", 1.0) == set(range(n))
+
+
+def test_verdict_origins_and_correction() -> None:
+    # k = 2; position 0 identical distributions (accepted exactly), position 1 rejected greedily.
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+    q = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.1, 0.4]])
+    drafts = torch.tensor([0, 2])
+    gen = torch.Generator().manual_seed(0)
+    verdict = verify(
+        p, q, drafts, rule="fuzzy", divergence_name="tv", threshold=0.3, sampling=GREEDY, generator=gen
+    )
+    assert verdict.accepted == 1
+    assert verdict.next_token == 1 and verdict.next_origin == Origin.TARGET_RESAMPLED
+    assert verdict.origins() == [Origin.DRAFT_EXACT, Origin.TARGET_RESAMPLED]
+    assert verdict.divergences == pytest.approx([0.0, 0.7])
+    # Raising T above TV = 0.7 accepts position 1 as fuzzy, then a bonus from the last row.
+    verdict = verify(
+        p, q, drafts, rule="fuzzy", divergence_name="tv", threshold=0.75, sampling=GREEDY, generator=gen
+    )
+    assert verdict.origins() == [Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY, Origin.TARGET_BONUS]
+    assert verdict.next_token == 2
+
+
+def test_sampled_correction_comes_from_the_residual() -> None:
+    # q puts mass on token 1 where p has little; a rejected token 1 must be replaced by token 0,
+    # the only token where p > q (residual max(0, p − q) = [0.5, 0, 0]).
+    p = torch.tensor([[0.6, 0.2, 0.2], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([[0.1, 0.7, 0.2]])
+    sampling = SamplingConfig(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    outcomes = [
+        verify(
+            p,
+            q,
+            torch.tensor([1]),
+            rule="exact",
+            divergence_name="js",
+            threshold=0.0,
+            sampling=sampling,
+            generator=gen,
+        )
+        for _ in range(2000)
+    ]
+    rejected = [v for v in outcomes if v.accepted == 0]
+    assert {v.next_token for v in rejected} == {0}
+    # Acceptance probability p(1)/q(1) = 2/7: 2000 trials, 6-sigma band (false alarm < 1e-8).
+    rate = 1 - len(rejected) / len(outcomes)
+    sigma = math.sqrt((2 / 7) * (5 / 7) / len(outcomes))
+    assert abs(rate - 2 / 7) < 6 * sigma
