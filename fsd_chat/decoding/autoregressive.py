@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding.controls import Controls, DecodingSettings
 from fsd_chat.decoding.events import Origin, Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
-from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import SamplingConfig, draw, probabilities
 from fsd_chat.decoding.timing import PhaseClock
 
@@ -106,32 +106,26 @@ class AutoregressiveDecoder:
             SettingsError: max_new_tokens < 1 or an empty prompt.
         """
         sampling = sampling or SamplingConfig()
-        self.controls.clear_stop()
-        device = self.target.device
-        reply = Reply(
+        start = begin(
+            [self.target],
             prompt_ids,
             tokenizer=self.tokenizer,
-            device=device,
+            controls=self.controls,
+            sampling=sampling,
             max_new_tokens=max_new_tokens,
             context=self.context,
             headroom=0,
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
-            controls=self.controls,
         )
-        generator = sampling.generator(device)
-        clock = PhaseClock(device)
-        self.target.reset()
-        if reply.length > 1:
-            self.target.forward(reply.seq, reply.length - 1, keep=1)
-        prefill_seconds = clock.lap()
+        prefill_seconds = start.prefill_seconds
         while True:
             step = target_step(
                 self.target,
-                reply,
+                start.reply,
                 sampling=sampling,
-                generator=generator,
-                clock=clock,
+                generator=start.generator,
+                clock=start.clock,
                 settings=self.controls.snapshot(),
                 rule=self.rule,
                 prefill_seconds=prefill_seconds,

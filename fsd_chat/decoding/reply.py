@@ -3,7 +3,8 @@ that end a reply (EOS, max_new_tokens, stop strings, a full context window, a st
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -11,6 +12,8 @@ from transformers import PreTrainedTokenizerBase
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
+from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.sampling import SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.errors import ContextLengthError, SettingsError
 
@@ -132,3 +135,53 @@ class Reply:
     def token_ids(self) -> list[int]:
         """Generated token ids so far."""
         return self.seq[0, self.prompt_length : self.length].tolist()
+
+
+@dataclass(slots=True)
+class Start:
+    """A reply whose prompt is prefilled, with the generator and clock of its decoding loop."""
+
+    reply: Reply
+    generator: torch.Generator
+    clock: PhaseClock
+    prefill_seconds: float
+
+
+def begin(
+    models: Sequence[CachedModel],
+    prompt_ids: list[int],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    controls: Controls,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    context: int | None,
+    headroom: int,
+    eos_token_ids: frozenset[int],
+    stop_strings: tuple[str, ...],
+) -> Start:
+    """Start a reply: clear any stop request, reset the models' caches and prefill them with all
+    prompt tokens but the last (each step feeds the last token itself).
+
+    Raises:
+        ContextLengthError, SettingsError: see `Reply`.
+    """
+    controls.clear_stop()
+    device = models[0].device
+    reply = Reply(
+        prompt_ids,
+        tokenizer=tokenizer,
+        device=device,
+        max_new_tokens=max_new_tokens,
+        context=context,
+        headroom=headroom,
+        eos_token_ids=eos_token_ids,
+        stop_strings=stop_strings,
+        controls=controls,
+    )
+    clock = PhaseClock(device)
+    for model in models:
+        model.reset()
+        if reply.length > 1:
+            model.forward(reply.seq, reply.length - 1, keep=1)
+    return Start(reply, sampling.generator(device), clock, clock.lap())

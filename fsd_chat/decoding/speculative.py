@@ -25,7 +25,7 @@ from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import MAX_DRAFT_TOKENS, Controls, DecodingSettings
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
-from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import SamplingConfig, draw, probabilities
 from fsd_chat.decoding.timing import PhaseClock
 
@@ -83,27 +83,20 @@ class SpeculativeDecoder:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
         """
         sampling = sampling or SamplingConfig()
-        self.controls.clear_stop()
-        device = self.draft.device
-        reply = Reply(
+        start = begin(
+            [self.target, self.draft],
             prompt_ids,
             tokenizer=self.tokenizer,
-            device=device,
+            controls=self.controls,
+            sampling=sampling,
             max_new_tokens=max_new_tokens,
             context=self.context,
             headroom=MAX_DRAFT_TOKENS,
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
-            controls=self.controls,
         )
-        generator = sampling.generator(device)
-        clock = PhaseClock(device)
-        self.target.reset()
-        self.draft.reset()
-        if reply.length > 1:
-            self.target.forward(reply.seq, reply.length - 1, keep=1)
-            self.draft.forward(reply.seq, reply.length - 1, keep=1)
-        prefill_seconds = clock.lap()
+        reply, generator, clock = start.reply, start.generator, start.clock
+        prefill_seconds = start.prefill_seconds
         adaptive_k: int | None = None
         while True:
             settings = self.controls.snapshot()
