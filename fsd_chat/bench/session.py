@@ -23,7 +23,7 @@ from fsd_chat.bench.runner import Run, SweepResult, run_sweep
 from fsd_chat.bench.sweep import Config, SweepSpec, build_sweep
 from fsd_chat.cli_options import pair_specs
 from fsd_chat.errors import FsdChatError
-from fsd_chat.models import ModelPair, load_pair
+from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
 
 EXIT_INTERRUPTED = 130
 
@@ -70,7 +70,8 @@ def run_bench(
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
     """
-    setups, configs = build_sweep(spec)
+    auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
+    setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
     prompt_set = load_prompt_set(prompts, data_dir=data_dir, limit=limit)
     if max_new_tokens < 1 or repeats < 1:
         raise FsdChatError("--max-new-tokens and --repeats must be ≥ 1")

@@ -141,8 +141,10 @@ class SweepSpec:
     quantize_draft: str
 
 
-def build_sweep(spec: SweepSpec) -> tuple[list[Setup], list[Config]]:
+def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[Config]]:
     """Parse the lists and expand them into setups and configurations (in a fixed order).
+
+    `auto_dtype` is what dtype "auto" means on the device (so that reports name the real dtype).
 
     Raises:
         FsdChatError: any malformed or out-of-range list item.
@@ -157,7 +159,7 @@ def build_sweep(spec: SweepSpec) -> tuple[list[Setup], list[Config]]:
         if spec.baselines.strip() in ("", "none")
         else parse_list(spec.baselines, "--baselines", str, BASELINES)
     )
-    dtypes = parse_list(spec.dtypes, "--dtype", str, DTYPES)
+    dtypes = [auto_dtype if d == "auto" else d for d in parse_list(spec.dtypes, "--dtype", str, DTYPES)]
     quant_t = parse_list(spec.quantize_target, "--quantize-target", str, QUANTIZATIONS)
     quant_d = parse_list(spec.quantize_draft, "--quantize-draft", str, QUANTIZATIONS)
     setups = [Setup(d, qt, qd) for d in dtypes for qt in quant_t for qd in quant_d]
