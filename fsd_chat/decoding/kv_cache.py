@@ -36,6 +36,10 @@ class CachedModel:
         model: A causal LM (transformers `PreTrainedModel`).
         vocab_size: Logits beyond this index are dropped (a padded lm_head is larger than the
             tokenizer's vocabulary).
+
+    Raises:
+        UnsupportedCacheError: the model's cache has layers that cannot be rolled back
+            (recurrent / linear-attention state, as in Mamba).
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int) -> None:
@@ -44,6 +48,7 @@ class CachedModel:
         self.device = model.get_input_embeddings().weight.device
         self.cache: DynamicCache = DynamicCache(config=model.config)
         self.seen = 0
+        self._check_rollback()
 
     def reset(self) -> None:
         """Start a new sequence with an empty cache."""
@@ -63,7 +68,7 @@ class CachedModel:
             Logits, shape [keep, vocab_size], float32.
 
         Raises:
-            UnsupportedCacheError: the model's cache has a layer type that cannot be rolled back.
+            UnsupportedCacheError: the model does not keep its state in the cache it is given.
         """
         first = self.seen == 0
         out = self.model(
@@ -72,10 +77,13 @@ class CachedModel:
             use_cache=True,
             logits_to_keep=keep,
         )
-        self.cache = out.past_key_values
+        if getattr(out, "past_key_values", None) is not self.cache:
+            raise UnsupportedCacheError(
+                f"{type(self.model).__name__} does not use a transformers DynamicCache, "
+                "which speculative decoding needs to roll back rejected tokens"
+            )
         self.seen = upto
         if first:
-            self._check_rollback()
             self.cache.activate_past_recording()
         return out.logits[0, -keep:, : self.vocab_size].float()
 
@@ -89,10 +97,11 @@ class CachedModel:
             self.seen = length
 
     def _check_rollback(self) -> None:
-        layers = getattr(self.cache, "layers", None)
-        if layers is None or not all(isinstance(layer, _ROLLBACK_LAYERS) for layer in layers):
-            kinds = sorted({type(layer).__name__ for layer in layers or ()}) or [type(self.cache).__name__]
+        unsupported = sorted(
+            {type(layer).__name__ for layer in self.cache.layers if not isinstance(layer, _ROLLBACK_LAYERS)}
+        )
+        if unsupported:
             raise UnsupportedCacheError(
-                f"{type(self.model).__name__} uses a KV cache ({', '.join(kinds)}) that cannot be "
-                "rolled back to an accepted prefix; speculative decoding needs one that can"
+                f"{type(self.model).__name__} keeps state ({', '.join(unsupported)}) that cannot be "
+                "rolled back to an accepted prefix; speculative decoding needs a KV cache that can"
             )

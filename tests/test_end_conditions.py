@@ -1,0 +1,54 @@
+"""How replies end: EOS (not emitted), stop strings (emitted, then stop), and models whose cache
+cannot be rolled back (refused before decoding)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
+
+from fsd_chat.decoding import Controls, DecodingSettings, StopReason
+from fsd_chat.errors import UnsupportedCacheError
+from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from tests.decoding_helpers import collect
+
+PROMPT = "Once upon a time"
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_eos_ends_the_reply_and_is_not_emitted(pair: ModelPair, k: int) -> None:
+    decoder = pair.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=k)))
+    full = collect(decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=60)).ids
+    # Make a frequent word the end-of-sequence token: the reply must stop right before it,
+    # wherever it falls inside a draft block.
+    was = pair.tokenizer.convert_tokens_to_ids("▁was")
+    assert was in full
+    decoder.eos_token_ids = frozenset({was})
+    run = collect(decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=60))
+    assert run.ids == full[: full.index(was)]
+    assert run.steps[-1].stop_reason == StopReason.EOS
+
+
+def test_stop_string_ends_the_reply_after_the_token_that_completes_it(pair: ModelPair) -> None:
+    decoder = pair.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=4)))
+    full = collect(decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=100)).text
+    assert " park" in full
+    run = collect(
+        decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=100, stop_strings=(" park",))
+    )
+    assert run.text == full[: full.index(" park") + len(" park")]
+    assert run.steps[-1].stop_reason == StopReason.STOP_STRING
+
+
+def test_model_with_recurrent_state_is_refused(tmp_path: Path, target_dir: Path) -> None:
+    config = MambaConfig(
+        vocab_size=512, hidden_size=32, num_hidden_layers=1, state_size=4, bos_token_id=1, eos_token_id=2
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp_path / "mamba")
+    pair = load_pair(
+        ModelSpec(str(tmp_path / "mamba")), ModelSpec(str(target_dir)), LoadOptions(device="cpu")
+    )
+    with pytest.raises(UnsupportedCacheError, match="cannot be rolled back"):
+        pair.speculative(Controls())
