@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fsd_chat.bench.meter import ForwardMeter, ForwardTally
-from fsd_chat.bench.sweep import Config
+from fsd_chat.bench.sweep import FSD_RULES, Config
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.autoregressive import eos_token_ids
 from fsd_chat.decoding.kv_cache import context_length
@@ -111,12 +111,13 @@ class PairRunner:
             clock = PhaseClock(self.pair.device)
             ids = self._hf_assisted(prompt_ids, config.draft_tokens, sampling, max_new_tokens, stop_strings)
             return Generation(ids, clock.lap(), None, target, draft)
+        defaults = DecodingSettings()
         controls = Controls(
             DecodingSettings(
-                rule="exact" if config.method in ("exact", "autoregressive") else config.method,  # type: ignore[arg-type]
-                divergence=config.divergence or DecodingSettings().divergence,  # type: ignore[arg-type]
+                rule=config.method if config.method in FSD_RULES else "exact",  # type: ignore[arg-type]
+                divergence=config.divergence or defaults.divergence,  # type: ignore[arg-type]
                 threshold=config.threshold or 0.0,
-                draft_tokens=config.draft_tokens or DecodingSettings().draft_tokens,
+                draft_tokens=config.draft_tokens or defaults.draft_tokens,
             )
         )
         decoder = (

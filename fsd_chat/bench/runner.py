@@ -70,7 +70,8 @@ def run_sweep(
     of the first setup (so that quantized or low-precision setups are judged by one reference).
 
     Prompt i is decoded with seed `seed + i` by every configuration (common random numbers: the
-    configurations' quality differences are not drowned in sampling noise).
+    configurations start from the same random stream, so paired comparisons are less noisy; exact SD
+    and transformers' assisted generation, which draw in the same order, then emit the same samples).
     """
     notify = on_run or (lambda _config, _phase: None)
     scorer = next(iter(pairs.values()))
