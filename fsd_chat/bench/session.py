@@ -3,6 +3,7 @@ report.json, report.md and tradeoff.png, and show the table and plots on the ter
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from fsd_chat.bench import plot, report, terminal
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.runner import Run, SweepResult, run_sweep
-from fsd_chat.bench.sweep import Config, SweepSpec, build_sweep
+from fsd_chat.bench.sweep import Config, Setup, SweepSpec, build_sweep
 from fsd_chat.cli_options import pair_specs
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
@@ -31,21 +32,14 @@ EXIT_INTERRUPTED = 130
 def _sweep_record(
     spec: SweepSpec, prompts: str, count: int, max_new_tokens: int, seed: int, repeats: int
 ) -> dict[str, object]:
+    """What was asked for, as report.json's `sweep`."""
     return {
         "prompts": prompts,
         "prompt_count": count,
         "max_new_tokens": max_new_tokens,
         "seed": seed,
         "repeats": repeats,
-        "thresholds": spec.thresholds,
-        "divergences": spec.divergences,
-        "rules": spec.rules,
-        "draft_tokens": spec.draft_tokens,
-        "temperatures": spec.temperatures,
-        "baselines": spec.baselines,
-        "dtypes": spec.dtypes,
-        "quantize_target": spec.quantize_target,
-        "quantize_draft": spec.quantize_draft,
+        **asdict(spec),
     }
 
 
@@ -85,7 +79,7 @@ def run_bench(
         raise FsdChatError(f"cannot create the output directory {output}: {exc.strerror}") from None
     console = Console(stderr=True)
     pairs: dict[str, ModelPair] = {}
-    by_setup = {}
+    by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
         specs = pair_specs(
             target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
