@@ -38,7 +38,7 @@ class TranscriptError(FsdChatError):
 
 
 def decoding_summary(settings: dict[str, Any]) -> str:
-    """One line of decoding settings, e.g. "fuzzy · js · T 0.100 · k 4"."""
+    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5"."""
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
     parts = [settings["rule"], settings["divergence"], f"T {settings['threshold']:.3f}"]

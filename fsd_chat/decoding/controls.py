@@ -14,8 +14,13 @@ from fsd_chat.decoding.acceptance import RULES, Rule
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.errors import SettingsError
 
-DEFAULT_DRAFT_TOKENS = 4
-"""Default draft length k (see README, "Choosing k": the best tokens/s on the CPU-scale pair)."""
+DEFAULT_DRAFT_TOKENS = 5
+"""Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
+pair (README, "Choosing the defaults"); k = 3..6 lie within each other's confidence intervals."""
+
+DEFAULT_THRESHOLD = 0.05
+"""Default T (js, nats): the smallest threshold with a measurable speed-up over exact SD on the
+CPU-scale pair (README, "Choosing the defaults"); below it fuzzy acceptances are too rare to pay."""
 
 MAX_DRAFT_TOKENS = 32
 
@@ -38,7 +43,7 @@ class DecodingSettings:
 
     rule: Rule = "fuzzy"
     divergence: DivergenceName = "js"
-    threshold: float = 0.1
+    threshold: float = DEFAULT_THRESHOLD
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     adaptive: bool = False
 

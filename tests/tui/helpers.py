@@ -10,7 +10,7 @@ from pathlib import Path
 
 from textual.pilot import Pilot
 
-from fsd_chat.decoding import Controls, SamplingConfig, Step
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
 from fsd_chat.models import ModelPair
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
@@ -88,6 +88,10 @@ def make_app(
         gate.append(gated)
         return gated
 
+    # The tests' figures assume these starting settings, whatever the product's defaults are.
+    options.setdefault(
+        "settings", DecodingSettings(rule="fuzzy", divergence="js", threshold=0.1, draft_tokens=4)
+    )
     chat_options = ChatOptions(
         target=pair.target_spec,
         draft=pair.draft_spec,

@@ -26,7 +26,7 @@ COLOURS: dict[Origin, str] = {
 DIAL = """\
 ## The dial
 
-`T 0.10 ▕█▍        ▏ js · fuzzy · k 4` — the threshold **T** of Fuzzy Speculative Decoding, a bar
+`T 0.05 ▕▊         ▏ js · fuzzy · k 5` — the threshold **T** of Fuzzy Speculative Decoding, a bar
 over the divergence's useful range, the divergence **D** and the acceptance rule in force.
 
 For every draft token the target model checks the draft's proposal. With the **fuzzy** rule a
