@@ -147,6 +147,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def target_device_map(options: LoadOptions) -> str | None:
+    """ "auto" (accelerate spreads the target's layers over every GPU) when `--device` is auto or
+    cuda and there are several GPUs; None (the whole model on one device) otherwise. An explicit
+    cuda:N keeps the target on that GPU."""
+    several_gpus = torch.cuda.is_available() and torch.cuda.device_count() > 1
+    return "auto" if several_gpus and options.device in ("auto", "cuda") else None
+
+
 def _is_local(source: str) -> bool:
     return source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
 
@@ -306,10 +314,9 @@ def load_pair(
         target_config.get_text_config().vocab_size,
         draft_config.get_text_config().vocab_size,
     )
-    spread = device.type == "cuda" and options.device in ("auto", "cuda") and torch.cuda.device_count() > 1
     report(f"loading target model {target.name} ({target.quantization})")
     target_model = _load_model(
-        target, options, target_source, target_config, device_map="auto" if spread else None
+        target, options, target_source, target_config, device_map=target_device_map(options)
     )
     report(f"loading draft model {draft.name} ({draft.quantization})")
     draft_model = _load_model(draft, options, draft_source, draft_config, device_map=None)
