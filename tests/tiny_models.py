@@ -24,42 +24,25 @@ VOCAB = 512
 
 def config_for(arch: str, *, vocab_size: int = VOCAB, layers: int = 2) -> PretrainedConfig:
     """A small config of the given architecture ("llama", "qwen2", "gpt2", "gemma2")."""
-    common = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    if arch == "llama":
-        return LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            **common,
-        )
-    if arch == "qwen2":
-        return Qwen2Config(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            **common,
-        )
+    tokens = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if arch == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=512, **common)
+        return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=512, **tokens)
+    llama_like = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        **tokens,
+    }
+    if arch == "llama":
+        return LlamaConfig(**llama_like)
+    if arch == "qwen2":
+        return Qwen2Config(**llama_like)
     if arch == "gemma2":
         # A window much shorter than the replies, so rollback crosses the window edge.
-        return Gemma2Config(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            sliding_window=16,
-            **common,
-        )
+        return Gemma2Config(head_dim=16, sliding_window=16, **llama_like)
     raise ValueError(arch)
 
 
