@@ -98,10 +98,12 @@ class SpeculativeDecoder:
         reply, generator, clock = start.reply, start.generator, start.clock
         prefill_seconds = start.prefill_seconds
         adaptive_k: int | None = None
+        base_k = self.controls.snapshot().draft_tokens
         while True:
             settings = self.controls.snapshot()
-            if not settings.adaptive:
-                adaptive_k = None
+            if not settings.adaptive or settings.draft_tokens != base_k:
+                # Adaptation restarts from a k the user sets (or stops when switched off).
+                adaptive_k, base_k = None, settings.draft_tokens
             k = min(adaptive_k or settings.draft_tokens, reply.room())
             if k == 0:
                 step = target_step(
