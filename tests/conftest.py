@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import DistilBertConfig, DistilBertModel
 
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 
@@ -42,3 +45,26 @@ def pair() -> ModelPair:
     return load_pair(
         ModelSpec(str(TARGET_DIR)), ModelSpec(str(DRAFT_DIR)), LoadOptions(device="cpu", dtype="float32")
     )
+
+
+@pytest.fixture(scope="session")
+def mismatched_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real draft with a tokenizer that swaps the ids of two tokens (so it is incompatible)."""
+    other = tmp_path_factory.mktemp("models") / "mismatched-draft"
+    shutil.copytree(DRAFT_DIR, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["▁the"], vocab["▁a"] = vocab["▁a"], vocab["▁the"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return other
+
+
+@pytest.fixture(scope="session")
+def encoder_only_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny encoder-only model (DistilBERT) with the stories tokenizer: not a causal LM."""
+    directory = tmp_path_factory.mktemp("models") / "encoder"
+    config = DistilBertConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    DistilBertModel(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TARGET_DIR / name, directory)
+    return directory

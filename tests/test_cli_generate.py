@@ -100,9 +100,18 @@ def test_bad_settings_exit_2_with_one_line(
     assert "Traceback" not in err
 
 
-def test_bad_models_and_prompts_exit_2(target_dir: Path, draft_dir: Path, tmp_path: Path, capsys) -> None:
+def test_bad_models_and_prompts_exit_2(
+    target_dir: Path,
+    draft_dir: Path,
+    mismatched_draft_dir: Path,
+    encoder_only_dir: Path,
+    tmp_path: Path,
+    capsys,
+) -> None:
     cases = [
         (["--target", str(tmp_path / "missing"), "--draft", str(draft_dir), "x"], "model path not found"),
+        (["--target", str(target_dir), "--draft", str(mismatched_draft_dir), "x"], "tokenizers differ"),
+        (["--target", str(encoder_only_dir), "--draft", str(draft_dir), "x"], "not a causal language model"),
         (
             ["--target", str(target_dir), "--draft", str(draft_dir), "word " * 600],
             "context window is 512 tokens",
