@@ -38,7 +38,7 @@ FULL = Preset(
     thresholds="0.01,0.02,0.05,0.1,0.2,0.4",
     divergences="js,kl,tv",
     rules="fuzzy",
-    draft_tokens="4",
+    draft_tokens=str(o.DEFAULT_K),
     repeats=1,
     threads=None,
 )
@@ -50,7 +50,7 @@ QUICK = Preset(
     thresholds="0.02,0.05,0.1,0.2,0.4",
     divergences="js,tv",
     rules="fuzzy",
-    draft_tokens="4",
+    draft_tokens=str(o.DEFAULT_K),
     repeats=1,
     threads=1,
 )
