@@ -8,11 +8,12 @@ plain text, one after another: a base model simply continues the text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Literal
 
 from fsd_chat.errors import ContextLengthError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Role = Literal["system", "user", "assistant"]
 

@@ -11,11 +11,14 @@ from typing import Annotated
 
 import typer
 
-from fsd_chat.decoding.acceptance import Rule
-from fsd_chat.decoding.controls import DEFAULT_DRAFT_TOKENS, DecodingSettings
-from fsd_chat.decoding.divergence import DivergenceName
-from fsd_chat.decoding.sampling import SamplingConfig
-from fsd_chat.models import LoadOptions, ModelSpec, Quantization
+from fsd_chat.decoding.settings import (
+    DEFAULT_DRAFT_TOKENS,
+    DecodingSettings,
+    DivergenceName,
+    Rule,
+    SamplingConfig,
+)
+from fsd_chat.model_options import LoadOptions, ModelSpec, Quantization
 
 MODELS = "Models"
 DECODING = "Decoding"

@@ -10,7 +10,6 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from transformers import (
@@ -28,46 +27,9 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.errors import IncompatibleModelsError, ModelLoadError
-
-Quantization = Literal["none", "8bit", "4bit"]
-QUANTIZATIONS: tuple[Quantization, ...] = ("none", "8bit", "4bit")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from fsd_chat.model_options import DTYPES, QUANTIZATIONS, LoadOptions, ModelSpec
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """Where a model comes from and how it is quantized.
-
-    Attributes:
-        source: A Hugging Face Hub id ("HuggingFaceTB/SmolLM2-135M-Instruct") or a local directory.
-        quantization: "none", "8bit" (LLM.int8) or "4bit" (NF4), via bitsandbytes.
-    """
-
-    source: str
-    quantization: Quantization = "none"
-
-    @property
-    def name(self) -> str:
-        """Short display name: the directory or repository name."""
-        return Path(self.source.rstrip("/")).name or self.source
-
-
-@dataclass(frozen=True, slots=True)
-class LoadOptions:
-    """Placement options shared by both models.
-
-    Attributes:
-        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
-        dtype: "auto" (bfloat16 on CUDA where supported, else float16; float32 on the CPU),
-            "float32", "bfloat16" or "float16".
-        trust_remote_code: Allow model repositories to run their own code (off by default).
-    """
-
-    device: str = "auto"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
 
 
 @dataclass(slots=True)

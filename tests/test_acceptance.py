@@ -10,7 +10,8 @@ import torch
 
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.sampling import SamplingConfig, probabilities
+from fsd_chat.decoding.sampling import probabilities
+from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.models import ModelPair
 
 TEXT = (

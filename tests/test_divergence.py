@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, divergence, js, kl, reverse_kl, tv
+from fsd_chat.decoding.divergence import divergence, js, kl, reverse_kl, tv
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES
 
 P = torch.tensor([0.5, 0.5, 0.0])
 Q = torch.tensor([0.25, 0.25, 0.5])

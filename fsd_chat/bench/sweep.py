@@ -12,8 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from fsd_chat.decoding.controls import MAX_DRAFT_TOKENS
-from fsd_chat.decoding.divergence import DIVERGENCE_NAMES
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES, MAX_DRAFT_TOKENS
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import DTYPES, QUANTIZATIONS
 

@@ -15,16 +15,13 @@ the first rejection.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from fsd_chat.decoding.divergence import DivergenceName, divergence
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.sampling import SamplingConfig, draw
-
-Rule = Literal["exact", "fuzzy", "pure"]
-RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure")
+from fsd_chat.decoding.sampling import draw
+from fsd_chat.decoding.settings import Rule, SamplingConfig
 
 
 @dataclass(frozen=True, slots=True)

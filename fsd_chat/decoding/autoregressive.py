@@ -10,11 +10,12 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fsd_chat.decoding.controls import Controls, DecodingSettings
+from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Origin, Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
 from fsd_chat.decoding.reply import Reply, begin
-from fsd_chat.decoding.sampling import SamplingConfig, draw, probabilities
+from fsd_chat.decoding.sampling import draw, probabilities
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 
 

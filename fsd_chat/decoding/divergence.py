@@ -13,20 +13,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
-DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
-DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
-
-UPPER_BOUND: dict[DivergenceName, float] = {
-    "kl": math.inf,
-    "reverse-kl": math.inf,
-    "js": math.log(2.0),
-    "tv": 1.0,
-}
-"""Largest value each divergence can take (a threshold at or above it accepts every draft token)."""
+from fsd_chat.decoding.settings import DivergenceName
 
 
 def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

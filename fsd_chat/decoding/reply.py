@@ -13,7 +13,8 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.kv_cache import CachedModel
-from fsd_chat.decoding.sampling import SamplingConfig
+from fsd_chat.decoding.sampling import seeded_generator
+from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.errors import ContextLengthError, SettingsError
 
@@ -184,4 +185,4 @@ def begin(
         model.reset()
         if reply.length > 1:
             model.forward(reply.seq, reply.length - 1, keep=1)
-    return Start(reply, sampling.generator(device), clock, clock.lap())
+    return Start(reply, seeded_generator(sampling, device), clock, clock.lap())

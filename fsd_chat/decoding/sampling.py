@@ -7,53 +7,19 @@ tokens are actually drawn from).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fsd_chat.errors import SettingsError
+from fsd_chat.decoding.settings import SamplingConfig
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingConfig:
-    """How tokens are drawn.
-
-    Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-        top_k: Keep the k most likely tokens (0 = all).
-        top_p: Keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
-        seed: Seed of the generator used for draws and acceptance tests (None = random).
-
-    Raises:
-        SettingsError: on a negative temperature or top-k, or top-p outside (0, 1].
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise SettingsError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise SettingsError(f"top-k must be ≥ 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when tokens are chosen by argmax."""
-        return self.temperature == 0.0
-
-    def generator(self, device: torch.device | str) -> torch.Generator:
-        """A torch generator on `device`, seeded from `seed` (or from torch's RNG when None)."""
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+def seeded_generator(config: SamplingConfig, device: torch.device | str) -> torch.Generator:
+    """A torch generator on `device`, seeded from `config.seed` (or from torch's RNG when None)."""
+    gen = torch.Generator(device=device)
+    if config.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(config.seed)
+    return gen
 
 
 def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -22,11 +22,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
-from fsd_chat.decoding.controls import MAX_DRAFT_TOKENS, Controls, DecodingSettings
+from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
 from fsd_chat.decoding.reply import Reply, begin
-from fsd_chat.decoding.sampling import SamplingConfig, draw, probabilities
+from fsd_chat.decoding.sampling import draw, probabilities
+from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 
 

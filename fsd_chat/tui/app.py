@@ -17,8 +17,8 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from fsd_chat.decoding.controls import Controls, DecodingSettings
-from fsd_chat.decoding.sampling import SamplingConfig
+from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
 from fsd_chat.session import Session, new_session_id, now

@@ -24,9 +24,9 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat import Message, fit_to_context
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.divergence import DIAL_RANGE, DIVERGENCE_NAMES, THRESHOLD_STEP
+from fsd_chat.decoding.divergence import DIAL_RANGE, THRESHOLD_STEP
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.sampling import SamplingConfig
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.session import Session, Turn, new_session_id, now
 from fsd_chat.store import SessionStore

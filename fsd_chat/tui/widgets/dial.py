@@ -10,8 +10,8 @@ from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from fsd_chat.decoding.controls import DecodingSettings
 from fsd_chat.decoding.divergence import DIAL_RANGE
+from fsd_chat.decoding.settings import DecodingSettings
 from fsd_chat.tui.keys import DIAL_BINDINGS
 
 BAR_CELLS = 10

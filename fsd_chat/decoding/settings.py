@@ -1,0 +1,96 @@
+"""The settings of decoding, free of torch so that the command line loads fast: acceptance rule,
+divergence, threshold T, draft length k (`DecodingSettings`) and sampling (`SamplingConfig`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from fsd_chat.errors import SettingsError
+
+Rule = Literal["exact", "fuzzy", "pure"]
+RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure")
+
+DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
+DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
+
+DEFAULT_DRAFT_TOKENS = 5
+"""Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
+pair (README, "Choosing the defaults"); k = 3..6 lie within each other's confidence intervals."""
+
+DEFAULT_THRESHOLD = 0.05
+"""Default T (js, nats): the smallest threshold with a measurable speed-up over exact SD on the
+CPU-scale pair (README, "Choosing the defaults"); below it fuzzy acceptances are too rare to pay."""
+
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class DecodingSettings:
+    """The acceptance rule and its parameters.
+
+    Attributes:
+        rule: "exact" (standard SD), "fuzzy" (exact test or D ≤ T; FSD) or "pure" (D ≤ T only).
+        divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
+        threshold: T ≥ 0 in the divergence's units (nats; a probability for tv); inf allowed.
+        draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS (the starting k when adaptive).
+        adaptive: Adapt k each step: +1 after a fully accepted block, −1 after a rejection
+            (the heuristic of transformers' assisted generation).
+
+    Raises:
+        SettingsError: on any value out of range.
+    """
+
+    rule: Rule = "fuzzy"
+    divergence: DivergenceName = "js"
+    threshold: float = DEFAULT_THRESHOLD
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    adaptive: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise SettingsError(f"unknown rule {self.rule!r}; choose one of {', '.join(RULES)}")
+        if self.divergence not in DIVERGENCE_NAMES:
+            raise SettingsError(
+                f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCE_NAMES)}"
+            )
+        if math.isnan(self.threshold) or self.threshold < 0:
+            raise SettingsError(
+                f"threshold must be ≥ 0 (0 = exact speculative decoding), got {self.threshold}"
+            )
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How tokens are drawn.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: Keep the k most likely tokens (0 = all).
+        top_p: Keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
+        seed: Seed of the generator used for draws and acceptance tests (None = random).
+
+    Raises:
+        SettingsError: on a negative temperature or top-k, or top-p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise SettingsError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise SettingsError(f"top-k must be ≥ 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax."""
+        return self.temperature == 0.0
