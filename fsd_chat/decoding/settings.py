@@ -35,7 +35,7 @@ class DecodingSettings:
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
         threshold: T ≥ 0 in the divergence's units (nats; a probability for tv); inf allowed.
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS (the starting k when adaptive).
-        adaptive: Adapt k each step: +1 after a fully accepted block, −1 after a rejection
+        adaptive: Adapt k each step: +2 after a fully accepted block, −1 after a rejection
             (the heuristic of transformers' assisted generation).
 
     Raises:
