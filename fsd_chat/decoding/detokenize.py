@@ -55,8 +55,3 @@ class IncrementalDetokenizer:
         if rest:
             self._emitted.append(rest)
         return rest
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        return "".join(self._emitted)

@@ -70,6 +70,10 @@ class Reply:
         self.length = len(prompt_ids)
         self._eos = eos_token_ids
         self._stop_strings = stop_strings
+        # The last characters of the reply, enough for a stop string to end in the next delta:
+        # checking a bounded tail keeps the per-token cost constant however long the reply grows.
+        self._tail = ""
+        self._tail_length = max((len(s) for s in stop_strings), default=1) - 1
         self._controls = controls
         self._detok = IncrementalDetokenizer(tokenizer)
 
@@ -129,8 +133,11 @@ class Reply:
         return Step(tuple(tokens), stats, reason)
 
     def _completes_stop_string(self, delta: str) -> bool:
-        text = self._detok.text
-        return any(s in text[-(len(s) + len(delta)) :] for s in self._stop_strings)
+        if not self._stop_strings:
+            return False
+        window = self._tail + delta
+        self._tail = window[-self._tail_length :] if self._tail_length else ""
+        return any(s in window for s in self._stop_strings)
 
     @property
     def token_ids(self) -> list[int]:
