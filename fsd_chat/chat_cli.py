@@ -45,6 +45,15 @@ RawOpt = Annotated[
 AutoregressiveOpt = Annotated[
     bool, typer.Option("--autoregressive", help="Target-only decoding (no draft).", rich_help_panel=CHAT)
 ]
+DebugOpt = Annotated[
+    bool,
+    typer.Option(
+        "--debug",
+        help="After the chat ends, print the tracebacks of unexpected errors (always logged to "
+        "fsd-chat.log in the data folder).",
+        rich_help_panel=CHAT,
+    ),
+]
 OptionalTargetOpt = Annotated[
     str | None,
     typer.Option(
@@ -96,12 +105,14 @@ def chat(
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     trust_remote_code: o.TrustRemoteCodeOpt = False,
+    threads: o.ThreadsOpt = None,
     raw: RawOpt = False,
     autoregressive: AutoregressiveOpt = False,
     system: SystemOpt = None,
     theme: ThemeOpt = None,
     transcripts_dir: TranscriptsDirOpt = None,
     resume: ResumeOpt = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
     config = load_config()
@@ -153,8 +164,15 @@ def chat(
         resume=session,
         keymap=config.keymap,
         user_themes_dir=user_themes_dir(),
+        threads=v["threads"],
     )
-    FsdChatApp(options).run()
+    app = FsdChatApp(options)
+    app.run()
+    if debug:
+        for text in app.tracebacks:
+            sys.stderr.write(text)
+    if app.return_code:  # a crash (1) or an ending signal (128 + its number)
+        raise SystemExit(app.return_code)
 
 
 def history() -> None:

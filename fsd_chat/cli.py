@@ -66,6 +66,7 @@ def generate(
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     trust_remote_code: o.TrustRemoteCodeOpt = False,
+    threads: o.ThreadsOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Plain text prompt, no chat template.")] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="JSON Lines: one object per step, then a summary.")
@@ -90,6 +91,7 @@ def generate(
         raw=raw,
         as_json=as_json,
         autoregressive=autoregressive,
+        threads=threads,
     )
 
 

@@ -56,6 +56,14 @@ DtypeOpt = Annotated[
         rich_help_panel=MODELS,
     ),
 ]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="torch CPU threads (default: the cores idle at the start, one fewer in the chat).",
+        rich_help_panel=MODELS,
+    ),
+]
 TrustRemoteCodeOpt = Annotated[
     bool,
     typer.Option(

@@ -51,6 +51,7 @@ OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "system": str,
     "theme": str,
     "transcripts_dir": str,
+    "threads": int,
 }
 """Settings `config.toml` may hold, with their TOML types (the chat command's option names)."""
 

@@ -14,6 +14,7 @@ from fsd_chat.chat import Message, prompt_ids
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, Step
 from fsd_chat.models import LoadOptions, ModelSpec, load_pair
 from fsd_chat.themes import default_origin_styles
+from fsd_chat.threads import apply_threads
 
 
 def step_record(step: Step) -> dict[str, object]:
@@ -25,6 +26,7 @@ def step_record(step: Step) -> dict[str, object]:
         ],
         "stats": asdict(step.stats),
         "stop_reason": None if step.stop_reason is None else str(step.stop_reason),
+        "flushed": step.flushed,
     }
 
 
@@ -45,6 +47,7 @@ def run_generate(
     raw: bool,
     as_json: bool,
     autoregressive: bool,
+    threads: int | None = None,
 ) -> GenerationStats:
     """Load the pair, decode one reply to `prompt` and write it out; returns the totals.
 
@@ -52,6 +55,8 @@ def run_generate(
         FsdChatError: bad models, settings or a prompt that does not fit the context.
     """
     pair = load_pair(target, draft, options)
+    if pair.device.type == "cpu":
+        apply_threads(threads)
     controls = Controls(settings)
     decoder = pair.autoregressive(controls) if autoregressive else pair.speculative(controls)
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
@@ -65,14 +70,15 @@ def run_generate(
     for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling):
         totals.add(step)
         token_ids += [t.id for t in step.tokens]
-        texts += [t.text for t in step.tokens]
+        texts.append(step.text)
         stop_reason = step.stop_reason
         if as_json:
             _emit_json(step_record(step))
         elif colour:
-            console.print(Text.assemble(*((t.text, styles[t.origin]) for t in step.tokens)), end="")
+            parts = ((t.text, styles[t.origin]) for t in step.tokens)
+            console.print(Text.assemble(step.flushed, *parts), end="")
         else:
-            sys.stdout.write("".join(t.text for t in step.tokens))
+            sys.stdout.write(step.text)
             sys.stdout.flush()
     if as_json:
         _emit_json(

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -25,6 +24,7 @@ from fsd_chat.bench.sweep import Config, Setup, SweepSpec, build_sweep
 from fsd_chat.cli_options import pair_specs
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
+from fsd_chat.threads import apply_threads
 
 EXIT_INTERRUPTED = 130
 
@@ -69,10 +69,8 @@ def run_bench(
     prompt_set = load_prompt_set(prompts, data_dir=data_dir, limit=limit)
     if max_new_tokens < 1 or repeats < 1:
         raise FsdChatError("--max-new-tokens and --repeats must be ≥ 1")
-    if threads is not None:
-        if threads < 1:
-            raise FsdChatError(f"--threads must be ≥ 1, got {threads}")
-        torch.set_num_threads(threads)
+    if resolve_device(device).type == "cpu":
+        apply_threads(threads)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -101,6 +101,8 @@ class Reply:
         """Emit the `count` tokens written at seq[length:length + count] as one `Step`.
 
         Tokens after an EOS are dropped (the EOS too); the reply ends at the first end condition.
+        Text the detokeniser still holds back when the reply ends goes to the last emitted token,
+        or to `Step.flushed` when the step emits none (its first token was EOS).
         `stats.emitted` becomes the number of tokens actually emitted, and the time spent here
         (detokenisation) is added to `stats.other_seconds`.
         """
@@ -117,6 +119,7 @@ class Reply:
                 reason = StopReason.STOP_STRING
                 break
         self.length += len(tokens)
+        tail = ""
         if reason is None:
             if self.produced >= self.max_new_tokens:
                 reason = StopReason.MAX_NEW_TOKENS
@@ -124,13 +127,17 @@ class Reply:
                 reason = StopReason.CONTEXT
             elif self._controls.stop_requested:
                 reason = StopReason.STOPPED
-        if reason is not None and tokens:
+        if reason is not None:
+            # A stop request is consumed by the reply it ends (one that arrives before the reply's
+            # first step still ends it: `begin` does not clear it).
+            self._controls.clear_stop()
             tail = self._detok.flush()
-            if tail:
+            if tail and tokens:
                 last = tokens[-1]
                 tokens[-1] = Token(last.id, last.text + tail, last.origin, last.divergence)
+                tail = ""
         stats = replace(stats, emitted=len(tokens), other_seconds=stats.other_seconds + clock.lap())
-        return Step(tuple(tokens), stats, reason)
+        return Step(tuple(tokens), stats, reason, flushed=tail)
 
     def _completes_stop_string(self, delta: str) -> bool:
         if not self._stop_strings:
@@ -168,13 +175,12 @@ def begin(
     eos_token_ids: frozenset[int],
     stop_strings: tuple[str, ...],
 ) -> Start:
-    """Start a reply: clear any stop request, reset the models' caches and prefill them with all
+    """Start a reply: reset the models' caches and prefill them with all
     prompt tokens but the last (each step feeds the last token itself).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
     """
-    controls.clear_stop()
     device = models[0].device
     reply = Reply(
         prompt_ids,

@@ -15,10 +15,23 @@ class LoadProgress(Message):
         self.text = text
 
 
-class StepDecoded(Message):
-    """One decoding step of generation number `generation` (stale generations are ignored)."""
+class StepsDecoded(Message):
+    """Decoding steps of generation number `generation` (stale generations are ignored), batched:
+    the worker posts at most about 30 batches a second, and always the reply's last step."""
 
-    def __init__(self, generation: int, step: Step) -> None:
+    def __init__(self, generation: int, steps: tuple[Step, ...]) -> None:
         super().__init__()
         self.generation = generation
-        self.step = step
+        self.steps = steps
+
+
+class SaveFailed(Message):
+    """Saving the session failed (it is retried on the next save)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+
+class SaveRecovered(Message):
+    """Saving works again after a failure: everything pending was written."""

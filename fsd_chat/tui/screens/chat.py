@@ -1,14 +1,20 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
 A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass, posted as `StepDecoded` and appended to the streaming `ReplyView`. Keys
-change the shared `Controls`, which the decoder reads at the start of every step. The session is
-saved after the user's message and after every finished reply.
+target forward pass; the worker posts them in batches (`StepsDecoded`, about 30 a second at most)
+to the streaming `ReplyView`. Keys change the shared `Controls`, which the decoder reads at the
+start of every step.
+
+Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
+together with the reply it asks for (stored as `streaming`), so the stored session always
+alternates; the reply's row is rewritten at most once a second while it streams and once when it
+ends (stopped, if a new chat, quit or a signal cut it short).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +33,17 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.divergence import DIAL_RANGE, THRESHOLD_STEP
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, SamplingConfig
+from fsd_chat.errorlog import log_exception, log_path
 from fsd_chat.errors import FsdChatError
-from fsd_chat.session import Session, Turn, new_session_id, now
-from fsd_chat.store import SessionStore
+from fsd_chat.session import STOPPED, Session, Turn, new_session_id, now
+from fsd_chat.session_writer import SessionWriter
+from fsd_chat.store import BUSY_TIMEOUT, SessionStore
 from fsd_chat.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.tui.keys import CHAT_BINDINGS
-from fsd_chat.tui.messages import StepDecoded
+from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsDecoded
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
+from fsd_chat.tui.stream import batched
 from fsd_chat.tui.widgets.dial import ThresholdDial
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
@@ -42,6 +51,8 @@ from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from fsd_chat.tui.widgets.stats import StatsStrip
 
 GROUP = "generation"
+SAVE_INTERVAL = 1.0
+"""Seconds between two saves of a streaming reply: what a kill -9 can lose at most."""
 
 
 class Decoder(Protocol):
@@ -78,6 +89,7 @@ class ChatSetup:
         session: The session to continue (a fresh one, or a resumed one).
         transcripts_dir: Folder the export dialog suggests.
         keymap: Binding id -> keys (for the help screen).
+        tracebacks: Where unexpected errors' tracebacks are collected (`--debug` prints them).
     """
 
     tokenizer: object
@@ -92,6 +104,7 @@ class ChatSetup:
     session: Session
     transcripts_dir: Path
     keymap: dict[str, str]
+    tracebacks: list[str]
 
 
 class ChatScreen(Screen[None]):
@@ -107,6 +120,15 @@ class ChatScreen(Screen[None]):
         self.generation = 0
         """Number of the current generation; steps of older ones (before ctrl+n) are dropped."""
         self.streaming: ReplyView | None = None
+        self.reply_turn: Turn | None = None
+        """The streaming reply's turn (in `session.turns` and stored)."""
+        self._sent_text = ""
+        self._last_save = 0.0
+        self.writer = SessionWriter(
+            setup.store,
+            on_error=lambda reason: self.post_message(SaveFailed(reason)),
+            on_recovered=lambda: self.post_message(SaveRecovered()),
+        )
         # One generation at a time uses the decoder's KV caches, even when a cancelled one is
         # still finishing its last step.
         self._decoder_lock = threading.Lock()
@@ -149,7 +171,6 @@ class ChatScreen(Screen[None]):
         if self.streaming is not None:
             self.notify("A reply is streaming: wait for it, or press Esc to stop it.", severity="warning")
             return
-        turn = Turn("user", text)
         messages = [*self.session.messages(), Message("user", text)]
         context = self.setup.decoder.context
         # Keep half the window for the prompt at least: a large --max-new-tokens must not make
@@ -168,6 +189,11 @@ class ChatScreen(Screen[None]):
         except FsdChatError as exc:
             self.notify(str(exc), title="Message not sent", severity="error")
             return
+        except Exception as exc:  # e.g. a chat template that rejects the conversation
+            self.notify(
+                self.unexpected(exc, "building the prompt"), title="Message not sent", severity="error"
+            )
+            return
         if len(kept) < len(messages):
             self.notify(
                 f"{len(messages) - len(kept)} earlier message(s) no longer fit the model's context "
@@ -175,9 +201,15 @@ class ChatScreen(Screen[None]):
                 severity="warning",
             )
         self.query_one(PromptInput).clear()
-        self.session.turns.append(turn)
-        self._save()
+        # Cleared here, not when decoding starts: Esc pressed before the first step still counts.
+        self.controls.clear_stop()
         reply = ReplyView()
+        question = Turn("user", text)
+        self.reply_turn = Turn("assistant", "", reply=reply.record)
+        self.session.turns += [question, self.reply_turn]
+        self.writer.append(self.session, [question, self.reply_turn])
+        self._last_save = time.monotonic()
+        self._sent_text = text
         self.streaming = reply
         self.generation += 1
         self.query_one("#conversation", VerticalScroll).mount_all([UserMessage(text), reply])
@@ -185,51 +217,78 @@ class ChatScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
     def _generate(self, ids: list[int], generation: int) -> None:
-        """Decode one reply in this thread, posting one `StepDecoded` per step."""
+        """Decode one reply in this thread, posting its steps in batches, then an empty batch."""
         worker = get_current_worker()
         with self._decoder_lock:
             steps = self.setup.decoder.generate(
                 ids, max_new_tokens=self.setup.max_new_tokens, sampling=self.setup.sampling
             )
-            for step in steps:
-                self.post_message(StepDecoded(generation, step))
+            for batch in batched(steps):
+                self.post_message(StepsDecoded(generation, batch))
                 if worker.is_cancelled:
-                    break
+                    return
+        self.post_message(StepsDecoded(generation, ()))
 
-    def on_step_decoded(self, message: StepDecoded) -> None:
-        """Append a step to the streaming reply; finish the reply on its last step."""
+    def on_steps_decoded(self, message: StepsDecoded) -> None:
+        """Append a batch of steps to the streaming reply; finish the reply when it ended."""
         if message.generation != self.generation or self.streaming is None:
             return
-        self.streaming.add_step(message.step)
-        self.query_one(StatsStrip).add(message.step)
-        if message.step.stop_reason is not None:
+        steps = message.steps
+        if steps:
+            self.streaming.add_steps(steps)
+            self.query_one(StatsStrip).add(steps)
+        if not steps or steps[-1].stop_reason is not None:
             self._finish_reply()
+        elif time.monotonic() - self._last_save >= SAVE_INTERVAL:
+            self._last_save = time.monotonic()
+            assert self.reply_turn is not None
+            self.writer.update_reply(self.session.id, self.reply_turn)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """A generation that failed ends its reply with the error; the conversation stays."""
         if event.worker.group != GROUP or event.state != WorkerState.ERROR:
             return
         error = event.worker.error
-        message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"
+        assert error is not None
+        message = (
+            str(error) if isinstance(error, FsdChatError) else self.unexpected(error, "decoding a reply")
+        )
         self.notify(message, title="Generation failed", severity="error")
         if self.streaming is not None:
             self._finish_reply(error=message)
 
-    def _finish_reply(self, error: str | None = None) -> None:
-        reply = self.streaming
-        assert reply is not None
-        self.streaming = None
-        if error is not None and reply.record.stop_reason is None:
-            reply.record.stop_reason = "error"
-        reply.finish(error)
-        self.session.turns.append(Turn("assistant", reply.record.text, reply=reply.record))
-        self._save()
+    def unexpected(self, error: BaseException, doing: str) -> str:
+        """Log an unexpected error with its traceback; returns the one line to show."""
+        self.setup.tracebacks.append(log_exception(error, doing))
+        return f"{type(error).__name__} while {doing}: {error} (details in {log_path()})"
 
-    def _save(self) -> None:
-        try:
-            self.setup.store.save(self.session)
-        except FsdChatError as exc:
-            self.notify(str(exc), title="Session not saved", severity="error")
+    def _finish_reply(self, error: str | None = None) -> None:
+        """End the streaming reply (stopped, unless it has its own reason) and save it."""
+        reply, turn = self.streaming, self.reply_turn
+        assert reply is not None and turn is not None
+        self.streaming = self.reply_turn = None
+        if reply.record.stop_reason is None:
+            reply.record.stop_reason = "error" if error is not None else STOPPED
+        reply.finish(error)
+        if self.has_class("-markdown"):
+            reply.show_markdown()
+        turn.content = reply.record.text
+        self.writer.update_reply(self.session.id, turn)
+        prompt = self.query_one(PromptInput)
+        if error is not None and not turn.content and not prompt.text:
+            prompt.text = self._sent_text  # nothing came of it: the message can be sent again
+
+    def on_save_failed(self, message: SaveFailed) -> None:
+        """Say once that saving fails; the writer retries on the next save."""
+        self.notify(
+            f"{message.reason}. It is kept and retried on the next save.",
+            title="Session not saved",
+            severity="error",
+        )
+
+    def on_save_recovered(self, message: SaveRecovered) -> None:
+        """Saving works again."""
+        self.notify("Session saved again.", timeout=3)
 
     # --- the dial ---------------------------------------------------------------------------
 
@@ -273,14 +332,16 @@ class ChatScreen(Screen[None]):
     def action_toggle_view(self) -> None:
         """Finished replies: origin colours <-> Markdown."""
         self.toggle_class("-markdown")
-        view = "Markdown" if self.has_class("-markdown") else "origin colours"
-        self.notify(f"Finished replies: {view}", timeout=2)
+        markdown = self.has_class("-markdown")
+        if markdown:
+            for reply in self.query(ReplyView):
+                reply.show_markdown()
+        self.notify(f"Finished replies: {'Markdown' if markdown else 'origin colours'}", timeout=2)
 
     def action_new_chat(self) -> None:
-        """Stop any reply and start a new session (the old one stays saved)."""
+        """Stop any reply (kept, as stopped) and start a new session (the old one stays saved)."""
         self.stop_generation()
         self.generation += 1
-        self.streaming = None
         old = self.session
         self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
         self.query_one("#conversation", VerticalScroll).remove_children()
@@ -289,9 +350,24 @@ class ChatScreen(Screen[None]):
         self.notify(f"New chat {self.session.id}", timeout=2)
 
     def stop_generation(self) -> None:
-        """Ask the running generation (if any) to end now."""
-        self.controls.request_stop()
+        """End the running generation (if any) now: its reply is kept, marked stopped."""
+        if self.streaming is not None:
+            self.controls.request_stop()
+            self._finish_reply()
         self.app.workers.cancel_group(self, GROUP)
+
+    def on_unmount(self) -> None:
+        """Leaving the chat (however the app ends): the reply in flight and all saves are written."""
+        self.shut_down(BUSY_TIMEOUT + 1)
+
+    def shut_down(self, timeout: float) -> bool:
+        """Stop any reply and write everything pending (waiting at most `timeout` seconds).
+
+        Returns:
+            Whether everything was saved.
+        """
+        self.stop_generation()
+        return self.writer.close(timeout)
 
     def action_export(self) -> None:
         """Open the export dialog."""

@@ -4,6 +4,7 @@ last few steps (so a retune shows at once), and a sparkline of tokens per step."
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
@@ -45,9 +46,9 @@ class StatsStrip(Horizontal):
             f"τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}"
         )
 
-    def add(self, step: Step) -> None:
-        """Take in one step and refresh."""
-        self._steps.append(step)
+    def add(self, steps: Iterable[Step]) -> None:
+        """Take in a batch of steps and refresh once."""
+        self._steps.extend(steps)
         self.query_one("#figures", Static).update(self._figures())
         self.query_one("#spark", Sparkline).data = [s.stats.emitted for s in self._steps]
 
