@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from fsd_chat.decoding.events import Step
-
 
 class LoadProgress(Message):
     """The model loader moved on to a new phase."""
@@ -15,14 +13,14 @@ class LoadProgress(Message):
         self.text = text
 
 
-class StepsDecoded(Message):
-    """Decoding steps of generation number `generation` (stale generations are ignored), batched:
-    the worker posts at most about 30 batches a second, and always the reply's last step."""
+class StepsReady(Message):
+    """Generation number `generation` (stale ones are ignored) buffered steps for the UI, or
+    (`ended`) its decoder finished."""
 
-    def __init__(self, generation: int, steps: tuple[Step, ...]) -> None:
+    def __init__(self, generation: int, *, ended: bool = False) -> None:
         super().__init__()
         self.generation = generation
-        self.steps = steps
+        self.ended = ended
 
 
 class SaveFailed(Message):

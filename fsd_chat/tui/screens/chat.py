@@ -1,8 +1,8 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
 A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass; the worker posts them in batches (`StepsDecoded`, about 30 a second at most)
-to the streaming `ReplyView`. Keys change the shared `Controls`, which the decoder reads at the
+target forward pass; the worker buffers them (`StepBuffer`) and the UI shows them in batches,
+about 30 a second at most, in the streaming `ReplyView`. Keys change the shared `Controls`, which the decoder reads at the
 start of every step.
 
 Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
@@ -25,6 +25,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.content import Content
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
@@ -40,10 +41,10 @@ from fsd_chat.session_writer import SessionWriter
 from fsd_chat.store import BUSY_TIMEOUT, SessionStore
 from fsd_chat.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.tui.keys import CHAT_BINDINGS
-from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsDecoded
+from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
-from fsd_chat.tui.stream import batched
+from fsd_chat.tui.stream import BATCH_INTERVAL, StepBuffer
 from fsd_chat.tui.widgets.dial import ThresholdDial
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
@@ -124,6 +125,9 @@ class ChatScreen(Screen[None]):
         """The streaming reply's turn (in `session.turns` and stored)."""
         self._sent_text = ""
         self._last_save = 0.0
+        self._buffer = StepBuffer()
+        self._last_batch = 0.0
+        self._batch_timer: Timer | None = None
         self.writer = SessionWriter(
             setup.store,
             on_error=lambda reason: self.post_message(SaveFailed(reason)),
@@ -212,32 +216,46 @@ class ChatScreen(Screen[None]):
         self._sent_text = text
         self.streaming = reply
         self.generation += 1
+        self._buffer = StepBuffer()
         self.query_one("#conversation", VerticalScroll).mount_all([UserMessage(text), reply])
-        self._generate(ids, self.generation)
+        self._generate(ids, self.generation, self._buffer)
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
-    def _generate(self, ids: list[int], generation: int) -> None:
-        """Decode one reply in this thread, posting its steps in batches, then an empty batch."""
+    def _generate(self, ids: list[int], generation: int, buffer: StepBuffer) -> None:
+        """Decode one reply in this thread into `buffer`, waking the UI when it was empty."""
         worker = get_current_worker()
         with self._decoder_lock:
             steps = self.setup.decoder.generate(
                 ids, max_new_tokens=self.setup.max_new_tokens, sampling=self.setup.sampling
             )
-            for batch in batched(steps):
-                self.post_message(StepsDecoded(generation, batch))
+            for step in steps:
+                if buffer.add(step):
+                    self.post_message(StepsReady(generation))
                 if worker.is_cancelled:
                     return
-        self.post_message(StepsDecoded(generation, ()))
+        self.post_message(StepsReady(generation, ended=True))
 
-    def on_steps_decoded(self, message: StepsDecoded) -> None:
-        """Append a batch of steps to the streaming reply; finish the reply when it ended."""
+    def on_steps_ready(self, message: StepsReady) -> None:
+        """Show the buffered steps: now, or once `BATCH_INTERVAL` has passed since the last batch."""
         if message.generation != self.generation or self.streaming is None:
             return
-        steps = message.steps
+        wait = self._last_batch + BATCH_INTERVAL - time.monotonic()
+        if message.ended or wait <= 0:
+            self._show_steps(ended=message.ended)
+        elif self._batch_timer is None:
+            self._batch_timer = self.set_timer(wait, self._show_steps)
+
+    def _show_steps(self, ended: bool = False) -> None:
+        """Append the buffered steps to the streaming reply; finish the reply when it ended."""
+        self._batch_timer = None
+        if self.streaming is None:
+            return
+        self._last_batch = time.monotonic()
+        steps = self._buffer.take()
         if steps:
             self.streaming.add_steps(steps)
             self.query_one(StatsStrip).add(steps)
-        if not steps or steps[-1].stop_reason is not None:
+        if ended or (steps and steps[-1].stop_reason is not None):
             self._finish_reply()
         elif time.monotonic() - self._last_save >= SAVE_INTERVAL:
             self._last_save = time.monotonic()
