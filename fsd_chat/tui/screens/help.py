@@ -20,7 +20,7 @@ COLOURS: dict[Origin, str] = {
     Origin.DRAFT_FUZZY: "draft token accepted only because D(p, q) ≤ T: here the text may depart from the target",
     Origin.TARGET_RESAMPLED: "token drawn from the target after it rejected a draft token",
     Origin.TARGET_BONUS: "the target's extra token after all k draft tokens were accepted",
-    Origin.TARGET: "plain target token (autoregressive mode, no drafting)",
+    Origin.TARGET: "plain target token: autoregressive mode, and a reply's last token when no room is left to draft",
 }
 
 DIAL = """\
