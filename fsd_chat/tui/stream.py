@@ -2,14 +2,16 @@
 
 Posting every step makes the UI thread wake, re-render and re-wrap at the decoder's pace, and the
 two threads then contend for the interpreter. Instead the worker adds steps to a `StepBuffer` and
-wakes the UI only when the buffer was empty; the UI takes everything buffered at most
-`BATCH_INTERVAL` after the previous batch. A step is never held longer than that interval, however
-slow the next step is.
+wakes the UI only when the buffer was empty; the UI takes everything buffered when its
+`BatchPacer` allows: about 30 times a second at most, less when drawing the screen is costly. A
+step is never held longer than that interval, however slow the next step is.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 from fsd_chat.decoding.events import Step
 
@@ -35,3 +37,43 @@ class StepBuffer:
         with self._lock:
             steps, self._steps = tuple(self._steps), []
         return steps
+
+
+UI_SHARE = 0.08
+"""Share of the wall clock the UI thread may spend on a streaming reply. Its Python work holds the
+interpreter lock that the decoding thread needs between forward passes, so every millisecond the
+UI spends is taken from decoding (small models, whose steps are mostly Python, feel it most)."""
+LONGEST_INTERVAL = 0.25
+"""Seconds between two batches at most, however costly the screen is to draw."""
+
+
+class BatchPacer:
+    """When the UI may show the next batch: `BATCH_INTERVAL` after the last one, stretched so that
+    the UI thread's CPU time since then (rendering included) stays within `UI_SHARE` of the wall
+    clock. Call it from the UI thread only (it reads that thread's CPU clock)."""
+
+    def __init__(
+        self,
+        *,
+        share: float = UI_SHARE,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
+        self.share = share
+        self.interval = BATCH_INTERVAL
+        self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._last: float | None = None
+        self._last_cpu = 0.0
+
+    def wait(self) -> float:
+        """Seconds until the next batch may be shown (0 when it may be shown now)."""
+        return 0.0 if self._last is None else max(0.0, self._last + self.interval - self._clock())
+
+    def shown(self) -> None:
+        """A batch is being shown now: the interval to the next one follows the UI's recent cost."""
+        now, cpu = self._clock(), self._cpu_clock()
+        if self._last is not None:
+            spent = cpu - self._last_cpu
+            self.interval = min(LONGEST_INTERVAL, max(BATCH_INTERVAL, spent / self.share))
+        self._last, self._last_cpu = now, cpu

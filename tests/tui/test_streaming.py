@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from textual.widgets import Markdown, Static
+from textual.widgets import Button, Markdown, Static
 
 from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding.events import Origin
 from fsd_chat.models import ModelPair
 from fsd_chat.session import ReplyBuilder, Session, Turn, now
-from fsd_chat.tui.screens.chat import ChatScreen
+from fsd_chat.tui.screens.chat import SHOWN_TURNS, ChatScreen
 from fsd_chat.tui.screens.help import colours_content
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.reply import LIVE_LIMIT, ReplyView
@@ -67,12 +67,11 @@ async def test_a_long_reply_re_renders_only_its_last_line(pair: ModelPair, tmp_p
         assert max(live) <= min(longest_paragraph, LIVE_LIMIT)
         assert max(live) < lengths[-1] / 3
         # Finished: one full render, the frozen pieces are gone.
+        await pilot.pause()
         assert not reply.query(".provenance-chunk")
 
 
-async def test_a_hundred_turns_on_screen_are_not_touched_while_a_reply_streams(
-    pair: ModelPair, tmp_path: Path
-) -> None:
+async def test_a_hundred_turn_session_keeps_the_work_per_update_flat(pair: ModelPair, tmp_path: Path) -> None:
     builder = ReplyBuilder()
     decoder = pair.speculative(Controls(DecodingSettings(threshold=0.1)))
     for step in decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=60):
@@ -85,13 +84,21 @@ async def test_a_hundred_turns_on_screen_are_not_touched_while_a_reply_streams(
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=400, resume=session)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
+        # Only the last turns are mounted (Textual lays out every mounted widget each frame).
         old = list(app.screen.query(ReplyView))
-        assert len(old) == 50 and not app.screen.query(Markdown)  # no Markdown built for them
+        assert len(old) == SHOWN_TURNS // 2 and not app.screen.query(Markdown)  # no Markdown built
         before = [r.query_one(".provenance", Static).content for r in old]  # type: ignore[attr-defined]
         _, _, live, lengths = await stream_long_reply(pilot, gate)
         after = [r.query_one(".provenance", Static).content for r in old]  # type: ignore[attr-defined]
         assert all(a is b for a, b in zip(after, before, strict=True))  # not re-rendered
         assert max(live) < lengths[-1] / 3
+        # Every earlier turn is one press away.
+        earlier = app.screen.query_one("#earlier", Button)
+        assert str(earlier.label) == f"Show {100 - SHOWN_TURNS} earlier turns"
+        earlier.press()
+        await wait_for(pilot, lambda: len(app.screen.query(ReplyView)) == 51)
+        assert not app.screen.query("#earlier")
+        assert [r.record.text for r in app.screen.query(ReplyView)][:50] == [builder.record.text] * 50
 
 
 def test_the_legend_and_help_list_the_target_origin() -> None:

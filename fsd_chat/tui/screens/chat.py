@@ -26,7 +26,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer, Static
+from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat import Message, fit_to_context
@@ -44,7 +44,7 @@ from fsd_chat.tui.keys import CHAT_BINDINGS
 from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
-from fsd_chat.tui.stream import BATCH_INTERVAL, StepBuffer
+from fsd_chat.tui.stream import BatchPacer, StepBuffer
 from fsd_chat.tui.widgets.dial import ThresholdDial
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
@@ -52,6 +52,8 @@ from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from fsd_chat.tui.widgets.stats import StatsStrip
 
 GROUP = "generation"
+SHOWN_TURNS = 10
+"""Turns kept on screen (up to twice as many before the oldest are put away)."""
 SAVE_INTERVAL = 1.0
 """Seconds between two saves of a streaming reply: what a kill -9 can lose at most."""
 
@@ -121,12 +123,14 @@ class ChatScreen(Screen[None]):
         self.generation = 0
         """Number of the current generation; steps of older ones (before ctrl+n) are dropped."""
         self.streaming: ReplyView | None = None
+        self._hidden = 0
+        """Turns at the start of the session that are not mounted (see `_trim_turns`)."""
         self.reply_turn: Turn | None = None
         """The streaming reply's turn (in `session.turns` and stored)."""
         self._sent_text = ""
         self._last_save = 0.0
         self._buffer = StepBuffer()
-        self._last_batch = 0.0
+        self._pacer = BatchPacer()
         self._batch_timer: Timer | None = None
         self.writer = SessionWriter(
             setup.store,
@@ -158,12 +162,45 @@ class ChatScreen(Screen[None]):
         self.query_one(PromptInput).focus()
 
     def _show_turns(self) -> None:
+        self._hidden = len(self.session.turns)
+        self._trim_turns()
+
+    @staticmethod
+    def _turn_widgets(turns: list[Turn]) -> list[UserMessage | ReplyView]:
+        return [UserMessage(t.content) if t.reply is None else ReplyView(t.reply) for t in turns]
+
+    def _trim_turns(self) -> None:
+        """Keep at most `SHOWN_TURNS` (to `2 * SHOWN_TURNS`) turns mounted: Textual lays out every
+        mounted widget on each frame, so a long conversation would slow down every update of the
+        streaming reply. Earlier turns are one button press away."""
         conversation = self.query_one("#conversation", VerticalScroll)
-        widgets = [
-            UserMessage(t.content) if t.reply is None else ReplyView(t.reply) for t in self.session.turns
-        ]
-        if widgets:
-            conversation.mount_all(widgets)
+        shown = len(self.session.turns) - self._hidden
+        if shown > 2 * SHOWN_TURNS:
+            mounted = conversation.query_children(".turn")
+            for widget in list(mounted)[: shown - SHOWN_TURNS]:
+                widget.remove()
+            self._hidden += shown - SHOWN_TURNS
+        elif self._hidden and shown < SHOWN_TURNS:
+            reveal = min(self._hidden, SHOWN_TURNS - shown)
+            self._hidden -= reveal
+            widgets = self._turn_widgets(self.session.turns[self._hidden : self._hidden + reveal])
+            conversation.mount_all(widgets, before=0 if shown else None)
+        earlier = conversation.query_children("#earlier")
+        if self._hidden and not earlier:
+            conversation.mount(Button("", id="earlier", compact=True), before=0)
+        elif not self._hidden:
+            earlier.remove()
+        for button in conversation.query_children("#earlier").results(Button):
+            button.label = f"Show {self._hidden} earlier turns"
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        """Show every earlier turn (the per-frame work then grows with them)."""
+        if event.button.id == "earlier":
+            conversation = self.query_one("#conversation", VerticalScroll)
+            widgets = self._turn_widgets(self.session.turns[: self._hidden])
+            self._hidden = 0
+            conversation.mount_all(widgets, after=event.button)
+            event.button.remove()
 
     # --- sending and streaming -------------------------------------------------------------
 
@@ -217,7 +254,9 @@ class ChatScreen(Screen[None]):
         self.streaming = reply
         self.generation += 1
         self._buffer = StepBuffer()
+        self._pacer = BatchPacer()
         self.query_one("#conversation", VerticalScroll).mount_all([UserMessage(text), reply])
+        self._trim_turns()
         self._generate(ids, self.generation, self._buffer)
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
@@ -236,10 +275,10 @@ class ChatScreen(Screen[None]):
         self.post_message(StepsReady(generation, ended=True))
 
     def on_steps_ready(self, message: StepsReady) -> None:
-        """Show the buffered steps: now, or once `BATCH_INTERVAL` has passed since the last batch."""
+        """Show the buffered steps: now, or when the pacer allows the next batch."""
         if message.generation != self.generation or self.streaming is None:
             return
-        wait = self._last_batch + BATCH_INTERVAL - time.monotonic()
+        wait = self._pacer.wait()
         if message.ended or wait <= 0:
             self._show_steps(ended=message.ended)
         elif self._batch_timer is None:
@@ -250,7 +289,7 @@ class ChatScreen(Screen[None]):
         self._batch_timer = None
         if self.streaming is None:
             return
-        self._last_batch = time.monotonic()
+        self._pacer.shown()
         steps = self._buffer.take()
         if steps:
             self.streaming.add_steps(steps)
@@ -363,6 +402,7 @@ class ChatScreen(Screen[None]):
         old = self.session
         self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
         self.query_one("#conversation", VerticalScroll).remove_children()
+        self._hidden = 0
         self.query_one(StatsStrip).clear()
         self.query_one(PromptInput).focus()
         self.notify(f"New chat {self.session.id}", timeout=2)

@@ -47,7 +47,7 @@ class UserMessage(Static):
     """A user turn."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(Content(text), classes="user")
+        super().__init__(Content(text), classes="user turn")
 
 
 class ReplyView(Vertical):
@@ -58,7 +58,7 @@ class ReplyView(Vertical):
     """
 
     def __init__(self, record: ReplyRecord | None = None) -> None:
-        super().__init__(classes="reply")
+        super().__init__(classes="reply turn")
         self.builder = ReplyBuilder()
         if record is not None:
             self.builder.record = record
@@ -80,9 +80,11 @@ class ReplyView(Vertical):
         yield Static("", classes="reply-stats")
 
     def on_mount(self) -> None:
-        """A finished record is shown complete."""
+        """A finished record is shown complete (as Markdown too when the chat shows Markdown)."""
         if self.record.stop_reason is not None:
             self.finish()
+            if self.screen.has_class("-markdown"):
+                self.show_markdown()
 
     def add_steps(self, steps: Iterable[Step]) -> None:
         """Append decoding steps' tokens; re-renders the live tail only."""
