@@ -39,11 +39,11 @@ class StepBuffer:
         return steps
 
 
-UI_SHARE = 0.08
+UI_SHARE = 0.03
 """Share of the wall clock the UI thread may spend on a streaming reply. Its Python work holds the
 interpreter lock that the decoding thread needs between forward passes, so every millisecond the
 UI spends is taken from decoding (small models, whose steps are mostly Python, feel it most)."""
-LONGEST_INTERVAL = 0.25
+LONGEST_INTERVAL = 0.5
 """Seconds between two batches at most, however costly the screen is to draw."""
 
 

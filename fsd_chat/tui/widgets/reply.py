@@ -3,7 +3,8 @@
 The reply's runs are shown as `Content` spans styled with the theme's `$origin-*` variables; a ⟨…⟩
 mark shows where the settings changed mid-reply. While a reply streams, only its live tail (the
 text after its last finished line) is re-assembled and re-wrapped on each update: finished lines
-are frozen into their own widgets, so the work per update does not grow with the reply. Once the
+are frozen into a second widget, updated only when a line is finished, so the work per update
+does not grow with the reply. Once the
 reply ends it is rendered whole, once. The Markdown view of a finished reply is built the first
 time it is shown.
 """
@@ -68,6 +69,7 @@ class ReplyView(Vertical):
         """Characters of that run already frozen."""
         self.live_chars = 0
         """Characters of the live tail at the last update (what that update re-assembled)."""
+        self._frozen: list[Content] = []
 
     @property
     def record(self) -> ReplyRecord:
@@ -75,7 +77,11 @@ class ReplyView(Vertical):
         return self.builder.record
 
     def compose(self) -> ComposeResult:
-        """The coloured text (the live tail while streaming) and the statistics line."""
+        """The frozen lines (while streaming), the coloured text (the live tail while streaming)
+        and the statistics line."""
+        frozen = Static(classes="provenance-frozen")
+        frozen.display = False
+        yield frozen
         yield Static(classes="provenance")
         yield Static("", classes="reply-stats")
 
@@ -117,7 +123,7 @@ class ReplyView(Vertical):
         return self.record.runs[self._live_run - 1].setting if self._live_run else None
 
     def _freeze(self, cut: int) -> None:
-        """Move the live tail's first `cut` characters into a frozen widget; the character at
+        """Move the live tail's first `cut` characters to the frozen widget; the character at
         `cut` (the newline or space that ends them) is dropped, the widget boundary breaks there."""
         frozen: list[Run] = []
         previous = self._previous_setting()
@@ -140,12 +146,17 @@ class ReplyView(Vertical):
         ):
             self._live_run += 1
             self._live_offset = 0
-        chunk = Static(provenance_content(frozen, previous), classes="provenance-chunk")
-        self.mount(chunk, before=".provenance")
+        self._frozen.append(provenance_content(frozen, previous))
+        widget = self.query_one(".provenance-frozen", Static)
+        widget.update(Content("\n").join(self._frozen))
+        widget.display = True
 
     def finish(self, error: str | None = None) -> None:
         """The reply ended: render it whole once and show its statistics (or `error`)."""
-        self.query(".provenance-chunk").remove()
+        self._frozen.clear()
+        frozen = self.query_one(".provenance-frozen", Static)
+        frozen.update("")
+        frozen.display = False
         stopped = self.record.stop_reason == STOPPED
         self.query_one(".provenance", Static).update(provenance_content(self.record.runs, stopped=stopped))
         summary = reply_summary(self.record) if error is None else f"error: {error}"
