@@ -106,3 +106,18 @@ def test_the_legend_and_help_list_the_target_origin() -> None:
     assert "■ target  " in Legend(autoregressive=False).content.plain  # type: ignore[attr-defined]
     assert "■ target " in colours_content().plain
     assert set(Origin) <= {o for o in Origin if o.value in colours_content().plain}
+
+
+async def test_a_long_live_chat_puts_its_oldest_turns_away(pair: ModelPair, tmp_path: Path) -> None:
+    app = make_app(pair, tmp_path, max_new_tokens=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        screen: ChatScreen = app.screen  # type: ignore[assignment]
+        for i in range(SHOWN_TURNS + 1):  # 2 * SHOWN_TURNS + 2 turns: over the limit
+            await pilot.press(*f"Q{i}", "enter")
+            await wait_for(
+                pilot, lambda i=i: screen.streaming is None and len(screen.session.turns) == 2 * i + 2
+            )  # type: ignore[misc]
+        await wait_for(pilot, lambda: len(screen.query(".turn")) == SHOWN_TURNS)
+        assert str(screen.query_one("#earlier", Button).label) == f"Show {SHOWN_TURNS + 2} earlier turns"
+        assert len(screen.session.turns) == 2 * SHOWN_TURNS + 2  # put away from the screen only
