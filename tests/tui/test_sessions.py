@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from fsd_chat.decoding.events import StopReason
+from fsd_chat.decoding.events import Step, StopReason
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.session import ReplyRecord, Session, Turn
 from fsd_chat.store import SessionStore
-from fsd_chat.tui.screens.chat import ChatScreen
+from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.screens.chat import ChatScreen, Decoder
 from fsd_chat.tui.widgets.dial import ThresholdDial
 from fsd_chat.tui.widgets.prompt import PromptInput
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
@@ -179,3 +181,49 @@ async def test_resuming_a_malformed_session_repairs_it(pair: ModelPair, tmp_path
     session = store.load("bad")
     assert [t.role for t in session.turns] == ["user", "assistant"] * 2
     assert session.turns[1].reply == ReplyRecord(stop_reason="stopped")
+
+
+class FailingOnceDecoder:
+    """The real decoder, made to fail once before its first step. The fault is injected: no real
+    decoder can be made to fail on demand here (on a GPU this is where a CUDA error would surface)."""
+
+    def __init__(self, inner: Decoder) -> None:
+        self.inner = inner
+        self.context = inner.context
+        self.failed = False
+
+    def generate(self, prompt_ids: list[int], **kwargs: object) -> Iterator[Step]:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the device went away")
+        yield from self.inner.generate(prompt_ids, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_decoding_failure_ends_the_reply_and_keeps_the_message(
+    pair: ModelPair, tmp_path: Path
+) -> None:
+    app = FsdChatApp(
+        ChatOptions(
+            target=pair.target_spec,
+            draft=pair.draft_spec,
+            store=SessionStore(tmp_path / "sessions.sqlite3"),
+            max_new_tokens=5,
+        ),
+        loader=lambda progress: pair,
+        decoder_factory=lambda p, controls: FailingOnceDecoder(p.speculative(controls)),
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "Hello")
+        await wait_for(pilot, lambda: screen.streaming is None)
+        (note,) = [n for n in app._notifications if n.title == "Generation failed"]
+        assert note.message.startswith(
+            "RuntimeError while decoding a reply: the device went away (details in"
+        )
+        assert screen.query_one(PromptInput).text == "Hello"  # nothing came of it: the message is back
+        reply = screen.session.turns[1].reply
+        assert reply is not None and reply.stop_reason == "error"
+        await pilot.press("enter")  # the chat is still usable
+        await wait_for(pilot, lambda: screen.streaming is None and len(screen.session.turns) == 4)
+        assert screen.session.turns[3].reply is not None
+        assert screen.session.turns[3].reply.stop_reason == "max-new-tokens"
+    assert "RuntimeError: the device went away" in (tmp_path / "data" / "fsd-chat.log").read_text()
