@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from fsd_chat import cli_options as o
-from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
+from fsd_chat.config import ConfigError, check_chat_options, load_config, sessions_path, user_themes_dir
 from fsd_chat.errors import ModelLoadError
 from fsd_chat.store import SessionStore
 from fsd_chat.transcript import render_markdown, write_atomic
@@ -106,6 +106,7 @@ def chat(
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
     config = load_config()
     v = _with_config(ctx, dict(ctx.params), config.options)
+    check_chat_options(v)
     store = SessionStore(sessions_path())
     session = store.load(resume) if resume else None
     target_source = v["target"] or (session.models["target"] if session else None)

@@ -77,6 +77,7 @@ def generate(
     """Stream one reply to PROMPT, coloured by token origin on a terminal."""
     from fsd_chat.generate import run_generate
 
+    o.check_max_new_tokens(max_new_tokens)
     settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, adaptive_k)
     sampling = o.sampling_config(temperature, top_k, top_p, seed)
     specs = o.pair_specs(target, draft, quantize_target, quantize_draft, device, dtype, trust_remote_code)

@@ -27,7 +27,13 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.errors import IncompatibleModelsError, ModelLoadError
-from fsd_chat.model_options import DTYPES, QUANTIZATIONS, LoadOptions, ModelSpec
+from fsd_chat.model_options import (
+    LoadOptions,
+    ModelSpec,
+    check_device_name,
+    check_dtype_name,
+    check_quantization,
+)
 
 Progress = Callable[[str], None]
 
@@ -78,19 +84,15 @@ def resolve_device(device: str) -> torch.device:
     Raises:
         ModelLoadError: CUDA was asked for but is not available, or the value is malformed.
     """
+    check_device_name(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    resolved = torch.device(device)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ModelLoadError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s)")
-    elif resolved.type != "cpu":
-        raise ModelLoadError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
     return resolved
 
 
@@ -104,8 +106,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    check_dtype_name(dtype)
     return getattr(torch, dtype)
 
 
@@ -153,8 +154,7 @@ def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, Pretrained
 def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> BitsAndBytesConfig | None:
     if spec.quantization == "none":
         return None
-    if spec.quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {spec.quantization!r}; use {', '.join(QUANTIZATIONS)}")
+    check_quantization(spec.quantization)
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"{spec.quantization} quantization needs bitsandbytes: pip install bitsandbytes")
     if spec.quantization == "8bit":

@@ -22,7 +22,8 @@ from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.runner import Run, SweepResult, run_sweep
 from fsd_chat.bench.sweep import Config, Setup, SweepSpec, build_sweep
-from fsd_chat.cli_options import pair_specs
+from fsd_chat.cli_options import check_max_new_tokens, pair_specs
+from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
 
@@ -67,8 +68,12 @@ def run_bench(
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
     setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
     prompt_set = load_prompt_set(prompts, data_dir=data_dir, limit=limit)
-    if max_new_tokens < 1 or repeats < 1:
-        raise FsdChatError("--max-new-tokens and --repeats must be ≥ 1")
+    check_max_new_tokens(max_new_tokens)
+    if repeats < 1:
+        raise FsdChatError(f"--repeats must be ≥ 1, got {repeats}")
+    # Prompt i runs with seed + i: the last one must still be a valid seed.
+    for prompt_seed in (seed, seed + len(prompt_set.items) - 1):
+        SamplingConfig(seed=prompt_seed)
     if threads is not None:
         if threads < 1:
             raise FsdChatError(f"--threads must be ≥ 1, got {threads}")

@@ -63,9 +63,9 @@ class Reply:
         self.prompt_length = len(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.context = context
-        self.seq = torch.empty(
-            (1, len(prompt_ids) + max_new_tokens + headroom + 1), dtype=torch.long, device=device
-        )
+        # A reply never outgrows the context window, whatever max_new_tokens says: size by both.
+        budget = max_new_tokens if context is None else min(max_new_tokens, context)
+        self.seq = torch.empty((1, len(prompt_ids) + budget + headroom + 1), dtype=torch.long, device=device)
         self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.length = len(prompt_ids)
         self._eos = eos_token_ids
