@@ -7,11 +7,15 @@ becomes a `ModelLoadError` / `IncompatibleModelsError` with a one-line message.
 from __future__ import annotations
 
 import importlib.util
+import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -175,20 +179,88 @@ def _load_model(
     dtype = resolve_dtype(options.dtype, device)
     quantization = _quantization_config(spec, dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, report = AutoModelForCausalLM.from_pretrained(
             source,
             config=config,
             dtype=dtype,
             device_map=device_map or {"": str(device)},
             quantization_config=quantization,
             trust_remote_code=options.trust_remote_code,
+            # Report shape mismatches instead of raising a message that points at a hidden report:
+            # _check_load_report refuses them with the tensors' names.
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
+    except SafetensorError as exc:
+        raise ModelLoadError(
+            f"{_damaged_file(source)} is damaged or truncated (safetensors: {_first_line(exc)})"
+        ) from None
+    except pickle.UnpicklingError as exc:
+        raise ModelLoadError(_refused_pickle(spec, exc)) from None
     except (OSError, ValueError, RuntimeError, ImportError, TypeError) as exc:
         raise _load_failure(spec, exc) from exc
+    _check_load_report(spec, source, report)
     model.eval()
     if quantization is not None:
         _check_quantized_forward(spec, model)
     return model
+
+
+def _weight_files(source: str) -> list[Path]:
+    """The weights files of a local model directory (empty for a Hub id)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+
+
+def _damaged_file(source: str) -> str:
+    """The first local safetensors file whose header cannot be read (else the model source)."""
+    for path in _weight_files(source):
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(path, framework="pt"):
+                    pass
+            except (SafetensorError, OSError):
+                return str(path)
+    return source
+
+
+def _refused_pickle(spec: ModelSpec, exc: pickle.UnpicklingError) -> str:
+    # torch's message is a page long; its one useful line names the global it refused.
+    found = re.search(r"WeightsUnpickler error: ([^.\n]+)", str(exc))
+    reason = found.group(1) if found else _first_line(exc)
+    return (
+        f"{spec.source}: refused to load its pickled weights (pytorch_model.bin), which would run code "
+        f"({reason}); use a safetensors copy"
+    )
+
+
+def _check_load_report(spec: ModelSpec, source: str, report: dict[str, Any]) -> None:
+    """Refuse a model whose checkpoint lacks weights or has the wrong shapes: transformers would fill
+    them with random values and the model would write gibberish. Unexpected extra tensors alone are
+    harmless (they are ignored) and only named when something else is wrong."""
+    missing = sorted(report.get("missing_keys") or ())
+    mismatched = sorted(
+        str(key[0] if isinstance(key, tuple) else key) for key in report.get("mismatched_keys") or ()
+    )
+    unexpected = sorted(report.get("unexpected_keys") or ())
+    if not missing and not mismatched:
+        return
+    files = ", ".join(str(p) for p in _weight_files(source)) or spec.source
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors ({_some(missing)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensors of the wrong shape ({_some(mismatched)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors ({_some(unexpected)})")
+    raise ModelLoadError(f"{files} does not hold this model's weights: {'; '.join(problems)}")
+
+
+def _some(keys: list[str], shown: int = 3) -> str:
+    more = f", … {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
 
 
 def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
