@@ -305,11 +305,11 @@ def check_compatible(
     target_map = target_tokenizer.get_vocab()
     draft_map = draft_tokenizer.get_vocab()
     if target_map != draft_map:
-        differing = sum(1 for tok, i in target_map.items() if draft_map.get(tok) != i)
-        differing += sum(1 for tok in draft_map if tok not in target_map)
+        tokens = target_map.keys() | draft_map.keys()
+        differing = sum(1 for tok in tokens if target_map.get(tok) != draft_map.get(tok))
         raise IncompatibleModelsError(
-            f"the draft and target tokenizers differ ({differing} of {max(len(target_map), len(draft_map))} "
-            "tokens map to different ids): speculative decoding needs one shared vocabulary"
+            f"the draft and target tokenizers differ: {differing} of the {len(tokens)} tokens in either "
+            "are missing from one or have different ids (speculative decoding needs one shared vocabulary)"
         )
     return min(len(target_tokenizer), target_vocab, draft_vocab)
 
