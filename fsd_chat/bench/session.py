@@ -202,7 +202,7 @@ def write_outputs(
         )
     except OSError as exc:
         raise FsdChatError(
-            f"cannot write the reports into {output}: {exc.strerror or exc} (the table above has the results)"
+            f"cannot write {exc.filename or output}: {exc.strerror or exc} (the table above has the results)"
         ) from None
     console.print(
         Text(
