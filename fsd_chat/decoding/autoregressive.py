@@ -45,7 +45,8 @@ def target_step(
 ) -> Step:
     """One target forward pass over the last token; emits one token of origin `target`."""
     logits = target.forward(reply.seq, reply.length, keep=1)
-    reply.seq[0, reply.length] = draw(probabilities(logits[-1], sampling), sampling, generator)
+    token = int(draw(probabilities(logits[-1], sampling), sampling, generator))
+    reply.seq[0, reply.length] = token
     target_seconds = clock.lap()
     stats = StepStats(
         drafted=0,
@@ -63,7 +64,7 @@ def target_step(
         draft_tokens=0,
         prefill_seconds=prefill_seconds,
     )
-    return reply.commit(1, [Origin.TARGET], [None], stats, clock)
+    return reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock)
 
 
 class AutoregressiveDecoder:

@@ -163,7 +163,7 @@ class SpeculativeDecoder:
             generator=generator,
         )
         n = verdict.accepted
-        seq[0, start + n] = verdict.next_token
+        seq[0, start + n] = verdict.token_ids[-1]
         # Both caches must hold exactly the tokens before the last emitted one.
         self.target.rollback(start + n)
         self.draft.rollback(start + n)
@@ -186,4 +186,4 @@ class SpeculativeDecoder:
             draft_tokens=k,
             prefill_seconds=prefill_seconds,
         )
-        return reply.commit(n + 1, verdict.origins(), divergences, stats, clock)
+        return reply.commit(verdict.token_ids, verdict.origins(), divergences, verdict.costs, stats, clock)
