@@ -20,11 +20,12 @@ def step_record(step: Step) -> dict[str, object]:
     """A step as a JSON-ready dict: its tokens, its stats, and the stop reason (or None)."""
     return {
         "tokens": [
-            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence}
+            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence, "cost": t.cost}
             for t in step.tokens
         ],
         "stats": asdict(step.stats),
         "stop_reason": None if step.stop_reason is None else str(step.stop_reason),
+        "trailing_text": step.trailing_text,
     }
 
 
@@ -65,14 +66,16 @@ def run_generate(
     for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling):
         totals.add(step)
         token_ids += [t.id for t in step.tokens]
-        texts += [t.text for t in step.tokens]
+        texts.append(step.text)
         stop_reason = step.stop_reason
         if as_json:
             _emit_json(step_record(step))
         elif colour:
-            console.print(Text.assemble(*((t.text, styles[t.origin]) for t in step.tokens)), end="")
+            console.print(
+                Text.assemble(*((t.text, styles[t.origin]) for t in step.tokens), step.trailing_text), end=""
+            )
         else:
-            sys.stdout.write("".join(t.text for t in step.tokens))
+            sys.stdout.write(step.text)
             sys.stdout.flush()
     if as_json:
         _emit_json(
@@ -92,7 +95,7 @@ def run_generate(
             console.print(
                 f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · "
                 f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
-                f"fuzzy {totals.fuzzy_share:.0%}[/dim]",
+                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token[/dim]",
                 highlight=False,
             )
     return totals
