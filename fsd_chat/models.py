@@ -59,16 +59,26 @@ class ModelPair:
             f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
         )
 
-    def speculative(self, controls: Controls) -> SpeculativeDecoder:
-        """A speculative decoder over this pair, driven by `controls`."""
+    def speculative(self, controls: Controls, *, time_phases: bool = False) -> SpeculativeDecoder:
+        """A speculative decoder over this pair, driven by `controls` (`time_phases`: see
+        `SpeculativeDecoder`)."""
         return SpeculativeDecoder(
-            self.target, self.draft, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+            self.target,
+            self.draft,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
         )
 
-    def autoregressive(self, controls: Controls) -> AutoregressiveDecoder:
+    def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target."""
         return AutoregressiveDecoder(
-            self.target, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+            self.target,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
         )
 
 

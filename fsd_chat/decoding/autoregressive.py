@@ -75,6 +75,7 @@ class AutoregressiveDecoder:
         tokenizer: Its tokenizer.
         controls: Live controls (only the stop request matters here).
         vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
+        time_phases: Synchronise the device at each phase (see `SpeculativeDecoder`).
     """
 
     rule = "autoregressive"
@@ -86,8 +87,10 @@ class AutoregressiveDecoder:
         *,
         controls: Controls | None = None,
         vocab_size: int | None = None,
+        time_phases: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size or len(tokenizer))
         self.context = context_length(target)
@@ -119,6 +122,7 @@ class AutoregressiveDecoder:
             headroom=0,
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
+            time_phases=self.time_phases,
         )
         prefill_seconds = start.prefill_seconds
         while True:

@@ -42,6 +42,9 @@ class SpeculativeDecoder:
         tokenizer: The shared tokenizer.
         controls: Live settings and stop requests.
         vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
+        time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
+            synchronisation per phase (benchmarks); off, a step synchronises once, when its
+            verdict comes back (see `PhaseClock`).
     """
 
     def __init__(
@@ -52,9 +55,11 @@ class SpeculativeDecoder:
         *,
         controls: Controls | None = None,
         vocab_size: int | None = None,
+        time_phases: bool = False,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
+        self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
         self.draft = CachedModel(draft, vocab_size)
@@ -95,6 +100,7 @@ class SpeculativeDecoder:
             headroom=MAX_DRAFT_TOKENS,
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
+            time_phases=self.time_phases,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         prefill_seconds = start.prefill_seconds
