@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Origin, Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
@@ -96,6 +97,12 @@ class AutoregressiveDecoder:
         self.context = context_length(target)
         self.eos_token_ids = eos_token_ids(tokenizer, target)
 
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """The models whose KV caches this decoder fills."""
+        return (self.target,)
+
+    @frees_memory_on_oom
     def generate(
         self,
         prompt_ids: list[int],
@@ -109,6 +116,7 @@ class AutoregressiveDecoder:
         Raises:
             ContextLengthError: the prompt does not fit the context window.
             SettingsError: max_new_tokens < 1 or an empty prompt.
+            DeviceMemoryError: the device ran out of memory (the KV cache is freed).
         """
         sampling = sampling or SamplingConfig()
         start = begin(

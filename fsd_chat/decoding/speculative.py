@@ -25,6 +25,7 @@ from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
@@ -67,6 +68,12 @@ class SpeculativeDecoder:
         self.context = min(contexts) if contexts else None
         self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
 
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """The models whose KV caches this decoder fills."""
+        return (self.target, self.draft)
+
+    @frees_memory_on_oom
     def generate(
         self,
         prompt_ids: list[int],
@@ -87,6 +94,7 @@ class SpeculativeDecoder:
             ContextLengthError: the prompt does not fit the context window.
             SettingsError: max_new_tokens < 1 or an empty prompt.
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
+            DeviceMemoryError: the device ran out of memory (the KV caches are freed).
         """
         sampling = sampling or SamplingConfig()
         start = begin(
