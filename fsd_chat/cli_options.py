@@ -68,7 +68,7 @@ ThresholdOpt = Annotated[
     typer.Option(
         "--threshold",
         "-T",
-        help="FSD threshold T (divergence units; 0 = exact SD).",
+        help="Threshold T: divergence units for fuzzy/pure, nats per token for mixture; 0 = exact SD.",
         rich_help_panel=DECODING,
     ),
 ]
@@ -80,7 +80,8 @@ RuleOpt = Annotated[
     Rule,
     typer.Option(
         "--rule",
-        help="exact (standard SD), fuzzy (SD test or D ≤ T) or pure (D ≤ T only).",
+        help="exact (standard SD), fuzzy (SD test or D ≤ T; FSD), pure (D ≤ T only; the paper's code) "
+        "or mixture (SD against (1 − λ)p + λq, at most T nats per token).",
         rich_help_panel=DECODING,
     ),
 ]

@@ -23,11 +23,12 @@ def step_record(step: Step) -> dict[str, object]:
     """A step as a JSON-ready dict: its tokens, its stats, and the stop reason (or None)."""
     return {
         "tokens": [
-            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence}
+            {"id": t.id, "text": t.text, "origin": str(t.origin), "divergence": t.divergence, "cost": t.cost}
             for t in step.tokens
         ],
         "stats": asdict(step.stats),
         "stop_reason": None if step.stop_reason is None else str(step.stop_reason),
+        "trailing_text": step.trailing_text,
     }
 
 
@@ -88,15 +89,16 @@ def run_generate(
     for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling):
         totals.add(step)
         token_ids += [t.id for t in step.tokens]
-        texts += [t.text for t in step.tokens]
+        texts.append(step.text)
         stop_reason = step.stop_reason
         if as_json:
             _emit_json(step_record(step))
         elif colour:
             # Model text is data: an ESC token must not reach the terminal as an escape sequence.
-            console.print(Text.assemble(*((visible(t.text), styles[t.origin]) for t in step.tokens)), end="")
+            spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
+            console.print(Text.assemble(*spans, visible(step.trailing_text)), end="")
         else:
-            sys.stdout.write("".join(t.text for t in step.tokens))
+            sys.stdout.write(step.text)
             sys.stdout.flush()
     if as_json:
         _emit_json(
@@ -116,7 +118,7 @@ def run_generate(
             console.print(
                 f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · "
                 f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
-                f"fuzzy {totals.fuzzy_share:.0%}[/dim]",
+                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token[/dim]",
                 highlight=False,
             )
     return totals

@@ -66,7 +66,7 @@ def test_pure_rule_with_zero_threshold_accepts_nothing(pair: ModelPair, greedy_r
     assert run.ids == greedy_references[prompt][:100]
 
 
-def test_fuzzy_with_infinite_threshold_accepts_every_draft_token(pair: ModelPair) -> None:
+def test_fuzzy_with_a_huge_threshold_accepts_every_draft_token(pair: ModelPair) -> None:
     controls = Controls(DecodingSettings(rule="fuzzy", threshold=ACCEPT_ALL, draft_tokens=4))
     run = collect(
         pair.speculative(controls).generate(pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=100)

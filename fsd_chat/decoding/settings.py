@@ -9,8 +9,8 @@ from typing import Literal
 
 from fsd_chat.errors import SettingsError
 
-Rule = Literal["exact", "fuzzy", "pure"]
-RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure")
+Rule = Literal["exact", "fuzzy", "pure", "mixture"]
+RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
 
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
@@ -42,10 +42,12 @@ class DecodingSettings:
     """The acceptance rule and its parameters.
 
     Attributes:
-        rule: "exact" (standard SD), "fuzzy" (exact test or D ≤ T; FSD) or "pure" (D ≤ T only).
+        rule: "exact" (standard SD), "fuzzy" (exact test or D ≤ T; FSD), "pure" (D ≤ T only; the
+            paper's released code) or "mixture" (exact SD against (1 − λ)p + λq, KL ≤ T per token).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
-        threshold: T ≥ 0 in the divergence's units (nats; a probability for tv), finite (JSON
-            output has no infinity, and the dial could not be turned down from it; T at the
+        threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
+            nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
+            output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS (the starting k when adaptive).
         adaptive: Adapt k each step: +2 after a fully accepted block, −1 after a rejection
