@@ -284,7 +284,7 @@ def test_results_are_shown_even_when_the_reports_cannot_be_written(
             pairs={"float32": pair},
             sweep={},
             interrupted=False,
-            title="[/] run of [bold]x",  # model paths are text, not markup
+            title="[/] run of [bold]x\x1b[2J",  # model paths are text, not markup or escapes
         )
     out = capsys.readouterr().out
-    assert "[/] run of [bold]x" in out and "autoregressive" in out
+    assert "[/] run of [bold]x␛[2J" in out and "autoregressive" in out

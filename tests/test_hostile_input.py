@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from fsd_chat.cli import main
 from fsd_chat.errors import ContextLengthError, IncompatibleModelsError
 from fsd_chat.models import ModelPair, check_compatible
 from fsd_chat.store import SessionStore
+from fsd_chat.text import to_json, visible
 from tests.test_transcript import session as saved_session
 
 CONSOLE_SCRIPT = str(Path(sys.executable).with_name("fsd-chat"))
@@ -415,3 +417,23 @@ def test_a_full_disk_is_one_line_and_exit_1(
         )
     assert result.returncode == 1
     assert result.stderr == "fsd-chat: error: writing the output: No space left on device\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("\x1b[2J\x1b]0;title\x07", "␛[2J␛]0;title␇"),
+        ("a\rb\x08c\x00", "a␍b␈c␀"),
+        ("del\x7f c1\x9b31m", "del␡ c1\ufffd31m"),
+        ("tab\tand\nnewline stay", "tab\tand\nnewline stay"),
+        ("ünïcödé ✓", "ünïcödé ✓"),
+    ],
+)
+def test_control_characters_are_made_visible(raw: str, shown: str) -> None:
+    assert visible(raw) == shown
+    assert json.loads(to_json({"text": raw})) == {"text": raw}  # JSON keeps the text exactly...
+    assert not re.search("[\x00-\x1f\x7f-\x9f]", to_json(raw))  # ...with every control escaped
+
+
+def test_json_has_no_infinity() -> None:
+    assert to_json({"d": [math.inf, -math.inf, math.nan, 0.5]}) == '{"d": [null, null, null, 0.5]}'

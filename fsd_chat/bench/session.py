@@ -28,6 +28,7 @@ from fsd_chat.cli_options import check_max_new_tokens, pair_specs
 from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
+from fsd_chat.text import visible
 
 EXIT_INTERRUPTED = 130
 
@@ -179,8 +180,10 @@ def write_outputs(
     console = Console(highlight=False)
     if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows
         console = Console(width=200, highlight=False)
-    # The title holds model paths: text, not markup.
-    console.print(Text(title, style="bold"), Text(" (interrupted)", style="red") if interrupted else "")
+    # The title holds model and prompt-file paths: text, not markup, and no raw control characters.
+    console.print(
+        Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
+    )
     terminal.show(console, summaries)
     try:
         report.write_json(
@@ -206,7 +209,9 @@ def write_outputs(
         ) from None
     console.print(
         Text(
-            f"wrote {output / 'report.json'}, {output / 'report.md'}"
-            + (f", {output / plot_name}" if plot_name else "")
+            visible(
+                f"wrote {output / 'report.json'}, {output / 'report.md'}"
+                + (f", {output / plot_name}" if plot_name else "")
+            )
         )
     )
