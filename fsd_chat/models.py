@@ -69,9 +69,11 @@ class ModelPair:
             f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
         )
 
-    def speculative(self, controls: Controls, *, time_phases: bool = False) -> SpeculativeDecoder:
-        """A speculative decoder over this pair, driven by `controls` (`time_phases`: see
-        `SpeculativeDecoder`)."""
+    def speculative(
+        self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
+    ) -> SpeculativeDecoder:
+        """A speculative decoder over this pair, driven by `controls` (`time_phases`,
+        `compile_draft`: see `SpeculativeDecoder`)."""
         return SpeculativeDecoder(
             self.target,
             self.draft,
@@ -79,6 +81,7 @@ class ModelPair:
             controls=controls,
             vocab_size=self.vocab_size,
             time_phases=time_phases,
+            compile_draft=compile_draft,
         )
 
     def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:

@@ -24,12 +24,15 @@ from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step, StepStats
-from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
 from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
+
+COMPILED_CONTEXT = 8192
+"""Most tokens a compiled draft's static KV cache holds (it is allocated whole, up front)."""
 
 
 class SpeculativeDecoder:
@@ -46,6 +49,12 @@ class SpeculativeDecoder:
         time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
+        compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
+            (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens.
+
+    Raises:
+        UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
+            draft has other than full-attention layers).
     """
 
     def __init__(
@@ -57,16 +66,28 @@ class SpeculativeDecoder:
         controls: Controls | None = None,
         vocab_size: int | None = None,
         time_phases: bool = False,
+        compile_draft: bool = False,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
         self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
-        self.draft = CachedModel(draft, vocab_size)
         contexts = [c for c in (context_length(target), context_length(draft)) if c is not None]
         self.context = min(contexts) if contexts else None
+        if compile_draft:
+            # The static cache is allocated whole: cap it, and the context with it.
+            self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+            self.draft: CachedModel = CompiledModel(draft, vocab_size, self.context + MAX_DRAFT_TOKENS + 1)
+        else:
+            self.draft = CachedModel(draft, vocab_size)
         self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why the compiled draft fell back to eager forward passes (None: it did not, or no
+        compilation was asked for)."""
+        return getattr(self.draft, "compile_error", None)
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
