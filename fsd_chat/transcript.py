@@ -69,8 +69,17 @@ def sampling_summary(settings: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def cost_summary(cost: float, tokens: int) -> str:
+    """A reply's cost (nats; see `fsd_chat.decoding.acceptance`), e.g. "cost 1.23 nats (0.0123/token)";
+    "cost 0 (lossless)" when every token followed the target's law."""
+    if cost == 0:
+        return "cost 0 (lossless)"
+    return f"cost {cost:.3g} nats ({cost / max(tokens, 1):.4f}/token)"
+
+
 def reply_summary(record: ReplyRecord) -> str:
-    """A reply's statistics in one line (tokens, tokens/s, acceptance, τ, fuzzy share, T, end)."""
+    """A reply's statistics in one line (tokens, tokens/s, acceptance, τ, fuzzy share, T, cost,
+    end)."""
     s = record.stats
     if not s:
         return "no tokens"
@@ -82,6 +91,8 @@ def reply_summary(record: ReplyRecord) -> str:
             f"fuzzy {s['fuzzy_share']:.0%}",
             "T " + " → ".join(f"{t:.3f}" for t in s["thresholds"]),
         ]
+        if "cost" in s:  # absent from sessions saved before costs were measured
+            parts.append(cost_summary(s["cost"], s["tokens"]))
     if record.stop_reason == "stopped":
         parts.append("stopped")
     elif record.stop_reason:

@@ -84,6 +84,22 @@ def test_markdown_has_header_turns_stats_and_provenance() -> None:
     assert "\n\n" not in block.split("<p>", 1)[1]  # no blank line ends the HTML block early
 
 
+@pytest.mark.parametrize(
+    ("cost", "shown"), [(0.0, "cost 0 (lossless)"), (0.5, "cost 0.5 nats (0.0556/token)"), (None, None)]
+)
+def test_each_reply_carries_its_cost(cost: float | None, shown: str | None) -> None:
+    chat = session()
+    reply = chat.turns[1].reply
+    assert reply is not None
+    if cost is not None:
+        reply.stats["cost"] = cost
+    line = next(line for line in render_markdown(chat).splitlines() if line.startswith("> 9 tokens"))
+    if shown is None:  # a session saved before costs were measured
+        assert "cost" not in line
+    else:
+        assert line.endswith(f"T 0.100 → 0.140 · {shown} · stopped")
+
+
 def test_provenance_marks_each_origin_and_the_threshold_change() -> None:
     html = provenance_html(session().turns[1].reply)  # type: ignore[arg-type]
     assert html == (
