@@ -88,7 +88,7 @@ def test_verdict_origins_and_correction() -> None:
         p, q, drafts, rule="fuzzy", divergence_name="tv", threshold=0.3, sampling=GREEDY, generator=gen
     )
     assert verdict.accepted == 1
-    assert verdict.next_token == 1 and verdict.next_origin == Origin.TARGET_RESAMPLED
+    assert verdict.token_ids[-1] == 1 and verdict.next_origin == Origin.TARGET_RESAMPLED
     assert verdict.origins() == [Origin.DRAFT_EXACT, Origin.TARGET_RESAMPLED]
     assert verdict.divergences == pytest.approx([0.0, 0.7])
     # Raising T above TV = 0.7 accepts position 1 as fuzzy, then a bonus from the last row.
@@ -96,7 +96,7 @@ def test_verdict_origins_and_correction() -> None:
         p, q, drafts, rule="fuzzy", divergence_name="tv", threshold=0.75, sampling=GREEDY, generator=gen
     )
     assert verdict.origins() == [Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY, Origin.TARGET_BONUS]
-    assert verdict.next_token == 2
+    assert verdict.token_ids[-1] == 2
 
 
 def test_sampled_correction_comes_from_the_residual() -> None:
@@ -120,7 +120,7 @@ def test_sampled_correction_comes_from_the_residual() -> None:
         for _ in range(2000)
     ]
     rejected = [v for v in outcomes if v.accepted == 0]
-    assert {v.next_token for v in rejected} == {0}
+    assert {v.token_ids[-1] for v in rejected} == {0}
     # Acceptance probability p(1)/q(1) = 2/7: 2000 trials, 6-sigma band (false alarm < 1e-8).
     rate = 1 - len(rejected) / len(outcomes)
     sigma = math.sqrt((2 / 7) * (5 / 7) / len(outcomes))

@@ -50,12 +50,16 @@ class Token:
         origin: How it was produced.
         divergence: D(p, q) at this position in the divergence's units (nats for kl/reverse-kl/js,
             a probability for tv), for tokens decided by an acceptance test; None otherwise.
+        cost: KL(r ‖ p) in nats of the law r this token was drawn from against the target's p
+            (greedy: the regret log p(argmax p) − log p(token)); 0 when r = p. See
+            `fsd_chat.decoding.acceptance`.
     """
 
     id: int
     text: str
     origin: Origin
     divergence: float | None = None
+    cost: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,8 @@ class StepStats:
         rule: Acceptance rule in force ("exact", "fuzzy", "pure"; "autoregressive" for the baseline).
         draft_tokens: Draft length k in force.
         prefill_seconds: Wall-clock seconds encoding the prompt (first step only; not in `seconds`).
+        cost: Sum of the costs (nats) of the tokens this step decided: the emitted ones, and the
+            end-of-sequence token when it ends the reply (its law is part of the reply's).
     """
 
     drafted: int
@@ -93,6 +99,7 @@ class StepStats:
     rule: str
     draft_tokens: int
     prefill_seconds: float = 0.0
+    cost: float = 0.0
 
     @property
     def accepted(self) -> int:
@@ -143,6 +150,8 @@ class GenerationStats:
     target_seconds: float = 0.0
     other_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    cost: float = 0.0
+    """Sum of the steps' costs in nats (see `StepStats.cost`)."""
     thresholds: list[float] = field(default_factory=list)
     """Distinct thresholds in force, in the order they were first used."""
 
@@ -160,6 +169,7 @@ class GenerationStats:
         self.target_seconds += s.target_seconds
         self.other_seconds += s.other_seconds
         self.prefill_seconds += s.prefill_seconds
+        self.cost += s.cost
         if s.threshold not in self.thresholds:
             self.thresholds.append(s.threshold)
 
@@ -190,6 +200,11 @@ class GenerationStats:
         return self.accepted_fuzzy / self.tokens if self.tokens else 0.0
 
     @property
+    def cost_per_token(self) -> float:
+        """Cost in nats per generated token (0.0 before any token)."""
+        return self.cost / self.tokens if self.tokens else 0.0
+
+    @property
     def overhead_share(self) -> float:
         """Share of decoding time outside the two models' forward passes."""
         return self.other_seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
@@ -202,6 +217,8 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "fuzzy_share": self.fuzzy_share,
+            "cost": self.cost,
+            "cost_per_token": self.cost_per_token,
             "drafted": self.drafted,
             "accepted_exact": self.accepted_exact,
             "accepted_fuzzy": self.accepted_fuzzy,

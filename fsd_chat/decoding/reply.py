@@ -63,9 +63,9 @@ class Reply:
         self.prompt_length = len(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.context = context
-        self.seq = torch.empty(
-            (1, len(prompt_ids) + max_new_tokens + headroom + 1), dtype=torch.long, device=device
-        )
+        # A reply never outgrows the context window, whatever max_new_tokens says: size by both.
+        budget = max_new_tokens if context is None else min(max_new_tokens, context)
+        self.seq = torch.empty((1, len(prompt_ids) + budget + headroom + 1), dtype=torch.long, device=device)
         self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.length = len(prompt_ids)
         self._eos = eos_token_ids
@@ -92,29 +92,31 @@ class Reply:
 
     def commit(
         self,
-        count: int,
+        ids: list[int],
         origins: list[Origin],
         divergences: list[float | None],
+        costs: list[float],
         stats: StepStats,
         clock: PhaseClock,
     ) -> Step:
-        """Emit the `count` tokens written at seq[length:length + count] as one `Step`.
+        """Emit the tokens `ids`, already written at seq[length:length + len(ids)], as one `Step`.
 
-        Tokens after an EOS are dropped (the EOS too); the reply ends at the first end condition.
-        Text the detokeniser still holds back when the reply ends goes to the last emitted token,
-        or to `Step.flushed` when the step emits none (its first token was EOS).
-        `stats.emitted` becomes the number of tokens actually emitted, and the time spent here
-        (detokenisation) is added to `stats.other_seconds`.
+        Tokens after an EOS are dropped (the EOS too, though its cost counts); the reply ends at the
+        first end condition. Text the detokeniser still holds back when the reply ends goes to the
+        last emitted token, or to `Step.flushed` when the step emits none (its first token was EOS).
+        `stats.emitted` and `stats.cost` become those of the tokens actually decided, and the time
+        spent here (detokenisation) is added to `stats.other_seconds`.
         """
-        ids = self.seq[0, self.length : self.length + count].tolist()
         reason: StopReason | None = None
         tokens: list[Token] = []
-        for token_id, origin, div in zip(ids, origins, divergences, strict=True):
+        cost = 0.0
+        for token_id, origin, div, token_cost in zip(ids, origins, divergences, costs, strict=True):
+            cost += token_cost
             if token_id in self._eos:
                 reason = StopReason.EOS
                 break
             text = self._detok.push(token_id)
-            tokens.append(Token(token_id, text, origin, div))
+            tokens.append(Token(token_id, text, origin, div, token_cost))
             if text and self._completes_stop_string(text):
                 reason = StopReason.STOP_STRING
                 break
@@ -127,16 +129,18 @@ class Reply:
                 reason = StopReason.CONTEXT
             elif self._controls.stop_requested:
                 reason = StopReason.STOPPED
+        tail = ""
         if reason is not None:
             # A stop request is consumed by the reply it ends (one that arrives before the reply's
             # first step still ends it: `begin` does not clear it).
             self._controls.clear_stop()
             tail = self._detok.flush()
             if tail and tokens:
-                last = tokens[-1]
-                tokens[-1] = Token(last.id, last.text + tail, last.origin, last.divergence)
+                tokens[-1] = replace(tokens[-1], text=tokens[-1].text + tail)
                 tail = ""
-        stats = replace(stats, emitted=len(tokens), other_seconds=stats.other_seconds + clock.lap())
+        stats = replace(
+            stats, emitted=len(tokens), cost=cost, other_seconds=stats.other_seconds + clock.lap()
+        )
         return Step(tuple(tokens), stats, reason, flushed=tail)
 
     def _completes_stop_string(self, delta: str) -> bool:
@@ -174,9 +178,11 @@ def begin(
     headroom: int,
     eos_token_ids: frozenset[int],
     stop_strings: tuple[str, ...],
+    time_phases: bool,
 ) -> Start:
-    """Start a reply: reset the models' caches and prefill them with all
-    prompt tokens but the last (each step feeds the last token itself).
+    """Start a reply: reset the models' caches and prefill them with all prompt tokens but the last
+    (each step feeds the last token itself). `time_phases`: synchronise the device at each phase so
+    that draft, target and other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -193,7 +199,7 @@ def begin(
         stop_strings=stop_strings,
         controls=controls,
     )
-    clock = PhaseClock(device)
+    clock = PhaseClock(device, synchronize=time_phases)
     for model in models:
         model.reset()
         if reply.length > 1:
