@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,9 +31,8 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat import Message, fit_to_context
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.divergence import DIAL_RANGE, THRESHOLD_STEP
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.settings import DIVERGENCE_NAMES, SamplingConfig
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
 from fsd_chat.errorlog import log_exception, log_path
 from fsd_chat.errors import FsdChatError
 from fsd_chat.session import STOPPED, Session, Turn, new_session_id, now
@@ -45,13 +44,15 @@ from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.stream import BatchPacer, StepBuffer
-from fsd_chat.tui.widgets.dial import ThresholdDial
+from fsd_chat.tui.widgets.dial import ThresholdDial, dial_scale
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
 from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from fsd_chat.tui.widgets.stats import StatsStrip
 
 GROUP = "generation"
+RULE_CYCLE: tuple[Rule, ...] = ("fuzzy", "mixture", "pure", "exact")
+"""The order ctrl+g steps through the acceptance rules."""
 SHOWN_TURNS = 10
 """Turns kept on screen (up to twice as many before the oldest are put away)."""
 SAVE_INTERVAL = 1.0
@@ -358,16 +359,17 @@ class ChatScreen(Screen[None]):
         self.query_one(ThresholdDial).settings = settings
 
     def action_raise_threshold(self) -> None:
-        """T up one step of the divergence in use (capped at the dial's top)."""
+        """T up one step of the dial in use (capped at the dial's top)."""
         s = self.controls.snapshot()
-        top = DIAL_RANGE[s.divergence]
+        top, step = dial_scale(s)
         if s.threshold < top:
-            self._update_controls(threshold=round(min(s.threshold + THRESHOLD_STEP[s.divergence], top), 6))
+            self._update_controls(threshold=round(min(s.threshold + step, top), 6))
 
     def action_lower_threshold(self) -> None:
-        """T down one step (not below 0)."""
+        """T down one step (not below 0); from above the dial's top, to the top."""
         s = self.controls.snapshot()
-        self._update_controls(threshold=round(max(s.threshold - THRESHOLD_STEP[s.divergence], 0.0), 6))
+        top, step = dial_scale(s)
+        self._update_controls(threshold=round(max(min(s.threshold - step, top), 0.0), 6))
 
     def action_exact(self) -> None:
         """T = 0: exact speculative decoding."""
@@ -377,9 +379,15 @@ class ChatScreen(Screen[None]):
         """The next divergence; T stays, capped at the new divergence's dial range."""
         s = self.controls.snapshot()
         following = DIVERGENCE_NAMES[(DIVERGENCE_NAMES.index(s.divergence) + 1) % len(DIVERGENCE_NAMES)]
-        self._update_controls(divergence=following, threshold=min(s.threshold, DIAL_RANGE[following]))
+        top, _ = dial_scale(replace(s, divergence=following))
+        self._update_controls(divergence=following, threshold=min(s.threshold, top))
 
-    # --- other actions ----------------------------------------------------------------------
+    def action_cycle_rule(self) -> None:
+        """The next acceptance rule (fuzzy, mixture, pure, exact); T stays, capped at its dial's top."""
+        s = self.controls.snapshot()
+        following = RULE_CYCLE[(RULE_CYCLE.index(s.rule) + 1) % len(RULE_CYCLE)]
+        top, _ = dial_scale(replace(s, rule=following))
+        self._update_controls(rule=following, threshold=min(s.threshold, top))
 
     def action_stop(self) -> None:
         """Stop the streaming reply after the step in progress; the partial reply is kept."""
