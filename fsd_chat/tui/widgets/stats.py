@@ -53,12 +53,13 @@ class StatsStrip(Horizontal):
     def _figures(self) -> Content:
         w = self.window()
         if not w.steps:
-            return Content("tok/s –   acc –   τ –   fuzzy –   cost –")
-        speed = (
-            f"{w.tokens_per_second:6.0f} tok/s  acc {w.acceptance_rate:4.0%}  "
-            f"τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}  "
+            return Content("tok/s –   cost –   acc –   τ –   fuzzy –")
+        # The cost sits beside tokens/s: the two sides of the dial, read together.
+        return Content.assemble(
+            f"{w.tokens_per_second:5.0f} tok/s  ",
+            cost_figure(w.cost_per_token),
+            f"  acc {w.acceptance_rate:4.0%}  τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}",
         )
-        return Content.assemble(speed, cost_figure(w.cost_per_token))
 
     def add(self, steps: Iterable[Step]) -> None:
         """Take in a batch of steps and refresh once."""
