@@ -16,6 +16,7 @@ from fsd_chat import cli_options as o
 from fsd_chat.config import ConfigError, check_chat_options, load_config, sessions_path, user_themes_dir
 from fsd_chat.errors import ModelLoadError
 from fsd_chat.store import SessionStore
+from fsd_chat.text import one_line
 from fsd_chat.transcript import export_transcript, render_markdown
 
 CHAT = "Chat"
@@ -95,6 +96,7 @@ def chat(
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
     adaptive_k: o.AdaptiveOpt = False,
+    compile_draft: o.CompileOpt = False,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
     top_k: o.TopKOpt = 0,
@@ -166,6 +168,7 @@ def chat(
         keymap=config.keymap,
         user_themes_dir=user_themes_dir(),
         threads=v["threads"],
+        compile_draft=v["compile_draft"],
     )
     app = FsdChatApp(options)
     app.run()
@@ -184,7 +187,10 @@ def history() -> None:
         return
     for s in summaries:
         models = f"{Path(s.target).name} + {Path(s.draft).name}"
-        print(f"{s.id}  {s.updated[:16].replace('T', ' ')}  {s.turns:3d} turns  {models}  {s.title}")
+        # Titles are the user's text and paths are the user's: shown, never obeyed, by the terminal.
+        print(
+            one_line(f"{s.id}  {s.updated[:16].replace('T', ' ')}  {s.turns:3d} turns  {models}  {s.title}")
+        )
 
 
 def export(

@@ -61,6 +61,7 @@ def generate(
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
     adaptive_k: o.AdaptiveOpt = False,
+    compile_draft: o.CompileOpt = False,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
     top_k: o.TopKOpt = 0,
@@ -99,6 +100,7 @@ def generate(
         as_json=as_json,
         autoregressive=autoregressive,
         threads=threads,
+        compile_draft=compile_draft,
     )
 
 

@@ -97,6 +97,15 @@ DraftTokensOpt = Annotated[
     int,
     typer.Option("--draft-tokens", "-k", help="Draft length k.", rich_help_panel=DECODING),
 ]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Compile the draft's one-token forward passes (torch.compile; CUDA graphs on a GPU) over a "
+        "static KV cache: the first reply waits for compilation, later draft steps run faster.",
+        rich_help_panel=DECODING,
+    ),
+]
 AdaptiveOpt = Annotated[
     bool,
     typer.Option(

@@ -43,6 +43,7 @@ OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "rule": str,
     "draft_tokens": int,
     "adaptive_k": bool,
+    "compile_draft": bool,
     "temperature": (int, float),
     "top_p": (int, float),
     "top_k": int,

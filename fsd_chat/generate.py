@@ -68,6 +68,7 @@ def run_generate(
     as_json: bool,
     autoregressive: bool,
     threads: int | None = None,
+    compile_draft: bool = False,
 ) -> GenerationStats:
     """Load the pair, decode one reply to `prompt` and write it out; returns the totals.
 
@@ -81,7 +82,11 @@ def run_generate(
     if pair.device.type == "cpu":
         apply_threads(threads)
     controls = Controls(settings)
-    decoder = pair.autoregressive(controls) if autoregressive else pair.speculative(controls)
+    decoder = (
+        pair.autoregressive(controls)
+        if autoregressive
+        else pair.speculative(controls, compile_draft=compile_draft)
+    )
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()
@@ -125,4 +130,9 @@ def run_generate(
                 f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token[/dim]",
                 highlight=False,
             )
+    compile_error = getattr(decoder, "compile_error", None)
+    if compile_error:
+        sys.stderr.write(
+            f"fsd-chat: --compile fell back to eager draft forward passes: {visible(compile_error)}\n"
+        )
     return totals

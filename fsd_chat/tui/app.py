@@ -15,6 +15,7 @@ from pathlib import Path
 
 from textual import work
 from textual.app import App, SystemCommand
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
@@ -24,6 +25,7 @@ from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
 from fsd_chat.session import Session, new_session_id, now
 from fsd_chat.store import BUSY_TIMEOUT, SessionStore
+from fsd_chat.text import one_line
 from fsd_chat.themes import DEFAULT_THEME, load_themes
 from fsd_chat.threads import apply_threads
 from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
@@ -56,6 +58,7 @@ class ChatOptions:
         keymap: Binding id -> keys.
         user_themes_dir: Folder of the user's theme files.
         threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.threads`).
+        compile_draft: Compile the draft's one-token forward passes (`--compile`).
     """
 
     target: ModelSpec
@@ -74,11 +77,7 @@ class ChatOptions:
     keymap: dict[str, str] = field(default_factory=dict)
     user_themes_dir: Path | None = None
     threads: int | None = None
-
-
-def default_decoder(pair: ModelPair, controls: Controls) -> Decoder:
-    """A speculative decoder over the pair."""
-    return pair.speculative(controls)
+    compile_draft: bool = False
 
 
 def autoregressive_decoder(pair: ModelPair, controls: Controls) -> Decoder:
@@ -110,13 +109,32 @@ class FsdChatApp(App[None]):
         self.options = options
         self.loader = loader or self._load_pair
         self.decoder_factory = decoder_factory or (
-            autoregressive_decoder if options.autoregressive else default_decoder
+            autoregressive_decoder if options.autoregressive else self._speculative_decoder
         )
         self.controls = Controls(options.settings)
         self.theme_errors: list[str] = []
         self.tracebacks: list[str] = []
         """Tracebacks of unexpected errors (also in the log file; `--debug` prints them)."""
         self._register_themes()
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Show a notification, always literally: its text quotes paths, error messages, theme and
+        model names, none of which may be read as Textual markup (or reach the terminal as control
+        characters)."""
+        super().notify(
+            one_line(message), title=one_line(title), severity=severity, timeout=timeout, markup=False
+        )
+
+    def _speculative_decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
+        return pair.speculative(controls, compile_draft=self.options.compile_draft)
 
     def _load_pair(self, progress: Progress) -> ModelPair:
         from fsd_chat.models import load_pair

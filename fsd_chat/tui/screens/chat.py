@@ -141,6 +141,7 @@ class ChatScreen(Screen[None]):
         # One generation at a time uses the decoder's KV caches, even when a cancelled one is
         # still finishing its last step.
         self._decoder_lock = threading.Lock()
+        self._compile_error_shown = False
 
     def compose(self) -> ComposeResult:
         """Header, conversation, legend, dial and stats, prompt, footer."""
@@ -332,6 +333,10 @@ class ChatScreen(Screen[None]):
             reply.show_markdown()
         turn.content = reply.record.text
         self.writer.update_reply(self.session.id, turn)
+        compile_error = getattr(self.setup.decoder, "compile_error", None)
+        if compile_error and not self._compile_error_shown:
+            self._compile_error_shown = True
+            self.notify(f"running the draft eagerly: {compile_error}", title="--compile failed", severity="warning")
         prompt = self.query_one(PromptInput)
         if error is not None and not turn.content and not prompt.text:
             prompt.text = self._sent_text  # nothing came of it: the message can be sent again

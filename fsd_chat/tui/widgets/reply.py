@@ -163,7 +163,15 @@ class ReplyView(Vertical):
         self.query_one(".reply-stats", Static).update(Content(summary))
         self.add_class("-finished")
 
+    def on_markdown_link_clicked(self, event: Markdown.LinkClicked) -> None:
+        """Show a clicked link's target rather than open it: model output is not to be trusted."""
+        event.stop()
+        self.notify(f"Link (not opened): {event.href}", title="Link", timeout=8)
+
     def show_markdown(self) -> None:
         """Build the Markdown view, the first time the chat shows finished replies as Markdown."""
         if self.has_class("-finished") and not self.query(Markdown):
-            self.mount(Markdown(self.record.text, classes="markdown"), before=".reply-stats")
+            # Links in model output are not followed on a click: the URL is shown instead.
+            self.mount(
+                Markdown(self.record.text, classes="markdown", open_links=False), before=".reply-stats"
+            )
