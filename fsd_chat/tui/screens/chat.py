@@ -336,7 +336,9 @@ class ChatScreen(Screen[None]):
         compile_error = getattr(self.setup.decoder, "compile_error", None)
         if compile_error and not self._compile_error_shown:
             self._compile_error_shown = True
-            self.notify(f"running the draft eagerly: {compile_error}", title="--compile failed", severity="warning")
+            self.notify(
+                f"running the draft eagerly: {compile_error}", title="--compile failed", severity="warning"
+            )
         prompt = self.query_one(PromptInput)
         if error is not None and not turn.content and not prompt.text:
             prompt.text = self._sent_text  # nothing came of it: the message can be sent again
