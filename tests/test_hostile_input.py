@@ -253,7 +253,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))
     (tmp_path / "config").mkdir()
-    SessionStore(tmp_path / "data" / "sessions.sqlite3").save(saved_session())
+    session = saved_session()
+    SessionStore(tmp_path / "data" / "sessions.sqlite3").append_turns(session, session.turns)
     yield tmp_path
 
 
@@ -396,7 +397,8 @@ def test_escape_sequences_from_the_model_are_shown_not_run(
 def test_a_full_disk_is_one_line_and_exit_1(
     command: list[str], models: dict[str, Path], tmp_path: Path
 ) -> None:
-    SessionStore(tmp_path / "sessions.sqlite3").save(saved_session())
+    session = saved_session()
+    SessionStore(tmp_path / "sessions.sqlite3").append_turns(session, session.turns)
     if command[0] == "generate":
         command = [
             *command[:1],
