@@ -55,7 +55,7 @@ def generate(
     divergence: o.DivergenceOpt = o.DEFAULT_DIVERGENCE,
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
-    adaptive_k: o.AdaptiveOpt = False,
+    draft_policy: o.DraftPolicyOpt = o.DEFAULT_DRAFT_POLICY,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
     top_k: o.TopKOpt = 0,
@@ -77,7 +77,7 @@ def generate(
     """Stream one reply to PROMPT, coloured by token origin on a terminal."""
     from fsd_chat.generate import run_generate
 
-    settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, adaptive_k)
+    settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, draft_policy)
     sampling = o.sampling_config(temperature, top_k, top_p, seed)
     specs = o.pair_specs(target, draft, quantize_target, quantize_draft, device, dtype, trust_remote_code)
     quiet_libraries()

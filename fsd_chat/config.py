@@ -40,7 +40,7 @@ OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "divergence": str,
     "rule": str,
     "draft_tokens": int,
-    "adaptive_k": bool,
+    "draft_policy": str,
     "temperature": (int, float),
     "top_p": (int, float),
     "top_k": int,

@@ -1,4 +1,4 @@
-"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy` (Textual has no slider widget).
+"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy · k 5` (Textual has no slider widget).
 
 It shows the `DecodingSettings` in force; left/right (when focused) and the chat keys move T
 through the chat screen's actions, which update the shared `Controls`.
@@ -15,6 +15,8 @@ from fsd_chat.decoding.settings import DecodingSettings
 from fsd_chat.tui.keys import DIAL_BINDINGS
 
 BAR_CELLS = 10
+DRAFT_LENGTH = {"fixed": "k {k}", "adaptive": "k {k} adaptive", "cost": "k ≤ {k} cost"}
+"""How the dial shows the draft length under each draft policy."""
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
 
@@ -46,5 +48,5 @@ class ThresholdDial(Widget, can_focus=True):
             (bar(s.threshold / top), "$accent"),
             ("▏", "$text-muted"),
             f" {s.divergence} · {s.rule}",
-            (f" · k {s.draft_tokens}", "$text-muted"),
+            (f" · {DRAFT_LENGTH[s.draft_policy].format(k=s.draft_tokens)}", "$text-muted"),
         )
