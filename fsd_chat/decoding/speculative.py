@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, make_policy, measure_costs
+from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, Next, make_policy, measure_costs
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
 from fsd_chat.decoding.reply import Reply, begin
@@ -113,7 +113,7 @@ class SpeculativeDecoder:
             if settings.draft_policy != policy_name:
                 policy, policy_name = make_policy(settings.draft_policy, self.costs), settings.draft_policy
                 clock.lap()  # a first measurement of the costs is no step's time
-            k = min(policy.limit(settings), reply.room())
+            k = policy.limit(settings, reply.room())
             if k == 0:
                 step = target_step(
                     self.target,
@@ -149,16 +149,17 @@ class SpeculativeDecoder:
         start = reply.length
         seq = reply.seq
         q_rows = []
-        draft_forwards = 0
-        for i in range(limit):
-            logits = self.draft.forward(seq, start + i, keep=1)
-            draft_forwards += 1
+        for draft_forwards in range(1, limit + 1):
+            logits = self.draft.forward(seq, start + draft_forwards - 1, keep=1)
             q = probabilities(logits[-1], sampling)
             # The policy sees q before the draw: a kept position's token is still a draw from q.
-            if not policy.extend(q):
+            then = policy.extend(q)
+            if then is Next.DROP:
                 break
-            seq[0, start + i] = draw(q, sampling, generator)
+            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
             q_rows.append(q)
+            if then is Next.STOP:
+                break
         k = len(q_rows)
         draft_seconds = clock.lap()
 
