@@ -27,7 +27,7 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
 from fsd_chat.decoding.speculative import SpeculativeDecoder
-from fsd_chat.errors import IncompatibleModelsError, ModelLoadError
+from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
 from fsd_chat.model_options import DTYPES, QUANTIZATIONS, LoadOptions, ModelSpec
 
 Progress = Callable[[str], None]
@@ -62,14 +62,19 @@ class ModelPair:
             f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
         )
 
-    def speculative(self, controls: Controls) -> SpeculativeDecoder:
-        """A speculative decoder over this pair, driven by `controls`."""
+    def speculative(
+        self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
+    ) -> SpeculativeDecoder:
+        """A speculative decoder over this pair, driven by `controls` (`time_phases`,
+        `compile_draft`: see `SpeculativeDecoder`)."""
         return SpeculativeDecoder(
             self.target,
             self.draft,
             self.tokenizer,
             controls=controls,
             vocab_size=self.vocab_size,
+            time_phases=time_phases,
+            compile_draft=compile_draft,
             costs=self.device_costs,
         )
 
@@ -80,10 +85,14 @@ class ModelPair:
             self.costs = measure_costs(self.target, self.draft, self.vocab_size)
         return self.costs
 
-    def autoregressive(self, controls: Controls) -> AutoregressiveDecoder:
+    def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target."""
         return AutoregressiveDecoder(
-            self.target, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+            self.target,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
         )
 
 
@@ -165,16 +174,37 @@ def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, Pretrained
     return source, config
 
 
-def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+def _quantization_config(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device
+) -> BitsAndBytesConfig | None:
     if spec.quantization == "none":
         return None
     if spec.quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {spec.quantization!r}; use {', '.join(QUANTIZATIONS)}")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"{spec.quantization} quantization needs bitsandbytes: pip install bitsandbytes")
+    if device.type == "cuda":
+        check_bitsandbytes_cuda(spec)
     if spec.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def check_bitsandbytes_cuda(spec: ModelSpec) -> None:
+    """Check that bitsandbytes loaded its CUDA library (a CPU-only build, or one built for another
+    CUDA version, imports fine and fails only at the first quantized matmul).
+
+    Raises:
+        ModelLoadError: bitsandbytes has no working CUDA library here.
+    """
+    from bitsandbytes import cextension
+
+    if not isinstance(cextension.lib, cextension.CudaBNBNativeLibrary):
+        raise ModelLoadError(
+            f"{spec.quantization} quantization on CUDA needs a bitsandbytes build with CUDA support, and this one "
+            f"has none (backend {cextension.BNB_BACKEND}, torch CUDA {torch.version.cuda}): reinstall bitsandbytes, "
+            "or drop --quantize-target / --quantize-draft"
+        )
 
 
 def _load_model(
@@ -188,7 +218,7 @@ def _load_model(
     """Load one causal LM in eval mode (device_map None: all of it on the resolved device)."""
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    quantization = _quantization_config(spec, dtype)
+    quantization = _quantization_config(spec, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
@@ -198,6 +228,8 @@ def _load_model(
             quantization_config=quantization,
             trust_remote_code=options.trust_remote_code,
         )
+    except torch.OutOfMemoryError as exc:
+        raise _out_of_memory(spec, exc) from None
     except (OSError, ValueError, RuntimeError, ImportError, TypeError) as exc:
         raise _load_failure(spec, exc) from exc
     model.eval()
@@ -214,8 +246,17 @@ def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
     try:
         with torch.inference_mode():
             model(input_ids=token, use_cache=False)
+    except torch.OutOfMemoryError as exc:
+        raise _out_of_memory(spec, exc) from None
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as exc:
         raise _load_failure(spec, exc) from exc
+
+
+def _out_of_memory(spec: ModelSpec, exc: BaseException) -> DeviceMemoryError:
+    return DeviceMemoryError(
+        f"{spec.source} did not fit in GPU memory while loading ({_first_line(exc)}): try "
+        "--quantize-target 4bit (or 8bit), a smaller draft model, or --device cpu"
+    )
 
 
 def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
@@ -276,6 +317,7 @@ def load_pair(
 
     Raises:
         ModelLoadError: either model or tokenizer fails to load.
+        DeviceMemoryError: a model does not fit in GPU memory.
         IncompatibleModelsError: the models do not share a vocabulary.
     """
     report = progress or (lambda _message: None)

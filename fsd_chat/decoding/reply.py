@@ -173,9 +173,11 @@ def begin(
     headroom: int,
     eos_token_ids: frozenset[int],
     stop_strings: tuple[str, ...],
+    time_phases: bool,
 ) -> Start:
     """Start a reply: clear any stop request, reset the models' caches and prefill them with all
-    prompt tokens but the last (each step feeds the last token itself).
+    prompt tokens but the last (each step feeds the last token itself). `time_phases`: synchronise
+    the device at each phase so that draft, target and other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -193,7 +195,7 @@ def begin(
         stop_strings=stop_strings,
         controls=controls,
     )
-    clock = PhaseClock(device)
+    clock = PhaseClock(device, synchronize=time_phases)
     for model in models:
         model.reset()
         if reply.length > 1:
