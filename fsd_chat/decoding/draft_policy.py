@@ -116,7 +116,9 @@ class CostCurve:
 def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, vocab_size: int) -> CostCurve:
     """Time the draft's 1-token forward and the target's forward at `MEASURED_WIDTHS` on their
     devices, over a `MEASURE_CONTEXT`-token context, with caches of their own (a decoder's caches
-    are not touched). Takes (1 + MEASURE_REPEATS) × (len(MEASURED_WIDTHS) + 1) forward passes."""
+    are not touched). Takes (1 + MEASURE_REPEATS) × (len(MEASURED_WIDTHS) + 1) forward passes,
+    all eager (a compiled draft's forward is cheaper than measured: `cost` then drafts less than
+    it could)."""
     t_model, d_model = CachedModel(target, vocab_size), CachedModel(draft, vocab_size)
     longest = MEASURE_CONTEXT + MEASURED_WIDTHS[-1]
     t_seq, d_seq = (
