@@ -95,7 +95,7 @@ def chat(
     divergence: o.DivergenceOpt = o.DEFAULT_DIVERGENCE,
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
-    adaptive_k: o.AdaptiveOpt = False,
+    draft_policy: o.DraftPolicyOpt = o.DEFAULT_DRAFT_POLICY,
     compile_draft: o.CompileOpt = False,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
@@ -130,7 +130,7 @@ def chat(
             f"{config.path}, or --resume a session)"
         )
     settings = o.decoding_settings(
-        v["rule"], v["divergence"], float(v["threshold"]), v["draft_tokens"], v["adaptive_k"]
+        v["rule"], v["divergence"], float(v["threshold"]), v["draft_tokens"], v["draft_policy"]
     )
     sampling = o.sampling_config(float(v["temperature"]), v["top_k"], float(v["top_p"]), v["seed"])
     for source in (target_source, draft_source):

@@ -60,7 +60,7 @@ def generate(
     divergence: o.DivergenceOpt = o.DEFAULT_DIVERGENCE,
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
-    adaptive_k: o.AdaptiveOpt = False,
+    draft_policy: o.DraftPolicyOpt = o.DEFAULT_DRAFT_POLICY,
     compile_draft: o.CompileOpt = False,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
@@ -85,7 +85,7 @@ def generate(
     from fsd_chat.generate import prompt_text, run_generate
 
     o.check_max_new_tokens(max_new_tokens)
-    settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, adaptive_k)
+    settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, draft_policy)
     sampling = o.sampling_config(temperature, top_k, top_p, seed)
     specs = o.pair_specs(target, draft, quantize_target, quantize_draft, device, dtype, trust_remote_code)
     text = prompt_text(prompt, sys.stdin.buffer)

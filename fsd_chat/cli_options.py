@@ -15,6 +15,7 @@ from fsd_chat.decoding.settings import (
     DEFAULT_DRAFT_TOKENS,
     DecodingSettings,
     DivergenceName,
+    DraftPolicyName,
     Rule,
     SamplingConfig,
 )
@@ -95,7 +96,12 @@ RuleOpt = Annotated[
 ]
 DraftTokensOpt = Annotated[
     int,
-    typer.Option("--draft-tokens", "-k", help="Draft length k.", rich_help_panel=DECODING),
+    typer.Option(
+        "--draft-tokens",
+        "-k",
+        help="Draft length k (fixed), its start (adaptive) or its cap (cost).",
+        rich_help_panel=DECODING,
+    ),
 ]
 CompileOpt = Annotated[
     bool,
@@ -106,11 +112,21 @@ CompileOpt = Annotated[
         rich_help_panel=DECODING,
     ),
 ]
-AdaptiveOpt = Annotated[
-    bool,
+DraftPolicyOpt = Annotated[
+    DraftPolicyName,
     typer.Option(
-        "--adaptive-k",
-        help="Adapt k each step (+2 on a full accept, −1 on a rejection).",
+        "--draft-tokens",
+        "-k",
+        help="Draft length k (fixed), its start (adaptive) or its cap (cost).",
+        rich_help_panel=DECODING,
+    ),
+]
+DraftPolicyOpt = Annotated[
+    DraftPolicyName,
+    typer.Option(
+        "--draft-policy",
+        help="Draft length per step: fixed (k), adaptive (+2 after a full accept, −1 after a "
+        "rejection) or cost (draft while one more token's expected gain beats its measured cost).",
         rich_help_panel=DECODING,
     ),
 ]
@@ -137,6 +153,7 @@ DEFAULT_THRESHOLD = DecodingSettings().threshold
 DEFAULT_DIVERGENCE: DivergenceName = DecodingSettings().divergence
 DEFAULT_RULE: Rule = DecodingSettings().rule
 DEFAULT_K = DEFAULT_DRAFT_TOKENS
+DEFAULT_DRAFT_POLICY: DraftPolicyName = DecodingSettings().draft_policy
 
 
 def check_max_new_tokens(value: int) -> int:
@@ -168,11 +185,15 @@ def pair_specs(
 
 
 def decoding_settings(
-    rule: Rule, divergence: DivergenceName, threshold: float, draft_tokens: int, adaptive: bool
+    rule: Rule, divergence: DivergenceName, threshold: float, draft_tokens: int, draft_policy: DraftPolicyName
 ) -> DecodingSettings:
     """Decoding options -> `DecodingSettings` (raises SettingsError when out of range)."""
     return DecodingSettings(
-        rule=rule, divergence=divergence, threshold=threshold, draft_tokens=draft_tokens, adaptive=adaptive
+        rule=rule,
+        divergence=divergence,
+        threshold=threshold,
+        draft_tokens=draft_tokens,
+        draft_policy=draft_policy,
     )
 
 

@@ -42,7 +42,7 @@ OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "divergence": str,
     "rule": str,
     "draft_tokens": int,
-    "adaptive_k": bool,
+    "draft_policy": str,
     "compile_draft": bool,
     "temperature": (int, float),
     "top_p": (int, float),

@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
 from fsd_chat.model_options import (
@@ -50,6 +51,7 @@ class ModelPair:
         vocab_size: Shared vocabulary size (logits are restricted to it).
         device: The device inputs go to (the draft's; the target's first shard).
         dtype: Compute dtype of the unquantized weights.
+        costs: The draft and verify forward costs on this device (`device_costs`), once measured.
     """
 
     target: PreTrainedModel
@@ -60,6 +62,7 @@ class ModelPair:
     draft_spec: ModelSpec
     device: torch.device
     dtype: torch.dtype
+    costs: CostCurve | None = None
 
     def describe(self) -> str:
         """One line: models, quantization, device, dtype."""
@@ -82,7 +85,15 @@ class ModelPair:
             vocab_size=self.vocab_size,
             time_phases=time_phases,
             compile_draft=compile_draft,
+            costs=self.device_costs,
         )
+
+    def device_costs(self) -> CostCurve:
+        """The pair's draft and verify forward costs on its device: measured on the first call
+        (by the `cost` draft policy), then kept for every decoder of the pair."""
+        if self.costs is None:
+            self.costs = measure_costs(self.target, self.draft, self.vocab_size)
+        return self.costs
 
     def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target."""

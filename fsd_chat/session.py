@@ -124,7 +124,7 @@ class Session:
         created: ISO timestamp of the session's start.
         models: target, draft, quantize_target, quantize_draft, device, dtype.
         settings: Decoding and sampling settings at the start (rule, divergence, threshold,
-            draft_tokens, adaptive, temperature, top_k, top_p, seed, max_new_tokens, mode).
+            draft_tokens, draft_policy, temperature, top_k, top_p, seed, max_new_tokens, mode).
         system: The system prompt, if any.
         turns: User and assistant turns in order.
     """

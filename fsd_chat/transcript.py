@@ -52,7 +52,9 @@ def decoding_summary(settings: dict[str, Any]) -> str:
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
     parts = [settings["rule"], settings["divergence"], f"T {settings['threshold']:.3f}"]
-    parts.append(f"k {settings['draft_tokens']}" + (" (adaptive)" if settings.get("adaptive") else ""))
+    # Sessions saved before draft policies had an `adaptive` flag instead.
+    policy = settings.get("draft_policy", "adaptive" if settings.get("adaptive") else "fixed")
+    parts.append(f"k {settings['draft_tokens']}" + ("" if policy == "fixed" else f" ({policy})"))
     return " · ".join(parts)
 
 

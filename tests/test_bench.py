@@ -146,6 +146,36 @@ def test_hf_assisted_and_exact_greedy_outputs_identical(pair: ModelPair) -> None
     assert outputs["exact"] == outputs["hf-assisted"]
 
 
+def test_default_assisted_generation_and_draft_policies_reproduce_greedy_output(pair: ModelPair) -> None:
+    """hf-assisted-default (transformers' own k and confidence exit) and exact SD under each
+    draft-length policy emit target-only greedy output, and each policy's steps report their k."""
+    runner = PairRunner(pair)
+    setup = Setup("float32")
+    ids = prompt_ids(pair.tokenizer, [Message("user", "Once upon a time, there was a little cat.")])
+    configs = [
+        Config(setup, 0.0, "autoregressive"),
+        Config(setup, 0.0, "hf-assisted-default"),
+        *(Config(setup, 0.0, "exact", 4, draft_policy=p) for p in ("fixed", "adaptive", "cost")),
+    ]
+    try:
+        runs = {c.label: runner.run(c, ids, max_new_tokens=40, seed=0, stop_strings=()) for c in configs}
+    finally:
+        runner.close()
+    reference = runs["autoregressive"].token_ids
+    assert len(reference) == 40
+    assert all(run.token_ids == reference for run in runs.values()), runs.keys()
+    assert list(runs) == [
+        "autoregressive",
+        "hf-assisted-default",
+        "exact k=4",
+        "exact k=4 adaptive",
+        "exact k=4 cost",
+    ]
+    fixed, adaptive = runs["exact k=4"].stats, runs["exact k=4 adaptive"].stats
+    assert fixed is not None and adaptive is not None
+    assert adaptive.drafted != fixed.drafted
+
+
 def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> None:
     setup = Setup("float32")
     configs = [Config(setup, 0.0, "autoregressive"), Config(setup, 0.0, "exact", 3)]

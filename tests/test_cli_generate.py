@@ -64,6 +64,31 @@ def test_json_lines(target_dir: Path, draft_dir: Path, pair, capsys) -> None:
     assert origins <= {"draft-exact", "target-resampled", "target-bonus", "target"}
 
 
+def test_draft_policy_option(target_dir: Path, draft_dir: Path, capsys) -> None:
+    args = [
+        *pair_args(target_dir, draft_dir),
+        "--json",
+        "--max-new-tokens",
+        "30",
+        "-T",
+        "0",
+        "Once upon a time",
+    ]
+    finals = {}
+    for policy in ("fixed", "cost"):
+        code, out, _ = run_cli(["generate", *args, "--draft-policy", policy, "-k", "6"], capsys)
+        assert code == 0
+        records = [json.loads(line) for line in out.splitlines()]
+        finals[policy] = records[-1]
+        assert records[-1]["settings"]["draft_policy"] == policy
+        drafted = {r["stats"]["drafted"] for r in records[:-1]}
+        assert max(drafted) <= 6
+    # The policy changes only how much is drafted, never the greedy tokens.
+    assert finals["fixed"]["token_ids"] == finals["cost"]["token_ids"]
+    code, _, err = run_cli(["generate", *args, "--draft-policy", "sometimes"], capsys)
+    assert code == 2 and "sometimes" in err
+
+
 def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path, capsys) -> None:
     args = [
         "generate",

@@ -6,6 +6,9 @@ back. The reads are counted here on the CPU by wrapping the tensor methods that 
 test runs anywhere (torch's CUDA sync debug mode needs a GPU). Reads made inside torch's C++ code
 (indexing with a 0-dim tensor, for one) do not pass through these methods: the code avoids them
 (`index_select` instead), and only a GPU run can confirm it.
+
+The `cost` draft policy reads the draft's top probability once per draft forward to decide whether
+to draft on (`fsd_chat.decoding.draft_policy`): one more read per draft forward, and only then.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding.draft_policy import CostCurve
 from fsd_chat.models import ModelPair
 
 READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
@@ -41,19 +45,25 @@ def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[
     ("rule", "threshold"), [("exact", 0.0), ("fuzzy", 0.1), ("pure", 0.3), ("mixture", 0.05)]
 )
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
-def test_one_host_read_per_step(
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "cost"])
+def test_host_reads_per_step(
     pair: ModelPair,
     host_reads: collections.Counter[str],
     rule: str,
     threshold: float,
     sampling: SamplingConfig,
+    policy: str,
 ) -> None:
-    decoder = pair.speculative(Controls(DecodingSettings(rule=rule, threshold=threshold, draft_tokens=4)))
+    """One read per step (the verdict); under `cost`, one more per draft forward."""
+    settings = DecodingSettings(rule=rule, threshold=threshold, draft_tokens=4, draft_policy=policy)
+    decoder = pair.speculative(Controls(settings))
+    decoder.costs = lambda: CostCurve(draft=0.02, widths=(1, 3, 33), verify=(1.0, 1.2, 4.0))
     steps = decoder.generate(
         pair.tokenizer("Once upon a time").input_ids, max_new_tokens=64, sampling=sampling
     )
     first = next(steps)  # the prompt's prefill is outside the steady state
     host_reads.clear()
-    count = sum(1 for _ in steps)
-    assert first.stats.drafted and count >= 5
-    assert sum(host_reads.values()) == count, dict(host_reads)
+    rest = list(steps)
+    assert first.stats.drafted and len(rest) >= 5
+    draft_reads = sum(s.stats.draft_forwards for s in rest) if policy == "cost" else 0
+    assert sum(host_reads.values()) == len(rest) + draft_reads, dict(host_reads)

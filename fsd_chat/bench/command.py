@@ -28,6 +28,7 @@ class Preset:
     divergences: str
     rules: str
     draft_tokens: str
+    draft_policies: str
     repeats: int
     threads: int | None
 
@@ -39,6 +40,7 @@ FULL = Preset(
     divergences="js,kl,tv",
     rules="fuzzy",
     draft_tokens=str(o.DEFAULT_K),
+    draft_policies=o.DEFAULT_DRAFT_POLICY,
     repeats=1,
     threads=None,
 )
@@ -51,6 +53,7 @@ QUICK = Preset(
     divergences="js,tv",
     rules="fuzzy",
     draft_tokens=str(o.DEFAULT_K),
+    draft_policies=o.DEFAULT_DRAFT_POLICY,
     repeats=1,
     threads=1,
 )
@@ -83,12 +86,24 @@ def bench(
     divergences: Annotated[
         str | None, _opt("--divergences", "Divergences: kl, reverse-kl, js, tv (comma-separated).")
     ] = None,
-    rules: Annotated[str | None, _opt("--rules", "FSD rules: fuzzy, pure (comma-separated).")] = None,
+    rules: Annotated[
+        str | None, _opt("--rules", "FSD rules: fuzzy, pure (comma-separated, or none).")
+    ] = None,
     draft_tokens: Annotated[str | None, _opt("--draft-tokens", "Draft lengths k (comma-separated).")] = None,
+    draft_policies: Annotated[
+        str | None,
+        _opt(
+            "--draft-policies", "fsd-chat's draft-length policies: fixed, adaptive, cost (comma-separated)."
+        ),
+    ] = None,
     temperature: Annotated[str, _opt("--temperature", "Temperatures, comma-separated (0 = greedy).")] = "0",
     seed: Annotated[int, _opt("--seed", "Base seed: prompt i is decoded with seed + i by every method.")] = 0,
     baselines: Annotated[
-        str, _opt("--baselines", "Baselines: autoregressive, exact, hf-assisted (comma-separated, or none).")
+        str,
+        _opt(
+            "--baselines",
+            "Baselines: autoregressive, exact, hf-assisted, hf-assisted-default (comma-separated, or none).",
+        ),
     ] = "autoregressive,exact,hf-assisted",
     repeats: Annotated[int | None, _opt("--repeats", "Runs of each prompt per configuration.")] = None,
     quick: Annotated[bool, _opt("--quick", "The quick preset (under 10 minutes on a 2-core CPU).")] = False,
@@ -130,6 +145,7 @@ def bench(
         divergences=divergences if divergences is not None else preset.divergences,
         rules=rules if rules is not None else preset.rules,
         draft_tokens=draft_tokens if draft_tokens is not None else preset.draft_tokens,
+        draft_policies=draft_policies if draft_policies is not None else preset.draft_policies,
         temperatures=temperature,
         baselines=baselines,
         dtypes=dtype,

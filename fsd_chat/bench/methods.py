@@ -1,8 +1,13 @@
 """One timed generation per method on a loaded pair.
 
-fsd-chat's own decoders run `autoregressive`, `exact`, `fuzzy` and `pure`; `hf-assisted` is
-transformers' assisted generation (`generate(assistant_model=draft)`) with a constant draft length k
-and the assistant's confidence early exit disabled, so both sides draft exactly k tokens per step.
+fsd-chat's own decoders run `autoregressive`, `exact`, `fuzzy` and `pure` (with the configuration's
+draft-length policy); `hf-assisted` is transformers' assisted generation
+(`generate(assistant_model=draft)`) with a constant draft length k and the assistant's confidence
+early exit disabled, so both sides draft exactly k tokens per step; `hf-assisted-default` is the
+same call with the assistant's generation config left as it is, i.e. transformers' defaults
+(transformers 5: `num_assistant_tokens` 20, `num_assistant_tokens_schedule` "constant",
+`assistant_confidence_threshold` 0.4, tuned online from a ROC curve only when scikit-learn is
+installed).
 Wall-clock time covers the whole call, prompt prefill included, for every method alike (transformers
 does not separate its prefill from the first verification).
 """
@@ -31,7 +36,7 @@ class Generation:
     Attributes:
         token_ids: Generated token ids (EOS excluded).
         seconds: Wall-clock seconds of the whole call (prefill included).
-        stats: fsd-chat's own step statistics (None for hf-assisted).
+        stats: fsd-chat's own step statistics (None for hf-assisted and hf-assisted-default).
         target: The target's forward passes.
         draft: The draft's forward passes.
     """
@@ -44,9 +49,13 @@ class Generation:
 
 
 @contextmanager
-def assistant_settings(pair: ModelPair, k: int) -> Iterator[None]:
+def assistant_settings(pair: ModelPair, k: int | None) -> Iterator[None]:
     """Set the draft's generation config for assisted generation with exactly k draft tokens per
-    step (transformers 5 reads these from the *assistant's* config), and restore it afterwards."""
+    step (transformers 5 reads these from the *assistant's* config), and restore it afterwards;
+    k None leaves it as it is (transformers' defaults)."""
+    if k is None:
+        yield
+        return
     config = pair.draft.generation_config
     wanted = {
         "num_assistant_tokens": k,
@@ -106,8 +115,7 @@ class PairRunner:
         target: ForwardTally,
         draft: ForwardTally,
     ) -> Generation:
-        if config.method == "hf-assisted":
-            assert config.draft_tokens is not None
+        if config.method in ("hf-assisted", "hf-assisted-default"):
             clock = PhaseClock(self.pair.device)
             ids = self._hf_assisted(prompt_ids, config.draft_tokens, sampling, max_new_tokens, stop_strings)
             return Generation(ids, clock.lap(), None, target, draft)
@@ -118,6 +126,7 @@ class PairRunner:
                 divergence=config.divergence or defaults.divergence,  # type: ignore[arg-type]
                 threshold=config.threshold or 0.0,
                 draft_tokens=config.draft_tokens or defaults.draft_tokens,
+                draft_policy=config.draft_policy,  # type: ignore[arg-type]
             )
         )
         decoder = (
@@ -139,7 +148,7 @@ class PairRunner:
     def _hf_assisted(
         self,
         prompt_ids: list[int],
-        k: int,
+        k: int | None,
         sampling: SamplingConfig,
         max_new_tokens: int,
         stop_strings: tuple[str, ...],

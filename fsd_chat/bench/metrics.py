@@ -22,6 +22,9 @@ from fsd_chat.bench.quality import greedy_agreement
 from fsd_chat.bench.runner import Run
 from fsd_chat.bench.sweep import Config
 
+SPEEDUP_BASELINES = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
+"""The methods every configuration's speed-up is paired against (when the sweep ran them)."""
+
 Z95 = 1.959964
 """Two-sided 95% normal quantile (confidence intervals of NLL changes)."""
 
@@ -85,6 +88,7 @@ class Summary:
         speedup_ci95: Distribution-free 95% confidence interval of each of those medians (from 6
             prompts × repeats up; see `median_ci95`).
         mean_accepted_length: τ, tokens per target forward.
+        draft_tokens_per_step: Mean k: drafted tokens per target forward (None without drafting).
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
         fuzzy_share: Share of tokens accepted only by the divergence test.
         target_forwards_per_token: Target forwards / tokens (1/τ).
@@ -110,6 +114,7 @@ class Summary:
     speedup: dict[str, float]
     speedup_ci95: dict[str, tuple[float, float]]
     mean_accepted_length: float
+    draft_tokens_per_step: float | None
     acceptance_rate: float | None
     fuzzy_share: float
     target_forwards_per_token: float
@@ -157,8 +162,9 @@ def _trial(run: Run) -> tuple[int, int]:
 
 
 def _reference(config: Config, method: str) -> Config:
-    """The baseline `method` that `config` is compared with (same group; same k for SD baselines)."""
-    k = None if method == "autoregressive" else config.draft_tokens
+    """The baseline `method` that `config` is compared with (same group; same k, fixed, for SD
+    baselines but hf-assisted-default, which drafts as transformers decides)."""
+    k = None if method in ("autoregressive", "hf-assisted-default") else config.draft_tokens
     return Config(config.setup, config.temperature, method, k)  # type: ignore[arg-type]
 
 
@@ -275,7 +281,7 @@ def _speedups(
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     speedups: dict[str, float] = {}
     intervals: dict[str, tuple[float, float]] = {}
-    for method in ("autoregressive", "exact", "hf-assisted"):
+    for method in SPEEDUP_BASELINES:
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
@@ -326,6 +332,7 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
                 speedup=speedups,
                 speedup_ci95=intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
+                draft_tokens_per_step=_ratio(sum(c.drafted for c in counts), target_forwards) or None,
                 acceptance_rate=_ratio(sum(c.accepted for c in counts), sum(c.drafted for c in counts)),
                 fuzzy_share=_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0,
                 target_forwards_per_token=_ratio(target_forwards, tokens) or 0.0,

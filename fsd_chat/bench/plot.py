@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 from fsd_chat.bench.metrics import Summary
 from fsd_chat.bench.sweep import FSD_RULES
 
-BASELINE_MARKERS = {"autoregressive": "s", "exact": "D", "hf-assisted": "^"}
+BASELINE_MARKERS = {"autoregressive": "s", "exact": "D", "hf-assisted": "^", "hf-assisted-default": "v"}
 
 
 def quality_axis(summaries: list[Summary]) -> tuple[str, bool]:
@@ -61,16 +61,18 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
         for s, q in points:
             c = s.config
             if c.method in FSD_RULES:
-                curves[f"{c.method} {c.divergence} k={c.draft_tokens}"].append((s, q))
+                curves[
+                    f"{c.method} {c.divergence} k={c.draft_tokens}"
+                    + ("" if c.draft_policy == "fixed" else f" {c.draft_policy}")
+                ].append((s, q))
             else:
-                k = "" if c.draft_tokens is None else f" k={c.draft_tokens}"
                 ax.scatter(
                     s.tokens_per_second.median,
                     q,
                     marker=BASELINE_MARKERS[c.method],
                     s=70,
                     zorder=3,
-                    label=f"{c.method}{k}",
+                    label=c.label,
                     edgecolors="black",
                 )
         for label, curve in curves.items():

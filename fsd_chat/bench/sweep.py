@@ -1,8 +1,10 @@
 """The configurations a sweep runs: model setups (dtype × quantization) × temperatures × methods.
 
 Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
-engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same k), and FSD's
-`fuzzy` / `pure` rules at every divergence × threshold. Speculative methods run at every k asked for.
+engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same constant k),
+`hf-assisted-default` (the same at transformers' own defaults, whatever k), and FSD's `fuzzy` /
+`pure` rules at every divergence × threshold. Speculative methods run at every k asked for;
+fsd-chat's own (exact and FSD) with every draft-length policy asked for.
 """
 
 from __future__ import annotations
@@ -11,12 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from fsd_chat.decoding.settings import DIVERGENCE_NAMES, DecodingSettings, SamplingConfig
+from fsd_chat.decoding.settings import (
+    DIVERGENCE_NAMES,
+    DRAFT_POLICIES,
+    DecodingSettings,
+    SamplingConfig,
+)
 from fsd_chat.errors import FsdChatError, SettingsError
 from fsd_chat.model_options import DTYPES, QUANTIZATIONS
 
-Method = Literal["autoregressive", "exact", "hf-assisted", "fuzzy", "pure"]
-BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
+Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure"]
+BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
 FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure")
 
 T = TypeVar("T")
@@ -48,10 +55,11 @@ class Config:
     Attributes:
         setup: How the models are loaded.
         temperature: Sampling temperature (0 = greedy).
-        method: autoregressive, exact, hf-assisted, fuzzy or pure.
-        draft_tokens: Draft length k (None for autoregressive).
+        method: autoregressive, exact, hf-assisted, hf-assisted-default, fuzzy or pure.
+        draft_tokens: Draft length k (None for autoregressive and hf-assisted-default).
         divergence: D of the fuzzy test (fuzzy/pure only).
         threshold: T in the divergence's units (fuzzy/pure only).
+        draft_policy: fsd-chat's draft-length policy (exact, fuzzy and pure; "fixed" otherwise).
     """
 
     setup: Setup
@@ -60,15 +68,18 @@ class Config:
     draft_tokens: int | None = None
     divergence: str | None = None
     threshold: float | None = None
+    draft_policy: str = "fixed"
 
     @property
     def label(self) -> str:
-        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4"."""
+        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4" or "exact k=8 cost"."""
         parts: list[str] = [self.method]
         if self.divergence is not None:
             parts.append(f"{self.divergence} T={self.threshold:g}")
         if self.draft_tokens is not None:
             parts.append(f"k={self.draft_tokens}")
+        if self.draft_policy != "fixed":
+            parts.append(self.draft_policy)
         return " ".join(parts)
 
     @property
@@ -124,6 +135,7 @@ class SweepSpec:
     divergences: str
     rules: str
     draft_tokens: str
+    draft_policies: str
     temperatures: str
     baselines: str
     dtypes: str
@@ -141,8 +153,9 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     """
     thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
     divergences = parse_list(spec.divergences, "--divergences", str, DIVERGENCE_NAMES)
-    rules = parse_list(spec.rules, "--rules", str, FSD_RULES)
+    rules = [] if spec.rules.strip() == "none" else parse_list(spec.rules, "--rules", str, FSD_RULES)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
+    policies = parse_list(spec.draft_policies, "--draft-policies", str, DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
     baselines = (
         []
@@ -156,16 +169,21 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     configs: list[Config] = []
     for setup in setups:
         for temperature in temperatures:
-            if "autoregressive" in baselines:
-                configs.append(Config(setup, temperature, "autoregressive"))
+            configs += [
+                Config(setup, temperature, m)
+                for m in ("autoregressive", "hf-assisted-default")
+                if m in baselines
+            ]
             for k in ks:
-                configs += [
-                    Config(setup, temperature, m, k) for m in ("exact", "hf-assisted") if m in baselines
-                ]
-                configs += [
-                    Config(setup, temperature, rule, k, divergence, threshold)  # type: ignore[arg-type]
-                    for rule in rules
-                    for divergence in divergences
-                    for threshold in thresholds
-                ]
+                if "hf-assisted" in baselines:
+                    configs.append(Config(setup, temperature, "hf-assisted", k))
+                for policy in policies:
+                    if "exact" in baselines:
+                        configs.append(Config(setup, temperature, "exact", k, draft_policy=policy))
+                    configs += [
+                        Config(setup, temperature, rule, k, divergence, threshold, policy)  # type: ignore[arg-type]
+                        for rule in rules
+                        for divergence in divergences
+                        for threshold in thresholds
+                    ]
     return setups, configs

@@ -14,7 +14,7 @@ from fsd_chat.bench.plot import pareto_front, quality_axis, quality_value
 from fsd_chat.bench.report import HEADERS, table_rows
 from fsd_chat.bench.sweep import FSD_RULES
 
-BASELINE_GLYPHS = {"autoregressive": "A", "exact": "E", "hf-assisted": "H"}
+BASELINE_GLYPHS = {"autoregressive": "A", "exact": "E", "hf-assisted": "H", "hf-assisted-default": "D"}
 WIDTH, HEIGHT = 56, 12
 # The columns that fit a terminal; setup and temperature go into each group's title.
 COLUMNS = tuple(
@@ -24,11 +24,14 @@ COLUMNS = tuple(
         "div",
         "T",
         "k",
+        "policy",
         "tok/s (median [q1–q3])",
         "×AR",
         "×exact",
         "×HF",
+        "×HF-def",
         "τ",
+        "mean k",
         "accept",
         "fuzzy",
         "ΔNLL (±95%)",
@@ -67,7 +70,9 @@ def text_plot(summaries: list[Summary], title: str) -> Group:
         for i, (s, _) in enumerate(points):
             c = s.config
             if c.method in FSD_RULES:
-                name = f"{c.method} {c.divergence} k={c.draft_tokens}"
+                name = f"{c.method} {c.divergence} k={c.draft_tokens}" + (
+                    "" if c.draft_policy == "fixed" else f" {c.draft_policy}"
+                )
                 glyph = series.setdefault(name, str(len(series) % 9 + 1))
             else:
                 glyph = BASELINE_GLYPHS[c.method]

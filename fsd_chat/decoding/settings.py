@@ -15,6 +15,9 @@ RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
 
+DraftPolicyName = Literal["fixed", "adaptive", "cost"]
+DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "adaptive", "cost")
+
 DEFAULT_DRAFT_TOKENS = 5
 """Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
 pair (README, "Choosing the defaults"); k = 3..6 lie within each other's confidence intervals."""
@@ -49,9 +52,12 @@ class DecodingSettings:
             nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
             output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
-        draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS (the starting k when adaptive).
-        adaptive: Adapt k each step: +2 after a fully accepted block, −1 after a rejection
-            (the heuristic of transformers' assisted generation).
+        draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS: the draft length of `fixed`, the
+            starting length of `adaptive`, the longest draft of `cost`.
+        draft_policy: How each step's draft length is chosen (`fsd_chat.decoding.draft_policy`):
+            "fixed" (k), "adaptive" (+2 after a fully accepted block, −1 after a rejection:
+            transformers' heuristic schedule) or "cost" (draft while one more token's expected
+            gain per second of its measured cost beats the block's running rate).
 
     Raises:
         SettingsError: on any value out of range.
@@ -61,7 +67,7 @@ class DecodingSettings:
     divergence: DivergenceName = "js"
     threshold: float = DEFAULT_THRESHOLD
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    adaptive: bool = False
+    draft_policy: DraftPolicyName = "fixed"
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -73,6 +79,10 @@ class DecodingSettings:
         if not 0 <= self.threshold < math.inf:
             raise SettingsError(
                 f"threshold must be a finite number ≥ 0 (0 = exact speculative decoding), got {self.threshold}"
+            )
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise SettingsError(
+                f"unknown draft policy {self.draft_policy!r}; choose one of {', '.join(DRAFT_POLICIES)}"
             )
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")

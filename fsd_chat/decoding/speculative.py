@@ -9,13 +9,16 @@ Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 4. Correct: a resampled target token after a rejection, or a bonus token after k acceptances.
 5. Roll both KV caches back to the accepted prefix (no accepted token is re-encoded).
 
-The settings (rule, divergence, threshold T, draft length k) are read from `Controls` at the start
-of every step, so another thread can retune them mid-reply.
+The settings (rule, divergence, threshold T, draft length k, draft policy) are read from
+`Controls` at the start of every step, so another thread can retune them mid-reply. The draft
+policy (`fsd_chat.decoding.draft_policy`: fixed, adaptive or cost) decides each step's k; a policy
+chosen mid-reply starts afresh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import cache
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -23,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, Next, make_policy, measure_costs
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
 from fsd_chat.decoding.memory import frees_memory_on_oom
@@ -51,6 +55,8 @@ class SpeculativeDecoder:
             verdict comes back (see `PhaseClock`).
         compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
             (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens.
+        costs: The device's draft and verify costs, asked for when the `cost` policy is first
+            used (default: measured on these models then, once; `ModelPair` keeps its own).
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
@@ -67,6 +73,7 @@ class SpeculativeDecoder:
         vocab_size: int | None = None,
         time_phases: bool = False,
         compile_draft: bool = False,
+        costs: Callable[[], CostCurve] | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
@@ -82,6 +89,7 @@ class SpeculativeDecoder:
         else:
             self.draft = CachedModel(draft, vocab_size)
         self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
+        self.costs = costs or cache(lambda: measure_costs(target, draft, vocab_size))
 
     @property
     def compile_error(self) -> str | None:
@@ -118,6 +126,8 @@ class SpeculativeDecoder:
             DeviceMemoryError: the device ran out of memory (the KV caches are freed).
         """
         sampling = sampling or SamplingConfig()
+        policy_name = self.controls.snapshot().draft_policy
+        policy = make_policy(policy_name, self.costs)  # before the clock starts: it may measure
         start = begin(
             [self.target, self.draft],
             prompt_ids,
@@ -133,14 +143,12 @@ class SpeculativeDecoder:
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         prefill_seconds = start.prefill_seconds
-        adaptive_k: int | None = None
-        base_k = self.controls.snapshot().draft_tokens
         while True:
             settings = self.controls.snapshot()
-            if not settings.adaptive or settings.draft_tokens != base_k:
-                # Adaptation restarts from a k the user sets (or stops when switched off).
-                adaptive_k, base_k = None, settings.draft_tokens
-            k = min(adaptive_k or settings.draft_tokens, reply.room())
+            if settings.draft_policy != policy_name:
+                policy, policy_name = make_policy(settings.draft_policy, self.costs), settings.draft_policy
+                clock.lap()  # a first measurement of the costs is no step's time
+            k = policy.limit(settings, reply.room())
             if k == 0:
                 step = target_step(
                     self.target,
@@ -153,11 +161,10 @@ class SpeculativeDecoder:
                     prefill_seconds=prefill_seconds,
                 )
             else:
-                step = self._speculative_step(reply, k, settings, sampling, generator, clock, prefill_seconds)
-                if settings.adaptive:
-                    # transformers' "heuristic" schedule: +2 after a fully accepted block, else −1.
-                    full = step.stats.accepted == k
-                    adaptive_k = min(k + 2, MAX_DRAFT_TOKENS) if full else max(k - 1, 1)
+                step = self._speculative_step(
+                    reply, k, policy, settings, sampling, generator, clock, prefill_seconds
+                )
+                policy.observe(step.stats.drafted, step.stats.accepted)
             prefill_seconds = 0.0
             yield step
             if step.stop_reason is not None:
@@ -166,7 +173,8 @@ class SpeculativeDecoder:
     def _speculative_step(
         self,
         reply: Reply,
-        k: int,
+        limit: int,
+        policy: DraftPolicy,
         settings: DecodingSettings,
         sampling: SamplingConfig,
         generator: torch.Generator,
@@ -176,11 +184,18 @@ class SpeculativeDecoder:
         start = reply.length
         seq = reply.seq
         q_rows = []
-        for i in range(k):
-            logits = self.draft.forward(seq, start + i, keep=1)
+        for draft_forwards in range(1, limit + 1):
+            logits = self.draft.forward(seq, start + draft_forwards - 1, keep=1)
             q = probabilities(logits[-1], sampling)
-            seq[0, start + i] = draw(q, sampling, generator)
+            # The policy sees q before the draw: a kept position's token is still a draw from q.
+            then = policy.extend(q)
+            if then is Next.DROP:
+                break
+            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
             q_rows.append(q)
+            if then is Next.STOP:
+                break
+        k = len(q_rows)
         draft_seconds = clock.lap()
 
         logits = self.target.forward(seq, start + k, keep=k + 1)
@@ -211,7 +226,7 @@ class SpeculativeDecoder:
             accepted_fuzzy=n - accepted_exact,
             emitted=n + 1,
             target_forwards=1,
-            draft_forwards=k,
+            draft_forwards=draft_forwards,
             draft_seconds=draft_seconds,
             target_seconds=target_seconds,
             other_seconds=clock.lap(),

@@ -1,5 +1,5 @@
-"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy` (Textual has no slider widget), and its
-range and step for each rule and divergence.
+"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy · k 5` (Textual has no slider widget), and
+its range and step for each rule and divergence.
 
 It shows the `DecodingSettings` in force; left/right (when focused) and the chat keys move T
 through the chat screen's actions, which update the shared `Controls`.
@@ -46,6 +46,8 @@ def dial_scale(settings: DecodingSettings) -> tuple[float, float]:
 
 
 BAR_CELLS = 10
+DRAFT_LENGTH = {"fixed": "k {k}", "adaptive": "k {k} adaptive", "cost": "k ≤ {k} cost"}
+"""How the dial shows the draft length under each draft policy."""
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
 
@@ -79,5 +81,5 @@ class ThresholdDial(Widget, can_focus=True):
             (bar(s.threshold / top), "$accent"),
             ("▏", "$text-muted"),
             f" {rule}",
-            (f" · k {s.draft_tokens}", "$text-muted"),
+            (f" · {DRAFT_LENGTH[s.draft_policy].format(k=s.draft_tokens)}", "$text-muted"),
         )

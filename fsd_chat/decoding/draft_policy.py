@@ -1,0 +1,299 @@
+"""How many tokens each step drafts: `fixed`, `adaptive` and `cost` draft-length policies.
+
+A policy only decides the length of a step's draft block, from the draft's own outputs and past
+verdicts, never from the target's distributions at the step being decided; the acceptance rules
+and their guarantees (`fsd_chat.decoding.acceptance`) are untouched. The decoder asks it, per
+step, the most tokens the step may draft (`limit`), after each draft forward pass whether that
+position joins the block and whether to draft another (`extend`; the first position always joins,
+so k ≥ 1), and after the verdict how many drafted tokens were accepted (`observe`).
+
+- `fixed`: k = settings.draft_tokens.
+- `adaptive`: transformers' "heuristic" schedule (`num_assistant_tokens_schedule`): start at
+  settings.draft_tokens, +2 after a fully accepted block (up to MAX_DRAFT_TOKENS), −1 after a
+  rejection (down to 1); a k set by the user restarts it.
+- `cost`: the block length that maximises expected tokens per second, with k = settings.draft_tokens
+  as the cap:
+
+  Let a_i be the estimated probability that draft token i is accepted given tokens 1..i−1 were,
+  G_i = a_1···a_i, and E_m = 1 + G_1 + … + G_m the expected tokens a block of m draft tokens emits
+  (the target adds one after the accepted prefix). It costs T_m = m·c_d + V(m + 1) seconds (c_d: one
+  draft position; V(w): a target forward over w tokens). λ is the reply's running rate: tokens
+  emitted by its speculative steps / their modelled seconds, starting from one pseudo-step of
+  autoregressive decoding (1 token in V(1)). Long-run tokens per second E[tokens]/E[seconds] is at
+  its best when every step maximises E_m − λ·T_m with λ that best rate (renewal-reward; Dinkelbach
+  1967), i.e. drafting goes on while the marginal ratio G_m / (T_m − T_{m−1}) beats λ.
+
+  After the draft forward that proposes token j + 1 (j tokens kept so far), a_{j+1} is known and
+  later positions are predicted with the same a (G_m = G_{j+1}·a_{j+1}^{m−j−1}). Among block lengths
+  m = j..cap (m ≥ 1) take the first maximiser m* of E_m − λ·T_m, where stopping at m = j still
+  pays the forward just made (T = (j + 1)·c_d + V(j + 1)). m* = j: token j + 1 is dropped and the
+  step verifies j tokens; m* = j + 1: it is kept and drafting stops; m* > j + 1: it is kept and
+  the next position is drafted. Looking ahead to the cap lets a block cross a bump of a
+  non-monotone V (on this CPU, float32: V(3) > V(4)).
+
+  a comes from the draft's confidence, its top probability c = max_x q(x), calibrated against the
+  acceptance measured in this reply: c falls in one of `BINS` equal-width bins of [0, 1], and a is
+  the posterior mean of that bin's Beta counts: accepted / observed draft tokens of the bin so far
+  in the reply (a position is observed when the tokens before it were accepted, so a is the
+  acceptance given the prefix was) plus a prior of `PRIOR_STRENGTH` pseudo-tokens centred on the
+  bin's middle (a calibrated draft). Whatever the rule and threshold, acceptance is what the
+  verdicts count.
+
+  The decision is taken before x̃_{j+1} is drawn and depends on q_{j+1} alone (not on the sampled
+  token's probability q_{j+1}(x̃_{j+1})), so a kept position's token is still a draw from q_{j+1}
+  and the exact test keeps sampling lossless. Reading c costs one host synchronisation per draft
+  forward under `cost` (the other policies read nothing: one per step, the verdict's).
+
+  c_d and V(w) are measured once per loaded pair on its device (`measure_costs`; `ModelPair` keeps
+  the curve, a decoder given none measures its own models once) and can be injected (tests pass a
+  synthetic `CostCurve`). Sampling, verification and rollback are left out of the costs.
+
+Sources: SpecDec++ (Huang, Guo, Wang 2024, arXiv 2405.19715: stop drafting when a predicted
+acceptance probability says a rejection is likely; here the threshold comes from measured costs);
+DISCO (Mamou et al. 2024, arXiv 2405.04304: a dynamic draft length from the draft's confidence);
+transformers' `assistant_confidence_threshold` (stop when the draft token's probability is below a
+constant, 0.4 by default) and `num_assistant_tokens_schedule="heuristic"` (the +2/−1 schedule);
+llama.cpp's `--draft-p-min` (drop a draft token whose top probability is below a constant).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName
+from fsd_chat.decoding.timing import PhaseClock
+
+BINS = 10
+"""Equal-width bins of the draft's top probability over which acceptance is calibrated."""
+
+PRIOR_STRENGTH = 2.0
+"""Pseudo-tokens of each bin's Beta prior (centred on the bin's middle): measured acceptance
+outweighs it after a couple of observations."""
+
+MEASURED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, MAX_DRAFT_TOKENS + 1)
+"""Verify widths `measure_costs` times (tokens); other widths are linearly interpolated."""
+
+MEASURE_CONTEXT = 64
+"""Tokens of context the timed forwards attend to."""
+
+MEASURE_REPEATS = 3
+"""Timed passes over the widths (after one untimed pass); each cost is their minimum (timing noise only adds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostCurve:
+    """What drafting and verifying cost on a device.
+
+    Attributes:
+        draft: Seconds of one draft position (a 1-token draft forward and its softmax).
+        widths: Verify widths in tokens, increasing, from 1 to at least MAX_DRAFT_TOKENS + 1.
+        verify: Seconds of a target forward over each of `widths` tokens.
+    """
+
+    draft: float
+    widths: tuple[int, ...]
+    verify: tuple[float, ...]
+
+    def verify_seconds(self, width: int) -> float:
+        """Seconds of a target forward over `width` tokens (linear between measured widths)."""
+        i = bisect.bisect_left(self.widths, width)
+        if i < len(self.widths) and self.widths[i] == width:
+            return self.verify[i]
+        i = min(max(i, 1), len(self.widths) - 1)
+        (w0, w1), (v0, v1) = self.widths[i - 1 : i + 1], self.verify[i - 1 : i + 1]
+        return v0 + (v1 - v0) * (width - w0) / (w1 - w0)
+
+
+def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, vocab_size: int) -> CostCurve:
+    """Time the draft's 1-token forward and the target's forward at `MEASURED_WIDTHS` on their
+    devices, over a `MEASURE_CONTEXT`-token context, with caches of their own (a decoder's caches
+    are not touched). Takes (1 + MEASURE_REPEATS) × (len(MEASURED_WIDTHS) + 1) forward passes,
+    all eager (a compiled draft's forward is cheaper than measured: `cost` then drafts less than
+    it could)."""
+    t_model, d_model = CachedModel(target, vocab_size), CachedModel(draft, vocab_size)
+    longest = MEASURE_CONTEXT + MEASURED_WIDTHS[-1]
+    t_seq, d_seq = (
+        torch.arange(longest, device=m.device).remainder(vocab_size)[None] for m in (t_model, d_model)
+    )
+    t_model.forward(t_seq, MEASURE_CONTEXT, keep=1)
+    d_model.forward(d_seq, MEASURE_CONTEXT, keep=1)
+    clock = PhaseClock(t_model.device)
+
+    def verify(width: int) -> float:
+        clock.lap()
+        t_model.forward(t_seq, MEASURE_CONTEXT + width, keep=width)
+        seconds = clock.lap()
+        t_model.rollback(MEASURE_CONTEXT)
+        return seconds
+
+    def draft_position() -> float:
+        clock.lap()
+        d_model.forward(d_seq, MEASURE_CONTEXT + 1, keep=1).softmax(-1).max().item()
+        seconds = clock.lap()
+        d_model.rollback(MEASURE_CONTEXT)
+        return seconds
+
+    samples: list[list[float]] = [[] for _ in range(len(MEASURED_WIDTHS) + 1)]
+    for repeat in range(1 + MEASURE_REPEATS):
+        times = [verify(width) for width in MEASURED_WIDTHS] + [draft_position()]
+        if repeat:  # pass 0 is untimed: first-call allocations and kernel selection
+            for sample, seconds in zip(samples, times, strict=True):
+                sample.append(seconds)
+    fastest = [min(s) for s in samples]
+    return CostCurve(draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]))
+
+
+def _bin(confidence: float) -> int:
+    """The calibration bin of a top probability."""
+    return min(int(confidence * BINS), BINS - 1)
+
+
+class Next(StrEnum):
+    """What follows a drafted position (`DraftPolicy.extend`)."""
+
+    DROP = "drop"
+    """The position does not join the block; the step verifies the tokens before it."""
+    STOP = "stop"
+    """The position joins the block, and the step drafts no more."""
+    DRAFT = "draft"
+    """The position joins the block, and the step drafts the next one (up to its limit)."""
+
+
+class DraftPolicy(Protocol):
+    """Chooses each step's draft length (see the module docstring)."""
+
+    def limit(self, settings: DecodingSettings, room: int) -> int:
+        """The most tokens the coming step may draft, ≤ `room` (the reply's room left; 0: none).
+        Starts a step."""
+        ...
+
+    def extend(self, q: torch.Tensor) -> Next:
+        """What to do with the position whose draft distribution `q` ([vocab]) was just computed
+        (never DROP for the step's first position)."""
+        ...
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """The verdict of the step: `drafted` tokens in the block, `accepted` of them accepted."""
+        ...
+
+
+class FixedPolicy:
+    """k = settings.draft_tokens at every step."""
+
+    def limit(self, settings: DecodingSettings, room: int) -> int:
+        """settings.draft_tokens (at most `room`)."""
+        return min(settings.draft_tokens, room)
+
+    def extend(self, q: torch.Tensor) -> Next:
+        """Always DRAFT (no host read)."""
+        return Next.DRAFT
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Nothing to learn."""
+
+
+class AdaptivePolicy(FixedPolicy):
+    """transformers' heuristic schedule: +2 after a fully accepted block, −1 after a rejection,
+    starting from (and restarted by a change of) settings.draft_tokens."""
+
+    def __init__(self) -> None:
+        self._start = 0
+        self._k = 0
+
+    def limit(self, settings: DecodingSettings, room: int) -> int:
+        """The scheduled k (at most `room`)."""
+        if settings.draft_tokens != self._start:
+            self._start = self._k = settings.draft_tokens
+        return min(self._k, room)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """+2 (up to MAX_DRAFT_TOKENS) when all `drafted` were accepted, else −1 (down to 1)."""
+        self._k = min(drafted + 2, MAX_DRAFT_TOKENS) if accepted == drafted else max(drafted - 1, 1)
+
+
+class CostPolicy:
+    """The block length that maximises E_m − λ·T_m, decided position by position (module docstring).
+
+    Args:
+        costs: The device's draft and verify costs.
+    """
+
+    def __init__(self, costs: CostCurve) -> None:
+        self._draft = costs.draft
+        # V(w) for w = 0..MAX_DRAFT_TOKENS + 1 (w = 0 unused).
+        self._verify = [costs.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+        self._accepted = [PRIOR_STRENGTH * (b + 0.5) / BINS for b in range(BINS)]
+        self._observed = [PRIOR_STRENGTH] * BINS
+        self._tokens, self._seconds = 1.0, self._verify[1]  # λ's pseudo-step: autoregressive
+        self._cap = 0
+        self._forwards = 0
+        self._bins: list[int] = []
+        self._all_accepted = 1.0  # G_j
+        self._expected = 1.0  # E_j
+
+    def limit(self, settings: DecodingSettings, room: int) -> int:
+        """settings.draft_tokens, the cap (at most `room`)."""
+        self._cap = min(settings.draft_tokens, room)
+        self._forwards, self._bins, self._all_accepted, self._expected = 0, [], 1.0, 1.0
+        return self._cap
+
+    @property
+    def rate(self) -> float:
+        """λ: the reply's tokens per modelled second so far (tokens/s)."""
+        return self._tokens / self._seconds
+
+    def acceptance(self, confidence: float) -> float:
+        """a: the calibrated probability that a draft token of top probability `confidence` is
+        accepted, given the tokens before it in the block were."""
+        b = _bin(confidence)
+        return self._accepted[b] / self._observed[b]
+
+    def extend(self, q: torch.Tensor) -> Next:
+        """The first maximiser m* of E_m − λ·T_m over m = j..cap, as DROP / STOP / DRAFT (one host
+        read)."""
+        confidence = float(q.max())
+        a = self.acceptance(confidence)
+        j = len(self._bins)
+        self._forwards += 1
+        rate = self.rate
+        best_m = j
+        best = self._expected - rate * ((j + 1) * self._draft + self._verify[j + 1]) if j else -math.inf
+        expected, all_accepted = self._expected, self._all_accepted
+        for m in range(j + 1, self._cap + 1):
+            all_accepted *= a
+            expected += all_accepted
+            value = expected - rate * (m * self._draft + self._verify[m + 1])
+            if value > best:
+                best_m, best = m, value
+        if best_m == j:
+            return Next.DROP
+        self._bins.append(_bin(confidence))
+        self._all_accepted *= a
+        self._expected += self._all_accepted
+        return Next.STOP if best_m == j + 1 else Next.DRAFT
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Count the accepted positions and the first rejected one in their bins, and the step's
+        tokens and modelled seconds in λ."""
+        for b in self._bins[: accepted + 1]:
+            self._observed[b] += 1
+        for b in self._bins[:accepted]:
+            self._accepted[b] += 1
+        self._tokens += accepted + 1
+        self._seconds += self._forwards * self._draft + self._verify[drafted + 1]
+
+
+def make_policy(name: DraftPolicyName, costs: Callable[[], CostCurve]) -> DraftPolicy:
+    """A fresh policy of that name; `costs` is called only by `cost` (measurements may be slow)."""
+    if name == "cost":
+        return CostPolicy(costs())
+    return AdaptivePolicy() if name == "adaptive" else FixedPolicy()
