@@ -1,8 +1,10 @@
 """The configurations a sweep runs: model setups (dtype × quantization) × temperatures × methods.
 
 Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
-engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same k), and FSD's
-`fuzzy` / `pure` rules at every divergence × threshold. Speculative methods run at every k asked for.
+engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same k), FSD's
+`fuzzy` / `pure` rules at every divergence × threshold, and the `mixture` rule at every per-token KL
+budget of its own list (nats; it has no divergence, so it is not multiplied by the divergences).
+Speculative methods run at every k asked for.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from fsd_chat.decoding.settings import DIVERGENCE_NAMES, MAX_DRAFT_TOKENS
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import DTYPES, QUANTIZATIONS
 
-Method = Literal["autoregressive", "exact", "hf-assisted", "fuzzy", "pure"]
+Method = Literal["autoregressive", "exact", "hf-assisted", "fuzzy", "pure", "mixture"]
 BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
-FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure")
+FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
+"""The lossy rules a sweep can run (`--rules`); each draws one curve per divergence (if any) and k."""
+DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
+"""The rules whose threshold is a divergence bound, swept over `--divergences` × `--thresholds`."""
 
 T = TypeVar("T")
 
@@ -49,10 +54,11 @@ class Config:
     Attributes:
         setup: How the models are loaded.
         temperature: Sampling temperature (0 = greedy).
-        method: autoregressive, exact, hf-assisted, fuzzy or pure.
+        method: autoregressive, exact, hf-assisted, fuzzy, pure or mixture.
         draft_tokens: Draft length k (None for autoregressive).
         divergence: D of the fuzzy test (fuzzy/pure only).
-        threshold: T in the divergence's units (fuzzy/pure only).
+        threshold: T: in the divergence's units (fuzzy/pure), or the per-token KL budget in nats
+            (mixture; the log-probability regret budget when greedy). None for the baselines.
     """
 
     setup: Setup
@@ -64,10 +70,12 @@ class Config:
 
     @property
     def label(self) -> str:
-        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4"."""
+        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4" or "mixture T=0.02 k=4"."""
         parts: list[str] = [self.method]
         if self.divergence is not None:
-            parts.append(f"{self.divergence} T={self.threshold:g}")
+            parts.append(self.divergence)
+        if self.threshold is not None:
+            parts.append(f"T={self.threshold:g}")
         if self.draft_tokens is not None:
             parts.append(f"k={self.draft_tokens}")
         return " ".join(parts)
@@ -76,6 +84,15 @@ class Config:
     def group(self) -> tuple[Setup, float]:
         """Configurations of one group are compared with each other (same models, same sampling)."""
         return (self.setup, self.temperature)
+
+    @property
+    def curve(self) -> str | None:
+        """The trade-off curve this configuration lies on (its rule, divergence and k, through the
+        thresholds), e.g. "fuzzy js k=4" or "mixture k=4"; None for the baselines."""
+        if self.method not in FSD_RULES:
+            return None
+        divergence = "" if self.divergence is None else f" {self.divergence}"
+        return f"{self.method}{divergence} k={self.draft_tokens}"
 
 
 def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tuple[T, ...] = ()) -> list[T]:
@@ -133,6 +150,7 @@ class SweepSpec:
     divergences: str
     rules: str
     draft_tokens: str
+    mixture_thresholds: str
     temperatures: str
     baselines: str
     dtypes: str
@@ -151,6 +169,7 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
     divergences = parse_list(spec.divergences, "--divergences", str, DIVERGENCE_NAMES)
     rules = parse_list(spec.rules, "--rules", str, FSD_RULES)
+    budgets = parse_list(spec.mixture_thresholds, "--mixture-thresholds", _threshold)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
     baselines = (
@@ -171,10 +190,13 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
                 configs += [
                     Config(setup, temperature, m, k) for m in ("exact", "hf-assisted") if m in baselines
                 ]
-                configs += [
-                    Config(setup, temperature, rule, k, divergence, threshold)  # type: ignore[arg-type]
-                    for rule in rules
-                    for divergence in divergences
-                    for threshold in thresholds
-                ]
+                for rule in rules:
+                    if rule in DIVERGENCE_RULES:
+                        configs += [
+                            Config(setup, temperature, rule, k, divergence, threshold)  # type: ignore[arg-type]
+                            for divergence in divergences
+                            for threshold in thresholds
+                        ]
+                    else:
+                        configs += [Config(setup, temperature, rule, k, None, t) for t in budgets]  # type: ignore[arg-type]
     return setups, configs
