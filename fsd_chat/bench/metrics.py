@@ -8,6 +8,12 @@ same prompt (same models, same sampling), so drift between prompts cancels.
 For hf-assisted, transformers reports no step statistics: target forwards are counted by the hooks
 (every one is a verification), drafted tokens = draft forwards (one token each), and accepted
 tokens = generated tokens − target forwards (each step emits its accepted tokens plus one).
+
+Quality's main figure is the cost per token (nats; `Token.cost` in fsd_chat/decoding/acceptance.py):
+the KL divergence of each emitted token's law from the target's (greedy: the log-probability regret),
+computed exactly from the distributions at each position, so a configuration's mean over prompts
+varies only with which positions the replies visited. The target NLL change is kept beside it; it
+is the difference of two large, noisy sums and needs many more prompts to resolve the same loss.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from fsd_chat.bench.runner import Run
 from fsd_chat.bench.sweep import Config
 
 Z95 = 1.959964
-"""Two-sided 95% normal quantile (confidence intervals of NLL changes)."""
+"""Two-sided 95% normal quantile (confidence intervals of means over prompts: NLL change, cost)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,13 @@ class Quality:
     """Quality of a configuration's replies.
 
     Attributes:
+        cost_per_token: Mean over prompts of each prompt's cost per generated token (nats: the KL
+            divergence of the tokens' laws from the target's, summed over the reply and divided by
+            its tokens; greedy: log-probability regret). Exactly 0 for autoregressive decoding and
+            exact SD; hf-assisted is exact speculative sampling too and counts 0 by construction
+            (transformers reports no per-token laws, so it is not measured).
+        cost_per_token_ci95: Half-width of its 95% confidence interval (normal approximation over
+            prompts); None with fewer than 2 prompts.
         target_nll: Mean target negative log-likelihood per generated token (nats).
         target_nll_change: Relative change of target_nll against the reference (the group's
             autoregressive run, else exact SD with the same k); 0.02 = 2% worse.
@@ -62,6 +75,8 @@ class Quality:
     """
 
     target_nll: float | None
+    cost_per_token: float | None = None
+    cost_per_token_ci95: float | None = None
     target_nll_change: float | None = None
     target_nll_change_ci95: float | None = None
     reference: str | None = None
@@ -148,12 +163,38 @@ def _mean_cost(seconds: Iterable[float], calls: Iterable[int]) -> float | None:
     return sum(seconds) / total_calls if total_calls else None
 
 
-def _rate(run: Run) -> float:
+def run_rate(run: Run) -> float:
+    """Generated tokens / wall-clock seconds of one run (0.0 for a run that took no time)."""
     return len(run.generation.token_ids) / run.generation.seconds if run.generation.seconds > 0 else 0.0
 
 
-def _trial(run: Run) -> tuple[int, int]:
+def trial_key(run: Run) -> tuple[int, int]:
+    """(prompt, repeat): runs of different configurations with the same key are paired (same
+    prompt, same seed)."""
     return (run.prompt, run.repeat)
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """Mean of a non-empty sample and the half-width of its 95% confidence interval by the normal
+    approximation, Z95 · s / √n (None for n < 2)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, Z95 * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def per_prompt(pairs: Iterable[tuple[int, float]]) -> list[float]:
+    """The mean of each prompt's values, from (prompt, value) pairs: repeats of a prompt reuse its
+    seed, so they are one observation, not several independent ones."""
+    by_prompt: dict[int, list[float]] = defaultdict(list)
+    for prompt, value in pairs:
+        by_prompt[prompt].append(value)
+    return [statistics.fmean(v) for v in by_prompt.values()]
+
+
+def _cost_per_token(run: Run) -> float:
+    """The run's cost per token (nats); 0 for hf-assisted, which is lossless (see `Quality`)."""
+    return run.generation.stats.cost_per_token if run.generation.stats is not None else 0.0
 
 
 def _reference(config: Config, method: str) -> Config:
@@ -208,16 +249,16 @@ def _nll_change(
     ref_nll = sum(r.nll for r in reference) / ref_tokens
     if ref_nll <= 0:
         return None, None
-    ref_by_trial = {_trial(r): r for r in reference}
-    diffs = [
-        r.nll / len(r.generation.token_ids) - ref.nll / len(ref.generation.token_ids)
+    ref_by_trial = {trial_key(r): r for r in reference}
+    diffs = per_prompt(
+        (r.prompt, r.nll / len(r.generation.token_ids) - ref.nll / len(ref.generation.token_ids))
         for r in runs
-        if (ref := ref_by_trial.get(_trial(r))) is not None
+        if (ref := ref_by_trial.get(trial_key(r))) is not None
         and r.generation.token_ids
         and ref.generation.token_ids
-    ]
-    ci = Z95 * statistics.stdev(diffs) / math.sqrt(len(diffs)) / ref_nll if len(diffs) >= 2 else None
-    return (nll - ref_nll) / ref_nll, ci
+    )
+    half = mean_ci95(diffs)[1] if diffs else None
+    return (nll - ref_nll) / ref_nll, None if half is None else half / ref_nll
 
 
 def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]) -> Quality:
@@ -240,13 +281,18 @@ def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
     agreement = None
     greedy_reference = by_config.get(_reference(config, "autoregressive"), [])
     if config.temperature == 0 and greedy_reference:
-        ref_ids = {_trial(r): r.generation.token_ids for r in greedy_reference}
+        ref_ids = {trial_key(r): r.generation.token_ids for r in greedy_reference}
         scores = [
-            greedy_agreement(r.generation.token_ids, ref_ids[_trial(r)]) for r in runs if _trial(r) in ref_ids
+            greedy_agreement(r.generation.token_ids, ref_ids[trial_key(r)])
+            for r in runs
+            if trial_key(r) in ref_ids
         ]
         agreement = statistics.fmean(scores) if scores else None
+    cost, cost_ci = mean_ci95(per_prompt((r.prompt, _cost_per_token(r)) for r in runs))
     return Quality(
         target_nll=nll,
+        cost_per_token=cost,
+        cost_per_token_ci95=cost_ci,
         target_nll_change=change,
         target_nll_change_ci95=ci,
         reference=reference,
@@ -279,8 +325,8 @@ def _speedups(
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
-        rates = {_trial(r): _rate(r) for r in reference}
-        ratios = [_rate(r) / rates[_trial(r)] for r in runs if rates.get(_trial(r))]
+        rates = {trial_key(r): run_rate(r) for r in reference}
+        ratios = [run_rate(r) / rates[trial_key(r)] for r in runs if rates.get(trial_key(r))]
         if ratios:
             speedups[method] = statistics.median(ratios)
             if (interval := median_ci95(ratios)) is not None:
@@ -319,7 +365,7 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
                 config=config,
                 runs=len(mine),
                 tokens=tokens,
-                tokens_per_second=Spread.of([_rate(r) for r in mine]),
+                tokens_per_second=Spread.of([run_rate(r) for r in mine]),
                 decode_tokens_per_second=statistics.median(s.tokens_per_second for s in engine)
                 if engine
                 else None,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from fsd_chat.bench.metrics import Summary
+from fsd_chat.bench.curves import Verdict
+from fsd_chat.bench.metrics import Quality, Summary
 from fsd_chat.models import ModelPair
 
 HEADERS = (
@@ -31,6 +32,7 @@ HEADERS = (
     "τ",
     "accept",
     "fuzzy",
+    "cost/tok (±95%)",
     "NLL",
     "ΔNLL (±95%)",
     "greedy agree",
@@ -83,14 +85,17 @@ def write_json(
     environment: dict[str, object],
     sweep: dict[str, object],
     summaries: list[Summary],
+    verdicts: list[Verdict],
     interrupted: bool,
 ) -> None:
-    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs`."""
+    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs`, and
+    `curves`: per (setup, temperature), the lossy rules' curves compared at matched cost."""
     report = {
         "environment": environment,
         "sweep": sweep,
         "interrupted": interrupted,
         "configs": [s.to_dict() for s in summaries],
+        "curves": [v.to_dict() for v in verdicts],
     }
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -107,6 +112,15 @@ def _speedup(summary: Summary, method: str) -> str:
     if interval is None or interval[0] == interval[1]:  # too few prompts, or the baseline itself
         return f"{value:.2f}"
     return f"{value:.2f} [{interval[0]:.2f}–{interval[1]:.2f}]"
+
+
+def _cost(quality: Quality) -> str:
+    """Cost per token in nats with its 95% half-width; 4 decimals, since costs of 0.001 matter."""
+    if quality.cost_per_token is None:
+        return "–"
+    if quality.cost_per_token_ci95 is None:
+        return f"{quality.cost_per_token:.4f}"
+    return f"{quality.cost_per_token:.4f} ±{quality.cost_per_token_ci95:.4f}"
 
 
 def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
@@ -137,6 +151,7 @@ def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
                 f"{s.mean_accepted_length:.2f}",
                 _num(s.acceptance_rate, ".0%"),
                 f"{s.fuzzy_share:.0%}",
+                _cost(q),
                 _num(q.target_nll, ".3f"),
                 change,
                 _num(q.greedy_agreement, ".0%"),
@@ -154,10 +169,12 @@ def write_markdown(
     title: str,
     environment: dict[str, object],
     summaries: list[Summary],
+    verdicts: list[Verdict],
     interrupted: bool,
     plot_name: str | None,
 ) -> None:
-    """Write report.md: what ran where, the table, the column legend and the plot."""
+    """Write report.md: what ran where, the table, the column legend, the curves compared at
+    matched cost, and the plot."""
     packages = environment["packages"]
     assert isinstance(packages, dict)
     lines = [
@@ -178,13 +195,27 @@ def write_markdown(
         "paired median speed-up against target-only decoding, exact speculative decoding and transformers' "
         "assisted generation (same k), with its distribution-free 95% confidence interval from 6 prompts up. limit: tokens/s with zero overhead from the measured forward costs. "
         "τ: tokens per target forward. accept: accepted / drafted. fuzzy: share of tokens accepted only by "
-        "D ≤ T. NLL: target negative log-likelihood per generated token (nats). ΔNLL: relative to "
+        "D ≤ T. cost/tok: mean over prompts of the cost per token in nats (KL divergence of each token's law "
+        "from the target's, exact at each position; greedy: log-probability regret) with its 95% interval; "
+        "0 for lossless methods. NLL: target negative log-likelihood per generated token (nats). ΔNLL: relative to "
         "autoregressive decoding. greedy agree: share of the reply equal to target-only greedy output "
         "before the first difference. fwd ms: mean target / draft forward (prefill excluded). outside fwd: "
         "share of wall-clock time outside the models' forward passes (sampling, acceptance, cache "
         "rollback, detokenisation, framework). report.json has every figure, with fsd-chat's own "
         "overhead_share (other_seconds / decode seconds).",
     ]
+    if verdicts:
+        lines += [
+            "",
+            "## Curves at matched cost",
+            "",
+            "Each lossy rule's curve (through its thresholds, from exact SD at cost 0) against each other "
+            "one: per prompt, tokens/s interpolated linearly in cost at the cost levels both curves reach, "
+            "the ratio's geometric mean over the levels, then its median over prompts with a "
+            "distribution-free 95% interval (fsd_chat/bench/curves.py).",
+        ]
+        for verdict in verdicts:
+            lines += ["", *verdict.lines()]
     if plot_name:
-        lines += ["", f"![quality against speed]({plot_name})"]
+        lines += ["", f"![tokens/s against cost per token]({plot_name})"]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

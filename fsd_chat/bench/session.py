@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from fsd_chat.bench import plot, report, terminal
+from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.runner import Run, SweepResult, run_sweep
@@ -140,12 +141,14 @@ def write_outputs(
 ) -> None:
     """Summarise the runs, write the three files and show the results on stdout."""
     summaries = summarize(configs, runs)
+    verdicts = compare_curves(summaries, runs)
     environment = report.environment(pairs)
     report.write_json(
         output / "report.json",
         environment=environment,
         sweep=sweep,
         summaries=summaries,
+        verdicts=verdicts,
         interrupted=interrupted,
     )
     plot_name = None
@@ -157,6 +160,7 @@ def write_outputs(
         title=title,
         environment=environment,
         summaries=summaries,
+        verdicts=verdicts,
         interrupted=interrupted,
         plot_name=plot_name,
     )
@@ -165,6 +169,8 @@ def write_outputs(
         console = Console(width=200)
     console.print(f"[bold]{title}[/bold]" + (" [red](interrupted)[/red]" if interrupted else ""))
     terminal.show(console, summaries)
+    for verdict in verdicts:
+        console.print("\n".join(verdict.lines()), markup=False, highlight=False)
     console.print(
         f"wrote {output / 'report.json'}, {output / 'report.md'}"
         + (f", {output / plot_name}" if plot_name else "")
