@@ -150,7 +150,10 @@ def test_cost_rises_with_threshold(report: tuple[dict, Path], temperature: float
 
 def test_curves_compared_in_the_report(report: tuple[dict, Path]) -> None:
     data, _ = report
-    assert [v["temperature"] for v in data["curves"]] == [0, 1]
+    clocks = ["wall clock", "forward work"]
+    assert [(v["temperature"], v["clock"]) for v in data["curves"]] == [
+        (t, c) for t in (0, 1) for c in clocks
+    ]
     for verdict in data["curves"]:
         (comparison,) = verdict["comparisons"]  # fuzzy js k=3 against mixture k=3
         assert {comparison["a"], comparison["b"]} == {"fuzzy js k=3", "mixture k=3"}
@@ -168,6 +171,8 @@ def test_lossless_baselines_reproduce_greedy_output(report: tuple[dict, Path]) -
     assert _config(data, 0, "fuzzy", 0.0)["quality"]["greedy_agreement"] == 1.0
     assert _config(data, 0, "fuzzy", 0.0)["acceptance_rate"] == exact["acceptance_rate"]
     assert exact["fuzzy_share"] == 0.0 and exact["speedup"]["exact"] == 1.0
+    # The forward-work clock sees only forward counts: the same decoding is the same speed.
+    assert _config(data, 0, "fuzzy", 0.0)["work_speedup"]["exact"] == 1.0
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
@@ -347,7 +352,9 @@ def test_curves_are_compared_at_matched_cost_from_the_data() -> None:
 
     def verdict_of(speed: Callable[[Config, int], float]) -> Verdict:
         runs = _constructed_runs(speed, costs)
+        # The constructed runs time no forward passes, so only the wall clock has anything to compare.
         (verdict,) = compare_curves(summarize(configs, runs), runs)
+        assert verdict.clock == "wall clock"
         return verdict
 
     verdict = verdict_of(lambda c, prompt: speeds[c] * factors[prompt])

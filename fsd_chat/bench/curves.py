@@ -16,6 +16,9 @@ Two curves a and b are compared at matched cost, paired by prompt:
    (`median_ci95`). Overall: per prompt, the geometric mean of its ratios over the levels; then the
    median over prompts of that, with its interval: "a is x times as fast as b at equal cost".
 
+Every comparison is made on both of the bench's clocks (`metrics`): wall clock, and forward work
+(forward counts × per-forward costs shared by the whole group), which a busy machine cannot disturb.
+
 The intervals cover the prompt-to-prompt spread of speed, not the uncertainty of the costs' means,
 which is an order of magnitude smaller (the cost is computed exactly at each position). a
 `dominates` b when the overall interval lies above 1; the group's `leader` is the curve whose overall
@@ -28,13 +31,20 @@ import bisect
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from fsd_chat.bench.metrics import Summary, median_ci95, run_rate, trial_key
+from fsd_chat.bench.metrics import RunRate, Summary, median_ci95, run_rate, trial_key, work_rate
 from fsd_chat.bench.runner import Run
 from fsd_chat.bench.sweep import Config, Setup
 
 Trial = tuple[int, int]
+
+CLOCKS: dict[str, Callable[[list[Run]], RunRate]] = {
+    "wall clock": lambda _runs: run_rate,
+    "forward work": work_rate,
+}
+"""The clocks curves are compared on, by name: each makes a run's tokens/s from all the runs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,7 @@ class Comparison:
     Attributes:
         setup: Setup label of the group.
         temperature: Temperature of the group.
+        clock: The clock tokens/s were measured on (a key of `CLOCKS`).
         a: Curve name, e.g. "mixture k=5".
         b: Curve name, e.g. "fuzzy js k=5".
         levels: The cost levels compared, lowest first.
@@ -69,6 +80,7 @@ class Comparison:
 
     setup: str
     temperature: float
+    clock: str
     a: str
     b: str
     levels: list[Level]
@@ -95,6 +107,7 @@ class Verdict:
     Attributes:
         setup: Setup label.
         temperature: Temperature.
+        clock: The clock of the comparisons (a key of `CLOCKS`).
         comparisons: Every pair of curves with a common cost range, each with the faster one
             (by overall median) as a.
         leader: The curve that is a in every comparison it takes part in (None when the curves
@@ -104,6 +117,7 @@ class Verdict:
 
     setup: str
     temperature: float
+    clock: str
     comparisons: list[Comparison]
     leader: str | None
     dominates: bool
@@ -117,7 +131,7 @@ class Verdict:
 
     def lines(self) -> list[str]:
         """The verdict in words, then one line per comparison (for report.md and the terminal)."""
-        where = f"{self.setup} · temperature {self.temperature:g}"
+        where = f"{self.setup} · temperature {self.temperature:g} · {self.clock}"
         if self.leader is None:
             head = f"{where}: no curve is faster than every other at matched cost (the curves cross)"
         else:
@@ -155,7 +169,7 @@ class _Curve:
         return (1 - w) * self.rates[j - 1][trial] + w * self.rates[j][trial]
 
 
-def _curves(members: list[Summary], runs_of: dict[Config, list[Run]]) -> list[_Curve]:
+def _curves(members: list[Summary], runs_of: dict[Config, list[Run]], rate: RunRate) -> list[_Curve]:
     """The group's curves (each with exact SD of its k as the cost-0 point), in configuration order.
 
     Points are ordered by cost; of points with equal cost only the first (smallest T, or exact SD)
@@ -173,19 +187,19 @@ def _curves(members: list[Summary], runs_of: dict[Config, list[Run]]) -> list[_C
             continue
         ordered = sorted(points, key=lambda s: (s.quality.cost_per_token, s.config.threshold))
         costs: list[float] = [0.0]
-        rates = [{trial_key(r): run_rate(r) for r in runs_of[anchor.config]}]
+        rates = [{trial_key(r): rate(r) for r in runs_of[anchor.config]}]
         for s in ordered:
             cost = s.quality.cost_per_token
             assert cost is not None
             if cost > costs[-1]:
                 costs.append(cost)
-                rates.append({trial_key(r): run_rate(r) for r in runs_of[s.config]})
+                rates.append({trial_key(r): rate(r) for r in runs_of[s.config]})
         if len(costs) > 1:
             curves.append(_Curve(name, costs, rates))
     return curves
 
 
-def _compare(setup: str, temperature: float, a: _Curve, b: _Curve) -> Comparison | None:
+def _compare(setup: str, temperature: float, clock: str, a: _Curve, b: _Curve) -> Comparison | None:
     """a against b (see the module docstring), or None without a common cost range or trials."""
     top = min(a.costs[-1], b.costs[-1])
     levels = sorted({c for c in a.costs[1:] + b.costs[1:] if c <= top})
@@ -202,6 +216,7 @@ def _compare(setup: str, temperature: float, a: _Curve, b: _Curve) -> Comparison
     return Comparison(
         setup,
         temperature,
+        clock,
         a.name,
         b.name,
         matched,
@@ -212,7 +227,8 @@ def _compare(setup: str, temperature: float, a: _Curve, b: _Curve) -> Comparison
 
 
 def compare_curves(summaries: list[Summary], runs: list[Run]) -> list[Verdict]:
-    """One `Verdict` per (setup, temperature) group with two curves or more that share costs."""
+    """One `Verdict` per (setup, temperature) group with two curves or more that share costs, and
+    per clock of `CLOCKS`."""
     runs_of: dict[Config, list[Run]] = defaultdict(list)
     for run in runs:
         runs_of[run.config].append(run)
@@ -221,21 +237,26 @@ def compare_curves(summaries: list[Summary], runs: list[Run]) -> list[Verdict]:
         groups[s.config.group].append(s)
     verdicts = []
     for (setup, temperature), members in groups.items():
-        curves = _curves(members, runs_of)
-        comparisons = []
-        for i, first in enumerate(curves):
-            for second in curves[i + 1 :]:
-                comparison = _compare(setup.label, temperature, first, second)
-                if comparison is not None and comparison.ratio < 1:
-                    # the faster curve first, so that every ratio reads "a is x times as fast as b"
-                    comparison = _compare(setup.label, temperature, second, first)
-                if comparison is not None:
-                    comparisons.append(comparison)
-        if not comparisons:
-            continue
-        names = {c.a for c in comparisons} | {c.b for c in comparisons}
-        leaders = [n for n in names if all(c.a == n for c in comparisons if n in (c.a, c.b))]
-        leader = leaders[0] if len(leaders) == 1 else None
-        dominates = leader is not None and all(c.winner == leader for c in comparisons if c.a == leader)
-        verdicts.append(Verdict(setup.label, temperature, comparisons, leader, dominates))
+        for clock, make_rate in CLOCKS.items():
+            curves = _curves(members, runs_of, make_rate(runs))
+            comparisons = []
+            for i, first in enumerate(curves):
+                for second in curves[i + 1 :]:
+                    comparison = _compare(setup.label, temperature, clock, first, second)
+                    if comparison is not None and comparison.ratio < 1:
+                        # the faster curve first, so that every ratio reads "a is x times as fast as b"
+                        comparison = _compare(setup.label, temperature, clock, second, first)
+                    if comparison is not None:
+                        comparisons.append(comparison)
+            if comparisons:
+                verdicts.append(_verdict(setup.label, temperature, clock, comparisons))
     return verdicts
+
+
+def _verdict(setup: str, temperature: float, clock: str, comparisons: list[Comparison]) -> Verdict:
+    """The leader: the curve that is the faster one in every comparison it takes part in."""
+    names = {c.a for c in comparisons} | {c.b for c in comparisons}
+    leaders = [n for n in names if all(c.a == n for c in comparisons if n in (c.a, c.b))]
+    leader = leaders[0] if len(leaders) == 1 else None
+    dominates = leader is not None and all(c.winner == leader for c in comparisons if c.a == leader)
+    return Verdict(setup, temperature, clock, comparisons, leader, dominates)

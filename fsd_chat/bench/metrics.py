@@ -9,6 +9,14 @@ For hf-assisted, transformers reports no step statistics: target forwards are co
 (every one is a verification), drafted tokens = draft forwards (one token each), and accepted
 tokens = generated tokens − target forwards (each step emits its accepted tokens plus one).
 
+Speed is measured on two clocks. Wall clock (`tokens_per_second`, `speedup`) is what a user sees,
+but on a machine shared with other processes one run can wait seconds for a core. Forward work
+(`work_speedup`) is immune to that: each run's tokens / (its target forwards × t_target + its draft
+forwards × t_draft), where t_target and t_draft are the median per-forward costs over all runs of
+the same setup, temperature and k (the verify width), so every configuration of that kind is charged
+the same price per forward and only the forward counts differ. It leaves out time outside forward
+passes (1–3% in fsd-chat's decoders), so it cannot see a rule's own arithmetic.
+
 Quality's main figure is the cost per token (nats; `Token.cost` in fsd_chat/decoding/acceptance.py):
 the KL divergence of each emitted token's law from the target's (greedy: the log-probability regret),
 computed exactly from the distributions at each position, so a configuration's mean over prompts
@@ -21,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from fsd_chat.bench.quality import greedy_agreement
@@ -99,6 +107,8 @@ class Summary:
         speedup: Paired median tokens/s ratio against each baseline of the same group (and k).
         speedup_ci95: Distribution-free 95% confidence interval of each of those medians (from 6
             prompts × repeats up; see `median_ci95`).
+        work_speedup: The same paired medians on the forward-work clock (see the module docstring).
+        work_speedup_ci95: Their intervals.
         mean_accepted_length: τ, tokens per target forward.
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
         fuzzy_share: Share of tokens accepted only by the divergence test.
@@ -124,6 +134,8 @@ class Summary:
     decode_tokens_per_second: float | None
     speedup: dict[str, float]
     speedup_ci95: dict[str, tuple[float, float]]
+    work_speedup: dict[str, float]
+    work_speedup_ci95: dict[str, tuple[float, float]]
     mean_accepted_length: float
     acceptance_rate: float | None
     fuzzy_share: float
@@ -240,6 +252,34 @@ def _limit(run: Run, counts: _Counts) -> float | None:
     return len(g.token_ids) / seconds if seconds > 0 else None
 
 
+RunRate = Callable[[Run], float]
+"""A clock: tokens/s of one run."""
+
+
+def work_rate(runs: list[Run]) -> RunRate:
+    """The forward-work clock of a set of runs: tokens / (target forwards × t_target + draft
+    forwards × t_draft), with t the median over the runs of the same setup, temperature and k of
+    each run's mean per-forward decode seconds (see the module docstring)."""
+    per_forward: dict[tuple[object, ...], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for run in runs:
+        g, c = run.generation, run.config
+        for tally, costs in zip((g.target, g.draft), per_forward[(*c.group, c.draft_tokens)], strict=True):
+            if tally.decode_calls:
+                costs.append(tally.decode_seconds / tally.decode_calls)
+    medians = {
+        key: tuple(statistics.median(costs) if costs else 0.0 for costs in pair)
+        for key, pair in per_forward.items()
+    }
+
+    def rate(run: Run) -> float:
+        counts = _Counts.of(run)
+        t_target, t_draft = medians[(*run.config.group, run.config.draft_tokens)]
+        seconds = counts.target * t_target + counts.draft * t_draft
+        return len(run.generation.token_ids) / seconds if seconds > 0 else 0.0
+
+    return rate
+
+
 def _nll_change(
     runs: list[Run], reference: list[Run], nll: float | None
 ) -> tuple[float | None, float | None]:
@@ -317,16 +357,17 @@ def median_ci95(values: list[float]) -> tuple[float, float] | None:
 
 
 def _speedups(
-    config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
+    config: Config, runs: list[Run], by_config: dict[Config, list[Run]], rate: RunRate
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """Paired median tokens/s ratio on the clock `rate` against each baseline, with intervals."""
     speedups: dict[str, float] = {}
     intervals: dict[str, tuple[float, float]] = {}
     for method in ("autoregressive", "exact", "hf-assisted"):
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
-        rates = {trial_key(r): run_rate(r) for r in reference}
-        ratios = [run_rate(r) / rates[trial_key(r)] for r in runs if rates.get(trial_key(r))]
+        rates = {trial_key(r): rate(r) for r in reference}
+        ratios = [rate(r) / rates[trial_key(r)] for r in runs if rates.get(trial_key(r))]
         if ratios:
             speedups[method] = statistics.median(ratios)
             if (interval := median_ci95(ratios)) is not None:
@@ -339,6 +380,7 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
     by_config: dict[Config, list[Run]] = defaultdict(list)
     for run in runs:
         by_config[run.config].append(run)
+    work = work_rate(runs)
     summaries = []
     for config in configs:
         mine = by_config.get(config)
@@ -357,7 +399,8 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
             (r.generation.draft.decode_seconds for r in mine), (r.generation.draft.decode_calls for r in mine)
         )
         engine = [r.generation.stats for r in mine if r.generation.stats is not None]
-        speedups, intervals = _speedups(config, mine, by_config)
+        speedups, intervals = _speedups(config, mine, by_config, run_rate)
+        work_speedups, work_intervals = _speedups(config, mine, by_config, work)
         wall = sum(r.generation.seconds for r in mine)
         metered = sum(r.generation.target.seconds + r.generation.draft.seconds for r in mine)
         summaries.append(
@@ -371,6 +414,8 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
                 else None,
                 speedup=speedups,
                 speedup_ci95=intervals,
+                work_speedup=work_speedups,
+                work_speedup_ci95=work_intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
                 acceptance_rate=_ratio(sum(c.accepted for c in counts), sum(c.drafted for c in counts)),
                 fuzzy_share=_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0,

@@ -27,6 +27,7 @@ COLUMNS = tuple(
         "×AR",
         "×exact",
         "×HF",
+        "×exact work",
         "τ",
         "accept",
         "fuzzy",
