@@ -1,4 +1,7 @@
-"""tradeoff.png: tokens/s against cost per token, one panel per (setup, temperature).
+"""tradeoff.png: speed against cost per token, one column per (setup, temperature), one row per clock:
+wall-clock tokens/s (what a user sees), and the paired speed-up over exact SD on the forward-work
+clock (forward counts at shared per-forward costs, which other processes on the machine cannot
+disturb; see `metrics`).
 
 In each panel: one curve per lossy rule × divergence (fuzzy, pure) or rule (mixture) × k through its
 thresholds, each point with its cost's 95% interval as a horizontal bar, the baselines as marked
@@ -8,8 +11,10 @@ and cost) joined by a wide dashed grey line. Up and left is better.
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -21,13 +26,22 @@ from fsd_chat.bench.metrics import Summary
 
 BASELINE_MARKERS = {"autoregressive": "s", "exact": "D", "hf-assisted": "^"}
 
+Speed = Callable[[Summary], float | None]
+SPEEDS: dict[str, Speed] = {
+    "tokens/s (median over prompts)": lambda s: s.tokens_per_second.median,
+    "×exact SD, forward-work clock (paired median)": lambda s: s.work_speedup.get("exact"),
+}
+"""The rows of the plot: axis label → a summary's speed (None: not on this row)."""
 
-def trade_off_points(summaries: list[Summary]) -> list[tuple[Summary, float, float]]:
-    """(summary, tokens/s median, cost per token) of every summary whose cost is known."""
+
+def trade_off_points(
+    summaries: list[Summary], speed: Speed = lambda s: s.tokens_per_second.median
+) -> list[tuple[Summary, float, float]]:
+    """(summary, speed, cost per token) of every summary whose speed and cost are known."""
     return [
-        (s, s.tokens_per_second.median, s.quality.cost_per_token)
+        (s, v, s.quality.cost_per_token)
         for s in summaries
-        if s.quality.cost_per_token is not None
+        if s.quality.cost_per_token is not None and (v := speed(s)) is not None
     ]
 
 
@@ -47,9 +61,12 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
     groups: dict[str, list[Summary]] = defaultdict(list)
     for s in summaries:
         groups[f"{s.config.setup.label} · temperature {s.config.temperature:g}"].append(s)
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.4 * len(groups), 4.8), squeeze=False)
-    for ax, (name, members) in zip(axes[0], groups.items(), strict=True):
-        points = trade_off_points(members)
+    fig, axes = plt.subplots(len(SPEEDS), len(groups), figsize=(6.4 * len(groups), 9.6), squeeze=False)
+    for (row, (ylabel, speed)), (column, (name, members)) in itertools.product(
+        enumerate(SPEEDS.items()), enumerate(groups.items())
+    ):
+        ax = axes[row][column]
+        points = trade_off_points(members, speed)
         curves: dict[str, list[tuple[Summary, float, float]]] = defaultdict(list)
         for s, speed, cost in points:
             c = s.config
@@ -105,7 +122,7 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
             )
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("cost per token, nats (KL from the target's law; greedy: regret), mean ± 95%")
-        ax.set_ylabel("tokens/s (median over prompts)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
