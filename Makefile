@@ -8,7 +8,11 @@ MODELS ?= ../shared/models
 TARGET ?= $(MODELS)/stories260K
 DRAFT ?= $(MODELS)/stories260K-draft
 
-.PHONY: setup chat test lint
+SHARED ?= ../shared
+# gpu-check benchmarks the CPU-scale stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
+GIVEN = $(filter command line environment,$(origin $(1)))
+
+.PHONY: setup chat test lint gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +33,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check fsd_chat tests
 	$(BIN)/ruff format --check fsd_chat tests
+
+gpu-check: setup
+	$(BIN)/python -m fsd_chat.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \
+		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")

@@ -6,17 +6,16 @@ Settings come from the command line, else config.toml, else the built-in default
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from fsd_chat import cli_options as o
-from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
+from fsd_chat.config import ConfigError, check_chat_options, load_config, sessions_path, user_themes_dir
 from fsd_chat.errors import ModelLoadError
 from fsd_chat.store import SessionStore
-from fsd_chat.transcript import render_markdown, write_atomic
+from fsd_chat.transcript import export_transcript, render_markdown
 
 CHAT = "Chat"
 
@@ -106,6 +105,7 @@ def chat(
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
     config = load_config()
     v = _with_config(ctx, dict(ctx.params), config.options)
+    check_chat_options(v)
     store = SessionStore(sessions_path())
     session = store.load(resume) if resume else None
     target_source = v["target"] or (session.models["target"] if session else None)
@@ -171,12 +171,11 @@ def history() -> None:
 def export(
     session_id: Annotated[str, typer.Argument(metavar="SESSION", help="Session id (or a prefix).")],
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Write here instead of to stdout.")
+        Path | None, typer.Option("--output", "-o", help="Write here instead of to stdout (- is stdout).")
     ] = None,
 ) -> None:
     """Write a saved session as a Markdown transcript."""
     markdown = render_markdown(SessionStore(sessions_path()).load(session_id))
-    if output is None:
-        sys.stdout.write(markdown)
-    else:
-        print(write_atomic(output, markdown))
+    written = export_transcript(markdown, output)
+    if written:
+        print(written)

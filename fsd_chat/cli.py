@@ -6,14 +6,16 @@ stays fast. Every `FsdChatError` and usage error ends in one line on stderr and 
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from typer.exceptions import Abort, TyperException
 
 from fsd_chat import cli_options as o
 from fsd_chat.errors import FsdChatError
+from fsd_chat.text import one_line, require_utf8
 
 app = typer.Typer(
     name="fsd-chat",
@@ -24,6 +26,7 @@ app = typer.Typer(
 )
 
 EXIT_BAD_INPUT = 2
+EXIT_OUTPUT_ERROR = 1
 
 
 @app.callback()
@@ -48,7 +51,9 @@ def quiet_libraries() -> None:
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt (a user turn for chat models).")],
+    prompt: Annotated[
+        str, typer.Argument(help="The prompt (a user turn for chat models); - reads it from standard input.")
+    ],
     target: o.TargetOpt,
     draft: o.DraftOpt,
     threshold: o.ThresholdOpt = o.DEFAULT_THRESHOLD,
@@ -75,14 +80,16 @@ def generate(
     ] = False,
 ) -> None:
     """Stream one reply to PROMPT, coloured by token origin on a terminal."""
-    from fsd_chat.generate import run_generate
+    from fsd_chat.generate import prompt_text, run_generate
 
+    o.check_max_new_tokens(max_new_tokens)
     settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, adaptive_k)
     sampling = o.sampling_config(temperature, top_k, top_p, seed)
     specs = o.pair_specs(target, draft, quantize_target, quantize_draft, device, dtype, trust_remote_code)
+    text = prompt_text(prompt, sys.stdin.buffer)
     quiet_libraries()
     run_generate(
-        prompt,
+        text,
         *specs,
         settings=settings,
         sampling=sampling,
@@ -110,22 +117,49 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     command = typer.main.get_command(app)
     commands = set(command.commands)  # type: ignore[attr-defined]
-    if "chat" in commands and (not args or (args[0] not in commands and args[0] not in ("--help", "-h"))):
-        args.insert(0, "chat")
     try:
+        # Prompts, system prompts, session ids, theme names: every argument is text, refused here
+        # with one line rather than by a tokenizer or SQLite halfway through.
+        for position, arg in enumerate(args, 1):
+            require_utf8(arg, f"command-line argument {position}")
+        if "chat" in commands and (not args or (args[0] not in commands and args[0] not in ("--help", "-h"))):
+            args.insert(0, "chat")
         status = command.main(args, prog_name="fsd-chat", standalone_mode=False)
+        # Flushed here, not at interpreter exit, so that a full disk is reported like any other error.
+        sys.stdout.flush()
     except FsdChatError as exc:
-        print(f"fsd-chat: error: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        _fail(str(exc), EXIT_BAD_INPUT)
     except Abort:
-        print("fsd-chat: aborted", file=sys.stderr)
-        raise SystemExit(130) from None
+        _fail("aborted", 130, prefix="fsd-chat: ")
     except TyperException as exc:  # usage errors: bad option values, missing arguments
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        print(f"fsd-chat: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        _fail(exc.format_message() if hasattr(exc, "format_message") else str(exc), EXIT_BAD_INPUT)
     except BrokenPipeError:
-        sys.stderr.close()
+        _discard_stdout()
         return
+    except OSError as exc:  # writing the output failed: a full disk, a closed terminal
+        where = f"{exc.filename}: " if exc.filename else "writing the output: "
+        _fail(f"{where}{exc.strerror or exc}", EXIT_OUTPUT_ERROR)
     if isinstance(status, int) and status:
         raise SystemExit(status)
+
+
+def _discard_stdout() -> None:
+    # Output that cannot be written is dropped, so the interpreter's final flush fails no more
+    # (the recipe of Python's signal documentation, "Note on SIGPIPE").
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (tests capture it)
+        pass
+    finally:
+        os.close(devnull)
+
+
+def _fail(message: str, code: int, prefix: str = "fsd-chat: error: ") -> NoReturn:
+    try:
+        sys.stdout.flush()  # what was written before the error still goes out
+    except OSError:
+        _discard_stdout()
+    # Messages quote paths, model names and library errors: one visible line, never markup.
+    print(prefix + one_line(message), file=sys.stderr)
+    raise SystemExit(code) from None

@@ -18,6 +18,7 @@ from fsd_chat.decoding.settings import (
     Rule,
     SamplingConfig,
 )
+from fsd_chat.errors import SettingsError
 from fsd_chat.model_options import LoadOptions, ModelSpec, Quantization
 
 MODELS = "Models"
@@ -111,10 +112,25 @@ MaxNewTokensOpt = Annotated[
     int, typer.Option("--max-new-tokens", help="Cap on generated tokens per reply.", rich_help_panel=SAMPLING)
 ]
 
+MAX_NEW_TOKENS = 10_000_000
+"""Upper bound of `--max-new-tokens`: beyond any context window (a reply ends when the window is full
+anyway), and small enough for every place the number goes (buffers, SQLite, transformers)."""
+
 DEFAULT_THRESHOLD = DecodingSettings().threshold
 DEFAULT_DIVERGENCE: DivergenceName = DecodingSettings().divergence
 DEFAULT_RULE: Rule = DecodingSettings().rule
 DEFAULT_K = DEFAULT_DRAFT_TOKENS
+
+
+def check_max_new_tokens(value: int) -> int:
+    """`--max-new-tokens` (tokens): the one rule of generate, chat and bench; returns the value.
+
+    Raises:
+        SettingsError: outside 1..MAX_NEW_TOKENS.
+    """
+    if not 1 <= value <= MAX_NEW_TOKENS:
+        raise SettingsError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS:,}, got {value}")
+    return value
 
 
 def pair_specs(

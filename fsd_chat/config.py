@@ -22,7 +22,9 @@ from pathlib import Path
 
 import platformdirs
 
+from fsd_chat.cli_options import check_max_new_tokens
 from fsd_chat.errors import FsdChatError
+from fsd_chat.model_options import check_device_name, check_dtype_name, check_quantization
 
 APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
@@ -123,3 +125,21 @@ def load_config(path: Path | None = None) -> Config:
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise ConfigError(f"{path}: {key} = {value!r} has the wrong type")
     return Config(options=data, keymap=keymap, path=path)
+
+
+def check_chat_options(values: dict[str, object]) -> None:
+    """Check the chat's model and length options, from the command line or config.toml, before the
+    screen opens (typer checks flags, but config.toml's values arrive unchecked; the decoding and
+    sampling settings check themselves when built).
+
+    Raises:
+        ModelLoadError: an unknown device, dtype or quantization.
+        SettingsError: max_new_tokens out of range.
+    """
+    check_device_name(str(values["device"]))
+    check_dtype_name(str(values["dtype"]))
+    check_quantization(str(values["quantize_target"]))
+    check_quantization(str(values["quantize_draft"]))
+    max_new_tokens = values["max_new_tokens"]
+    assert isinstance(max_new_tokens, int)  # typer and load_config both check the type
+    check_max_new_tokens(max_new_tokens)

@@ -23,3 +23,7 @@ class UnsupportedCacheError(FsdChatError):
 
 class SettingsError(FsdChatError, ValueError):
     """A decoding or sampling setting is out of range (threshold, draft length, temperature...)."""
+
+
+class DeviceMemoryError(FsdChatError):
+    """The accelerator ran out of memory (loading a model, or during a reply)."""

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict
+from typing import BinaryIO
 
 from rich.console import Console
 from rich.text import Text
@@ -13,7 +13,10 @@ from rich.text import Text
 from fsd_chat.chat import Message, prompt_ids
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, Step
 from fsd_chat.models import LoadOptions, ModelSpec, load_pair
+from fsd_chat.text import TextError, decode_utf8, require_utf8, to_json, visible
 from fsd_chat.themes import default_origin_styles
+
+STDIN = "-"
 
 
 def step_record(step: Step) -> dict[str, object]:
@@ -30,8 +33,25 @@ def step_record(step: Step) -> dict[str, object]:
 
 
 def _emit_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.write(to_json(obj) + "\n")
     sys.stdout.flush()
+
+
+def prompt_text(argument: str, stdin: BinaryIO) -> str:
+    """The prompt: the argument itself, or all of standard input when it is "-" (one trailing
+    newline dropped, as `echo` adds it).
+
+    Raises:
+        TextError: the prompt is not valid UTF-8, or empty or only whitespace (a base model would
+            continue from the start-of-text token alone, which is never what was meant).
+    """
+    if argument == STDIN:
+        text = decode_utf8(stdin.read(), "standard input").removesuffix("\n")
+    else:
+        text = require_utf8(argument, "the prompt")
+    if not text.strip():
+        raise TextError("the prompt is empty: give some text (or - to read it from standard input)")
+    return text
 
 
 def run_generate(
@@ -49,8 +69,11 @@ def run_generate(
 ) -> GenerationStats:
     """Load the pair, decode one reply to `prompt` and write it out; returns the totals.
 
+    `prompt` is text already checked by `prompt_text`.
+
     Raises:
         FsdChatError: bad models, settings or a prompt that does not fit the context.
+        OSError: standard output cannot be written (a full disk).
     """
     pair = load_pair(target, draft, options)
     controls = Controls(settings)
@@ -71,9 +94,9 @@ def run_generate(
         if as_json:
             _emit_json(step_record(step))
         elif colour:
-            console.print(
-                Text.assemble(*((t.text, styles[t.origin]) for t in step.tokens), step.trailing_text), end=""
-            )
+            # Model text is data: an ESC token must not reach the terminal as an escape sequence.
+            spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
+            console.print(Text.assemble(*spans, visible(step.trailing_text)), end="")
         else:
             sys.stdout.write(step.text)
             sys.stdout.flush()

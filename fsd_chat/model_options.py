@@ -3,13 +3,47 @@ the command line parses its options without loading it)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fsd_chat.errors import ModelLoadError
+
 Quantization = Literal["none", "8bit", "4bit"]
 QUANTIZATIONS: tuple[Quantization, ...] = ("none", "8bit", "4bit")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device_name(device: str) -> None:
+    """Check the spelling of a `--device` value (whether the device exists is checked at load).
+
+    Raises:
+        ModelLoadError: anything but auto, cpu, cuda or cuda:N.
+    """
+    if not _DEVICE.fullmatch(device):
+        raise ModelLoadError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+
+
+def check_dtype_name(dtype: str) -> None:
+    """Check a `--dtype` value.
+
+    Raises:
+        ModelLoadError: not one of DTYPES.
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+
+
+def check_quantization(quantization: str) -> None:
+    """Check a `--quantize-target` / `--quantize-draft` value.
+
+    Raises:
+        ModelLoadError: not one of QUANTIZATIONS.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,15 @@ becomes a `ModelLoadError` / `IncompatibleModelsError` with a one-line message.
 from __future__ import annotations
 
 import importlib.util
+import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -26,8 +30,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.speculative import SpeculativeDecoder
-from fsd_chat.errors import IncompatibleModelsError, ModelLoadError
-from fsd_chat.model_options import DTYPES, QUANTIZATIONS, LoadOptions, ModelSpec
+from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
+from fsd_chat.model_options import (
+    LoadOptions,
+    ModelSpec,
+    check_device_name,
+    check_dtype_name,
+    check_quantization,
+)
 
 Progress = Callable[[str], None]
 
@@ -59,16 +69,29 @@ class ModelPair:
             f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
         )
 
-    def speculative(self, controls: Controls) -> SpeculativeDecoder:
-        """A speculative decoder over this pair, driven by `controls`."""
+    def speculative(
+        self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
+    ) -> SpeculativeDecoder:
+        """A speculative decoder over this pair, driven by `controls` (`time_phases`,
+        `compile_draft`: see `SpeculativeDecoder`)."""
         return SpeculativeDecoder(
-            self.target, self.draft, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+            self.target,
+            self.draft,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
+            compile_draft=compile_draft,
         )
 
-    def autoregressive(self, controls: Controls) -> AutoregressiveDecoder:
+    def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target."""
         return AutoregressiveDecoder(
-            self.target, self.tokenizer, controls=controls, vocab_size=self.vocab_size
+            self.target,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
         )
 
 
@@ -78,19 +101,15 @@ def resolve_device(device: str) -> torch.device:
     Raises:
         ModelLoadError: CUDA was asked for but is not available, or the value is malformed.
     """
+    check_device_name(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    resolved = torch.device(device)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ModelLoadError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s)")
-    elif resolved.type != "cpu":
-        raise ModelLoadError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
     return resolved
 
 
@@ -104,8 +123,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    check_dtype_name(dtype)
     return getattr(torch, dtype)
 
 
@@ -150,16 +168,36 @@ def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, Pretrained
     return source, config
 
 
-def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+def _quantization_config(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device
+) -> BitsAndBytesConfig | None:
     if spec.quantization == "none":
         return None
-    if spec.quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {spec.quantization!r}; use {', '.join(QUANTIZATIONS)}")
+    check_quantization(spec.quantization)
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"{spec.quantization} quantization needs bitsandbytes: pip install bitsandbytes")
+    if device.type == "cuda":
+        check_bitsandbytes_cuda(spec)
     if spec.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def check_bitsandbytes_cuda(spec: ModelSpec) -> None:
+    """Check that bitsandbytes loaded its CUDA library (a CPU-only build, or one built for another
+    CUDA version, imports fine and fails only at the first quantized matmul).
+
+    Raises:
+        ModelLoadError: bitsandbytes has no working CUDA library here.
+    """
+    from bitsandbytes import cextension
+
+    if not isinstance(cextension.lib, cextension.CudaBNBNativeLibrary):
+        raise ModelLoadError(
+            f"{spec.quantization} quantization on CUDA needs a bitsandbytes build with CUDA support, and this one "
+            f"has none (backend {cextension.BNB_BACKEND}, torch CUDA {torch.version.cuda}): reinstall bitsandbytes, "
+            "or drop --quantize-target / --quantize-draft"
+        )
 
 
 def _load_model(
@@ -173,22 +211,92 @@ def _load_model(
     """Load one causal LM in eval mode (device_map None: all of it on the resolved device)."""
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    quantization = _quantization_config(spec, dtype)
+    quantization = _quantization_config(spec, dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, report = AutoModelForCausalLM.from_pretrained(
             source,
             config=config,
             dtype=dtype,
             device_map=device_map or {"": str(device)},
             quantization_config=quantization,
             trust_remote_code=options.trust_remote_code,
+            # Report shape mismatches instead of raising a message that points at a hidden report:
+            # _check_load_report refuses them with the tensors' names.
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
+    except SafetensorError as exc:
+        raise ModelLoadError(
+            f"{_damaged_file(source)} is damaged or truncated (safetensors: {_first_line(exc)})"
+        ) from None
+    except pickle.UnpicklingError as exc:
+        raise ModelLoadError(_refused_pickle(spec, exc)) from None
+    except torch.OutOfMemoryError as exc:
+        raise _out_of_memory(spec, exc) from None
     except (OSError, ValueError, RuntimeError, ImportError, TypeError) as exc:
         raise _load_failure(spec, exc) from exc
+    _check_load_report(spec, source, report)
     model.eval()
     if quantization is not None:
         _check_quantized_forward(spec, model)
     return model
+
+
+def _weight_files(source: str) -> list[Path]:
+    """The weights files of a local model directory (empty for a Hub id)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+
+
+def _damaged_file(source: str) -> str:
+    """The first local safetensors file whose header cannot be read (else the model source)."""
+    for path in _weight_files(source):
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(path, framework="pt"):
+                    pass
+            except (SafetensorError, OSError):
+                return str(path)
+    return source
+
+
+def _refused_pickle(spec: ModelSpec, exc: pickle.UnpicklingError) -> str:
+    # torch's message is a page long; its one useful line names the global it refused.
+    found = re.search(r"WeightsUnpickler error: ([^.\n]+)", str(exc))
+    reason = found.group(1) if found else _first_line(exc)
+    return (
+        f"{spec.source}: refused to load its pickled weights (pytorch_model.bin), which would run code "
+        f"({reason}); use a safetensors copy"
+    )
+
+
+def _check_load_report(spec: ModelSpec, source: str, report: dict[str, Any]) -> None:
+    """Refuse a model whose checkpoint lacks weights or has the wrong shapes: transformers would fill
+    them with random values and the model would write gibberish. Unexpected extra tensors alone are
+    harmless (they are ignored) and only named when something else is wrong."""
+    missing = sorted(report.get("missing_keys") or ())
+    mismatched = sorted(
+        str(key[0] if isinstance(key, tuple) else key) for key in report.get("mismatched_keys") or ()
+    )
+    unexpected = sorted(report.get("unexpected_keys") or ())
+    if not missing and not mismatched:
+        return
+    files = ", ".join(str(p) for p in _weight_files(source)) or spec.source
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors ({_some(missing)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensors of the wrong shape ({_some(mismatched)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors ({_some(unexpected)})")
+    raise ModelLoadError(f"{files} does not hold this model's weights: {'; '.join(problems)}")
+
+
+def _some(keys: list[str], shown: int = 3) -> str:
+    more = f", … {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
 
 
 def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
@@ -199,8 +307,17 @@ def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
     try:
         with torch.inference_mode():
             model(input_ids=token, use_cache=False)
+    except torch.OutOfMemoryError as exc:
+        raise _out_of_memory(spec, exc) from None
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as exc:
         raise _load_failure(spec, exc) from exc
+
+
+def _out_of_memory(spec: ModelSpec, exc: BaseException) -> DeviceMemoryError:
+    return DeviceMemoryError(
+        f"{spec.source} did not fit in GPU memory while loading ({_first_line(exc)}): try "
+        "--quantize-target 4bit (or 8bit), a smaller draft model, or --device cpu"
+    )
 
 
 def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
@@ -233,11 +350,11 @@ def check_compatible(
     target_map = target_tokenizer.get_vocab()
     draft_map = draft_tokenizer.get_vocab()
     if target_map != draft_map:
-        differing = sum(1 for tok, i in target_map.items() if draft_map.get(tok) != i)
-        differing += sum(1 for tok in draft_map if tok not in target_map)
+        tokens = target_map.keys() | draft_map.keys()
+        differing = sum(1 for tok in tokens if target_map.get(tok) != draft_map.get(tok))
         raise IncompatibleModelsError(
-            f"the draft and target tokenizers differ ({differing} of {max(len(target_map), len(draft_map))} "
-            "tokens map to different ids): speculative decoding needs one shared vocabulary"
+            f"the draft and target tokenizers differ: {differing} of the {len(tokens)} tokens in either "
+            "are missing from one or have different ids (speculative decoding needs one shared vocabulary)"
         )
     return min(len(target_tokenizer), target_vocab, draft_vocab)
 
@@ -261,6 +378,7 @@ def load_pair(
 
     Raises:
         ModelLoadError: either model or tokenizer fails to load.
+        DeviceMemoryError: a model does not fit in GPU memory.
         IncompatibleModelsError: the models do not share a vocabulary.
     """
     report = progress or (lambda _message: None)

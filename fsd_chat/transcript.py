@@ -1,21 +1,31 @@
-"""A session as a Markdown transcript, and its atomic write.
+"""A session as a Markdown transcript, and its write.
 
-Each reply gets its statistics and a provenance view that renders on GitHub: a legend, then the
-reply in an HTML `<details>` block where each origin has its own inline mark (GitHub strips colours,
-so the marks are underline, bold, italics), and the points where the threshold changed.
+Each turn's text is contained: it sits in a code fence longer than any backtick run it holds, so a
+cut-off code block, a line reading `## Assistant` or an HTML tag in a message stays text and cannot
+end the turn, fake another one or run in a browser. Each reply gets its statistics and a provenance
+view that renders on GitHub: a legend, then the reply in an HTML `<details>` block (the text
+HTML-escaped) where each origin has its own inline mark (GitHub strips colours, so the marks are
+underline, bold, italics), and the points where the threshold changed.
+
+Transcripts are conversations, private to their owner: a new file is created 0600; an existing
+one is replaced atomically and keeps its mode; a named pipe or a device is written in place.
 """
 
 from __future__ import annotations
 
 import html
 import os
+import re
 import secrets
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
 from fsd_chat.decoding.events import Origin
 from fsd_chat.errors import FsdChatError
 from fsd_chat.session import ReplyRecord, Session
+from fsd_chat.text import visible
 
 MARKS: dict[Origin, tuple[str, str]] = {
     Origin.DRAFT_EXACT: ("", ""),
@@ -59,8 +69,17 @@ def sampling_summary(settings: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def cost_summary(cost: float, tokens: int) -> str:
+    """A reply's cost (nats; see `fsd_chat.decoding.acceptance`), e.g. "cost 1.23 nats (0.0123/token)";
+    "cost 0 (lossless)" when every token followed the target's law."""
+    if cost == 0:
+        return "cost 0 (lossless)"
+    return f"cost {cost:.3g} nats ({cost / max(tokens, 1):.4f}/token)"
+
+
 def reply_summary(record: ReplyRecord) -> str:
-    """A reply's statistics in one line (tokens, tokens/s, acceptance, τ, fuzzy share, T, end)."""
+    """A reply's statistics in one line (tokens, tokens/s, acceptance, τ, fuzzy share, T, cost,
+    end)."""
     s = record.stats
     if not s:
         return "no tokens"
@@ -72,6 +91,8 @@ def reply_summary(record: ReplyRecord) -> str:
             f"fuzzy {s['fuzzy_share']:.0%}",
             "T " + " → ".join(f"{t:.3f}" for t in s["thresholds"]),
         ]
+        if "cost" in s:  # absent from sessions saved before costs were measured
+            parts.append(cost_summary(s["cost"], s["tokens"]))
     if record.stop_reason == "stopped":
         parts.append("stopped")
     elif record.stop_reason:
@@ -97,6 +118,23 @@ def provenance_html(record: ReplyRecord) -> str:
     return "".join(out)
 
 
+def fenced(text: str) -> list[str]:
+    """`text` as a fenced code block whose fence is longer than any backtick run in it (so nothing in
+    the text can close it), as lines."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}text", *text.split("\n"), fence]
+
+
+def _code_cell(text: str) -> str:
+    # An inline code span in a table cell: one line, its pipes escaped (GFM splits cells on them
+    # even inside code), delimiters longer than any backtick run inside.
+    text = " ".join(text.splitlines()).replace("|", "\\|")
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
 def render_markdown(session: Session) -> str:
     """The whole session as Markdown: a header table, then every turn."""
     m = session.models
@@ -106,17 +144,18 @@ def render_markdown(session: Session) -> str:
         "| | |",
         "|---|---|",
         f"| Date | {session.created} |",
-        f"| Target | `{m.get('target', '')}` ({m.get('quantize_target', 'none')}) |",
-        f"| Draft | `{m.get('draft', '')}` ({m.get('quantize_draft', 'none')}) |",
+        f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
+        f"| Draft | {_code_cell(str(m.get('draft', '')))} ({m.get('quantize_draft', 'none')}) |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
         f"| Decoding | {decoding_summary(session.settings)} |",
         f"| Sampling | {sampling_summary(session.settings)} |",
         "",
     ]
     if session.system:
-        lines += ["## System", "", session.system, ""]
+        lines += ["## System", "", *fenced(session.system), ""]
     for turn in session.turns:
-        lines += [f"## {turn.role.capitalize()}", "", turn.content or "*(empty)*", ""]
+        body = fenced(turn.content) if turn.content else ["*(empty)*"]
+        lines += [f"## {turn.role.capitalize()}", "", *body, ""]
         if turn.reply is not None:
             lines += [f"> {reply_summary(turn.reply)}", ""]
             if turn.reply.runs:
@@ -138,24 +177,67 @@ def default_path(directory: Path, session: Session) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file in the same folder and a rename, so a
-    reader never sees half a file; returns the absolute path.
+    """Write `text` (UTF-8) to `path`; returns the absolute path.
+
+    A regular file or a new path is written through a temporary file in the same folder and a
+    rename, so a reader never sees half a file: a new file is created 0600 (a conversation is
+    private), an existing one keeps its mode. A named pipe or a character device (`/dev/stdout`)
+    is written in place: renaming over it would replace it with a file nobody reads.
 
     Raises:
-        TranscriptError: the folder cannot be created or written, or the path is a folder.
+        TranscriptError: the folder cannot be created or written, the path is a folder, or the
+            write fails (a full disk).
     """
     path = path.expanduser().absolute()
-    # Not tempfile.mkstemp: its 0600 mode would stay on the transcript; "x" honours the umask.
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        existing = path.stat()
+    except FileNotFoundError:
+        existing = None
+    except OSError as exc:
+        raise TranscriptError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        if existing is not None and (stat.S_ISFIFO(existing.st_mode) or stat.S_ISCHR(existing.st_mode)):
+            with open(path, "w", encoding="utf-8") as stream:
+                stream.write(text)
+            return path
+        mode = 0o600 if existing is None else stat.S_IMODE(existing.st_mode)
+        # A link to a file: replace the file it points to, and keep the link.
+        target = Path(os.path.realpath(path)) if existing is not None else path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "x", encoding="utf-8") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
                 f.write(text)
-            os.replace(tmp, path)
+                os.fchmod(f.fileno(), mode)  # not left to the umask: an existing file keeps its mode exactly
+            os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
     except OSError as exc:
         raise TranscriptError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
+
+
+STDOUT = Path("-")
+
+
+def export_transcript(text: str, output: Path | None) -> str | None:
+    """Write a transcript to standard output (`output` None or "-") or to `output`.
+
+    On a terminal, control characters in the text are shown as visible symbols; a file or a pipe
+    gets the text exactly.
+
+    Returns:
+        What to tell the user when a file was written ("wrote PATH", or "overwrote PATH" when it
+        replaced a file), else None.
+
+    Raises:
+        TranscriptError: the file cannot be written.
+        OSError: standard output cannot be written.
+    """
+    if output is None or output == STDOUT:
+        sys.stdout.write(visible(text) if sys.stdout.isatty() else text)
+        return None
+    replaced = output.expanduser().is_file()
+    path = write_atomic(output, text)
+    return f"{'overwrote' if replaced else 'wrote'} {path}"

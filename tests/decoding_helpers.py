@@ -14,6 +14,7 @@ class Run:
 
     steps: list[Step] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    prompt_ids: list[int] = field(default_factory=list)
 
     @property
     def ids(self) -> list[int]:
@@ -28,9 +29,9 @@ class Run:
         return [str(t.origin) for s in self.steps for t in s.tokens]
 
 
-def collect(steps: Iterable[Step]) -> Run:
-    """Consume a decoder's steps."""
-    run = Run()
+def collect(steps: Iterable[Step], prompt_ids: list[int] | None = None) -> Run:
+    """Consume a decoder's steps (of a reply to `prompt_ids`, kept for recomputations)."""
+    run = Run(prompt_ids=list(prompt_ids or []))
     for step in steps:
         run.steps.append(step)
         run.stats.add(step)

@@ -239,13 +239,13 @@ def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> N
         (["--prompts", "gsm8k", "--data-dir", "/nonexistent"], "data file not found"),
         (["--prompts", "missing.jsonl"], "data file not found"),
         (["--prompts", "tinystories", "--thresholds", "0.1,abc"], "--thresholds: bad value 'abc'"),
-        (["--prompts", "tinystories", "--thresholds", "-1"], "--thresholds: bad value '-1'"),
+        (["--prompts", "tinystories", "--thresholds", "-1"], "--thresholds: threshold must be a finite"),
         (["--prompts", "tinystories", "--divergences", "js,cosine"], "--divergences: unknown value 'cosine'"),
         (["--prompts", "tinystories", "--rules", "exact"], "--rules: unknown value 'exact'"),
-        (["--prompts", "tinystories", "--draft-tokens", "0"], "--draft-tokens: bad value '0'"),
+        (["--prompts", "tinystories", "--draft-tokens", "0"], "--draft-tokens: draft length k must be"),
         (
             ["--prompts", "tinystories", "--mixture-thresholds", "0.1,-0.1"],
-            "--mixture-thresholds: bad value '-0.1'",
+            "--mixture-thresholds: threshold must be a finite",
         ),
     ],
 )
@@ -324,6 +324,30 @@ def test_accuracy_on_a_set_with_answers(pair: ModelPair, tmp_path: Path) -> None
 )
 def test_median_confidence_interval(n: int, expected: tuple[int, int] | None) -> None:
     assert median_ci95([float(v) for v in range(n, 0, -1)]) == expected
+
+
+def test_results_are_shown_even_when_the_reports_cannot_be_written(
+    pair: ModelPair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    setup = Setup("float32")
+    configs = [Config(setup, 0.0, "autoregressive")]
+    prompt_set = load_prompt_set("tinystories", data_dir=DATA_DIR, limit=1)
+    result = run_sweep({setup: pair}, configs, prompt_set, max_new_tokens=4, seed=0, repeats=1)
+    (tmp_path / "report.json").mkdir()  # taken after the check at the start, mid-run
+    with pytest.raises(
+        FsdChatError, match=r"report\.json: Is a directory \(the table above has the results\)"
+    ):
+        write_outputs(
+            tmp_path,
+            runs=result.runs,
+            configs=configs,
+            pairs={"float32": pair},
+            sweep={},
+            interrupted=False,
+            title="[/] run of [bold]x\x1b[2J",  # model paths are text, not markup or escapes
+        )
+    out = capsys.readouterr().out
+    assert "[/] run of [bold]x␛[2J" in out and "autoregressive" in out
 
 
 def _constructed_runs(speed: Callable[[Config, int], float], costs: dict[Config, float]) -> list[Run]:

@@ -81,8 +81,8 @@ def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path,
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--threshold", "-0.5"], "threshold must be ≥ 0"),
-        (["--threshold", "nan"], "threshold must be ≥ 0"),
+        (["--threshold", "-0.5"], "threshold must be a finite number ≥ 0"),
+        (["--threshold", "nan"], "threshold must be a finite number ≥ 0"),
         (["--divergence", "hellinger"], "--divergence"),
         (["--draft-tokens", "0"], "draft length k"),
         (["--top-p", "1.5"], "top-p"),

@@ -10,6 +10,10 @@ from fsd_chat.decoding import Controls, DecodingSettings, Origin
 from fsd_chat.models import ModelPair
 from tests.decoding_helpers import collect
 
+# Thresholds are finite (JSON has no infinity); 1e9 nats is above any divergence of float32
+# distributions, so every draft token passes the fuzzy test.
+ACCEPT_ALL = 1e9
+
 PROMPTS = [
     "Once upon a time",
     "Tom and his dog went to the park. They saw",
@@ -62,8 +66,8 @@ def test_pure_rule_with_zero_threshold_accepts_nothing(pair: ModelPair, greedy_r
     assert run.ids == greedy_references[prompt][:100]
 
 
-def test_fuzzy_with_infinite_threshold_accepts_every_draft_token(pair: ModelPair) -> None:
-    controls = Controls(DecodingSettings(rule="fuzzy", threshold=float("inf"), draft_tokens=4))
+def test_fuzzy_with_a_huge_threshold_accepts_every_draft_token(pair: ModelPair) -> None:
+    controls = Controls(DecodingSettings(rule="fuzzy", threshold=ACCEPT_ALL, draft_tokens=4))
     run = collect(
         pair.speculative(controls).generate(pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=100)
     )
@@ -74,7 +78,7 @@ def test_fuzzy_with_infinite_threshold_accepts_every_draft_token(pair: ModelPair
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
 def test_max_new_tokens_is_exact_mid_block(pair: ModelPair, max_new_tokens: int) -> None:
-    controls = Controls(DecodingSettings(rule="fuzzy", threshold=float("inf"), draft_tokens=5))
+    controls = Controls(DecodingSettings(rule="fuzzy", threshold=ACCEPT_ALL, draft_tokens=5))
     run = collect(
         pair.speculative(controls).generate(
             pair.tokenizer(PROMPTS[0]).input_ids, max_new_tokens=max_new_tokens
@@ -87,7 +91,7 @@ def test_max_new_tokens_is_exact_mid_block(pair: ModelPair, max_new_tokens: int)
 def test_adaptive_draft_length(pair: ModelPair, greedy_references) -> None:
     prompt = pair.tokenizer(PROMPTS[0]).input_ids
     # Every block accepted: k grows by 2 per step (transformers' schedule), up to the room left.
-    accept_all = Controls(DecodingSettings(threshold=float("inf"), draft_tokens=2, adaptive=True))
+    accept_all = Controls(DecodingSettings(threshold=ACCEPT_ALL, draft_tokens=2, adaptive=True))
     run = collect(pair.speculative(accept_all).generate(prompt, max_new_tokens=40))
     assert [s.stats.drafted for s in run.steps][:4] == [2, 4, 6, 8]
     # With the exact rule, adapting k never changes the output.

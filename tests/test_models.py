@@ -23,7 +23,7 @@ def test_missing_path_is_a_clear_error(target_dir: Path, tmp_path: Path) -> None
 
 
 def test_mismatched_tokenizers_are_refused(target_dir: Path, mismatched_draft_dir: Path) -> None:
-    with pytest.raises(IncompatibleModelsError, match="2 of 512 tokens"):
+    with pytest.raises(IncompatibleModelsError, match="2 of the 512 tokens"):
         load_pair(ModelSpec(str(target_dir)), ModelSpec(str(mismatched_draft_dir)), CPU)
 
 

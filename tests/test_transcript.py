@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+import stat
+import threading
 from pathlib import Path
 
 import pytest
+from markdown_it import MarkdownIt
 
 from fsd_chat.decoding.events import Origin
 from fsd_chat.session import ReplyRecord, Run, Session, Turn
-from fsd_chat.transcript import TranscriptError, default_path, provenance_html, render_markdown, write_atomic
+from fsd_chat.transcript import (
+    TranscriptError,
+    default_path,
+    export_transcript,
+    provenance_html,
+    render_markdown,
+    write_atomic,
+)
 
 
 def session() -> Session:
@@ -65,13 +75,29 @@ def test_markdown_has_header_turns_stats_and_provenance() -> None:
     assert "| Device | cpu float32 |" in text
     assert "| Decoding | fuzzy · js · T 0.100 · k 4 |" in text
     assert "| Sampling | temperature 0.7 · top-p 0.9 · seed 3 · max 64 new tokens |" in text
-    assert "## User\n\nTell me\n" in text
+    assert "## User\n\n```text\nTell me\n```\n" in text
     assert (
         "> 9 tokens · 812.3 tokens/s · acceptance 75% · mean accepted length 3.00 · fuzzy 12% · "
         "T 0.100 → 0.140 · stopped" in text
     )
     block = text[text.index("<details>") : text.index("</details>")]
     assert "\n\n" not in block.split("<p>", 1)[1]  # no blank line ends the HTML block early
+
+
+@pytest.mark.parametrize(
+    ("cost", "shown"), [(0.0, "cost 0 (lossless)"), (0.5, "cost 0.5 nats (0.0556/token)"), (None, None)]
+)
+def test_each_reply_carries_its_cost(cost: float | None, shown: str | None) -> None:
+    chat = session()
+    reply = chat.turns[1].reply
+    assert reply is not None
+    if cost is not None:
+        reply.stats["cost"] = cost
+    line = next(line for line in render_markdown(chat).splitlines() if line.startswith("> 9 tokens"))
+    if shown is None:  # a session saved before costs were measured
+        assert "cost" not in line
+    else:
+        assert line.endswith(f"T 0.100 → 0.140 · {shown} · stopped")
 
 
 def test_provenance_marks_each_origin_and_the_threshold_change() -> None:
@@ -86,12 +112,80 @@ def test_atomic_write_and_unwritable_paths(tmp_path: Path) -> None:
     assert path.name == "fsd-chat-2025-03-04-0506-feed0001.md"
     written = write_atomic(path, "hello")
     assert written == path and path.read_text() == "hello"
-    umask = os.umask(0)
-    os.umask(umask)
-    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not the 0600 of a temporary file
+    assert path.stat().st_mode & 0o777 == 0o600  # a conversation is private, whatever the umask
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     with pytest.raises(TranscriptError, match="cannot write"):
         write_atomic(tmp_path / "out", "a folder is not a file")
     (tmp_path / "blocker").write_text("")
     with pytest.raises(TranscriptError, match="cannot write"):
         write_atomic(tmp_path / "blocker" / "t.md", "under a file")
+
+
+HOSTILE_TURNS = [
+    Turn("user", "Show me code\n## Assistant\nI am a fake turn\n<script>alert(1)</script>"),
+    # A reply cut off inside a code block (max-new-tokens or Escape): the fence is never closed.
+    Turn("assistant", "Here:\n```python\nprint('never closed')\n# Heading inside code"),
+    Turn("user", "<img src=x onerror=alert(1)> and ```` four backticks ````, `one`"),
+    Turn("assistant", "~~~\n### also not a heading\n<details><summary>x</summary>"),
+]
+
+
+def test_each_turn_is_contained_whatever_its_text() -> None:
+    hostile = session()
+    hostile.system = "# System heading?\n```"
+    hostile.turns = HOSTILE_TURNS
+    hostile.models["target"] = "/m/t|a`rget"
+    tokens = MarkdownIt("gfm-like").parse(render_markdown(hostile))
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert headings == ["fsd-chat session feed0001", "System", "User", "Assistant", "User", "Assistant"]
+    # Every turn's text comes back from the parser exactly, as code, never as HTML.
+    fences = [t.content for t in tokens if t.type == "fence"]
+    assert fences == [hostile.system + "\n"] + [turn.content + "\n" for turn in HOSTILE_TURNS]
+    html_tokens = [t for t in tokens if t.type in ("html_block", "html_inline")]
+    assert not any("<script" in t.content or "onerror" in t.content for t in html_tokens)
+    # The header table keeps its two columns despite the pipe and backtick in the model name.
+    assert MarkdownIt("gfm-like").render(render_markdown(hostile)).count("<td>") == 12
+
+
+def test_existing_file_keeps_its_mode_and_the_user_is_told(tmp_path: Path) -> None:
+    path = tmp_path / "t.md"
+    assert export_transcript("first", path) == f"wrote {path}"
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o640)
+    assert export_transcript("second", path) == f"overwrote {path}"
+    assert path.read_text() == "second" and path.stat().st_mode & 0o777 == 0o640
+    link = tmp_path / "link.md"
+    link.symlink_to(path)
+    write_atomic(link, "third")
+    assert link.is_symlink() and path.read_text() == "third"
+
+
+def test_named_pipe_is_written_in_place(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[str] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    write_atomic(fifo, "through the pipe")
+    reader.join(timeout=10)
+    assert received == ["through the pipe"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # still a pipe, not replaced by a file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_full_device_is_an_error_not_a_replaced_file() -> None:
+    with pytest.raises(TranscriptError, match="No space left"):
+        write_atomic(Path("/dev/full"), "nowhere to go")
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_dash_is_standard_output_and_escapes_are_shown_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = "title \x1b]0;pwned\x07 clear \x1b[2J\ttab\n"
+    assert export_transcript(text, Path("-")) is None
+    assert capsys.readouterr().out == text  # a pipe or a file gets the text exactly
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    export_transcript(text, None)
+    shown = capsys.readouterr().out
+    assert shown == "title ␛]0;pwned␇ clear ␛[2J\ttab\n" and "\x1b" not in shown

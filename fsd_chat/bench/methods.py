@@ -121,9 +121,10 @@ class PairRunner:
             )
         )
         decoder = (
-            self.pair.autoregressive(controls)
+            # Exact phase times on CUDA: the report splits draft, target and other seconds.
+            self.pair.autoregressive(controls, time_phases=True)
             if config.method == "autoregressive"
-            else self.pair.speculative(controls)
+            else self.pair.speculative(controls, time_phases=True)
         )
         stats = GenerationStats()
         ids: list[int] = []

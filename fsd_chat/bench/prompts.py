@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsd_chat.errors import FsdChatError
+from fsd_chat.text import read_utf8, require_utf8
 
 Checker = Callable[[str, str], bool]
 """(reply text, reference answer) -> correct?"""
@@ -157,17 +158,23 @@ def commonsenseqa_prompt(stem: str, choices: list[str]) -> str:
 
 
 def _jsonl_rows(path: Path) -> Iterator[dict[str, object]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise FsdChatError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise FsdChatError(f"{path}:{number}: expected a JSON object")
-            yield row
+    for number, line in enumerate(_read(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise FsdChatError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise FsdChatError(f"{path}:{number}: expected a JSON object")
+        yield row
+
+
+def _read(path: Path) -> str:
+    try:
+        return read_utf8(path)
+    except OSError as exc:
+        raise FsdChatError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _need(path: Path) -> Path:
@@ -181,7 +188,7 @@ def _tinystories(data_dir: Path) -> PromptSet:
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
         raise FsdChatError(f"data file not found: {folder}/*.txt (set --data-dir)")
-    stories = files[0].read_text(encoding="utf-8").split("<|endoftext|>")
+    stories = _read(files[0]).split("<|endoftext|>")
     openings = []
     for story in stories:
         # The opening is the first sentence: enough to set a story going, as a user would.
@@ -225,6 +232,8 @@ def _jsonl_file(path: Path) -> PromptSet:
     for number, row in enumerate(_jsonl_rows(path), 1):
         if not isinstance(row.get("prompt"), str):
             raise FsdChatError(f"{path}: row {number} has no string `prompt` field")
+        # JSON can spell a lone surrogate ("\\udcff"), which no tokenizer can encode.
+        require_utf8(row["prompt"], f"{path}: the prompt of row {number}")
         answer = row.get("answer")
         items.append(PromptItem(row["prompt"], None if answer is None else str(answer)))  # type: ignore[arg-type]
     has_answers = any(item.answer is not None for item in items)

@@ -3,7 +3,6 @@ terminal."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -16,6 +15,7 @@ import torch
 from fsd_chat.bench.curves import Verdict
 from fsd_chat.bench.metrics import Quality, Summary
 from fsd_chat.models import ModelPair
+from fsd_chat.text import to_json
 
 HEADERS = (
     "setup",
@@ -98,7 +98,7 @@ def write_json(
         "configs": [s.to_dict() for s in summaries],
         "curves": [v.to_dict() for v in verdicts],
     }
-    path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(to_json(report, indent=2) + "\n", encoding="utf-8")
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:

@@ -3,6 +3,7 @@ report.json, report.md and tradeoff.png, and show the table and plots on the ter
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 from fsd_chat.bench import plot, report, terminal
 from fsd_chat.bench.curves import compare_curves
@@ -23,9 +25,11 @@ from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.runner import Run, SweepResult, run_sweep
 from fsd_chat.bench.sweep import Config, Setup, SweepSpec, build_sweep
-from fsd_chat.cli_options import pair_specs
+from fsd_chat.cli_options import check_max_new_tokens, pair_specs
+from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
+from fsd_chat.text import visible
 
 EXIT_INTERRUPTED = 130
 
@@ -68,16 +72,17 @@ def run_bench(
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
     setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
     prompt_set = load_prompt_set(prompts, data_dir=data_dir, limit=limit)
-    if max_new_tokens < 1 or repeats < 1:
-        raise FsdChatError("--max-new-tokens and --repeats must be ≥ 1")
+    check_max_new_tokens(max_new_tokens)
+    if repeats < 1:
+        raise FsdChatError(f"--repeats must be ≥ 1, got {repeats}")
+    # Prompt i runs with seed + i: the last one must still be a valid seed.
+    for prompt_seed in (seed, seed + len(prompt_set.items) - 1):
+        SamplingConfig(seed=prompt_seed)
     if threads is not None:
         if threads < 1:
             raise FsdChatError(f"--threads must be ≥ 1, got {threads}")
         torch.set_num_threads(threads)
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FsdChatError(f"cannot create the output directory {output}: {exc.strerror}") from None
+    check_writable(output)
     console = Console(stderr=True)
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
@@ -129,6 +134,29 @@ def run_bench(
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
+OUTPUT_FILES = ("report.json", "report.md", "tradeoff.png")
+
+
+def check_writable(output: Path) -> None:
+    """Create the output folder and check that the reports can be written into it, before the
+    sweep spends minutes measuring.
+
+    Raises:
+        FsdChatError: the folder cannot be created or written, or a report's name is taken by a
+            folder.
+    """
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:
+            if (output / name).is_dir():
+                raise FsdChatError(f"cannot write {output / name}: it is a folder")
+        # Permissions, read-only mounts, quotas: only writing a file tells.
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".fsd-chat-bench-"):
+            pass
+    except OSError as exc:
+        raise FsdChatError(f"cannot write into the output folder {output}: {exc.strerror or exc}") from None
+
+
 def write_outputs(
     output: Path,
     *,
@@ -139,39 +167,57 @@ def write_outputs(
     interrupted: bool,
     title: str,
 ) -> None:
-    """Summarise the runs, write the three files and show the results on stdout."""
+    """Summarise the runs, show the results on stdout, then write the three files.
+
+    The table goes out first, so a run that cannot be saved (the disk filled up, the folder went
+    away) is still seen.
+
+    Raises:
+        FsdChatError: a report file cannot be written.
+    """
     summaries = summarize(configs, runs)
     verdicts = compare_curves(summaries, runs)
     environment = report.environment(pairs)
-    report.write_json(
-        output / "report.json",
-        environment=environment,
-        sweep=sweep,
-        summaries=summaries,
-        verdicts=verdicts,
-        interrupted=interrupted,
-    )
-    plot_name = None
-    if summaries:
-        plot.write_plot(output / "tradeoff.png", summaries, title=title)
-        plot_name = "tradeoff.png"
-    report.write_markdown(
-        output / "report.md",
-        title=title,
-        environment=environment,
-        summaries=summaries,
-        verdicts=verdicts,
-        interrupted=interrupted,
-        plot_name=plot_name,
-    )
-    console = Console()
+    plot_name = "tradeoff.png" if summaries else None
+    console = Console(highlight=False)
     if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows
-        console = Console(width=200)
-    console.print(f"[bold]{title}[/bold]" + (" [red](interrupted)[/red]" if interrupted else ""))
+        console = Console(width=200, highlight=False)
+    # The title holds model and prompt-file paths: text, not markup, and no raw control characters.
+    console.print(
+        Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
+    )
     terminal.show(console, summaries)
     for verdict in verdicts:
-        console.print("\n".join(verdict.lines()), markup=False, highlight=False)
+        console.print(Text("\n".join(verdict.lines())))
+    try:
+        report.write_json(
+            output / "report.json",
+            environment=environment,
+            sweep=sweep,
+            summaries=summaries,
+            verdicts=verdicts,
+            interrupted=interrupted,
+        )
+        if plot_name:
+            plot.write_plot(output / plot_name, summaries, title=title)
+        report.write_markdown(
+            output / "report.md",
+            title=title,
+            environment=environment,
+            summaries=summaries,
+            verdicts=verdicts,
+            interrupted=interrupted,
+            plot_name=plot_name,
+        )
+    except OSError as exc:
+        raise FsdChatError(
+            f"cannot write {exc.filename or output}: {exc.strerror or exc} (the table above has the results)"
+        ) from None
     console.print(
-        f"wrote {output / 'report.json'}, {output / 'report.md'}"
-        + (f", {output / plot_name}" if plot_name else "")
+        Text(
+            visible(
+                f"wrote {output / 'report.json'}, {output / 'report.md'}"
+                + (f", {output / plot_name}" if plot_name else "")
+            )
+        )
     )

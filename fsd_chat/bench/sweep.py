@@ -9,14 +9,13 @@ Speculative methods run at every k asked for.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from fsd_chat.decoding.settings import DIVERGENCE_NAMES, MAX_DRAFT_TOKENS
-from fsd_chat.errors import FsdChatError
-from fsd_chat.models import DTYPES, QUANTIZATIONS
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES, DecodingSettings, SamplingConfig
+from fsd_chat.errors import FsdChatError, SettingsError
+from fsd_chat.model_options import DTYPES, QUANTIZATIONS
 
 Method = Literal["autoregressive", "exact", "hf-assisted", "fuzzy", "pure", "mixture"]
 BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
@@ -106,6 +105,8 @@ def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tup
         item = raw.strip()
         try:
             value = convert(item)
+        except SettingsError as exc:
+            raise FsdChatError(f"{option}: {exc}") from None
         except ValueError:
             raise FsdChatError(f"{option}: bad value {item!r} in {text!r}") from None
         if allowed and value not in allowed:
@@ -120,26 +121,16 @@ def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tup
 
 
 def _threshold(text: str) -> float:
-    value = float(text)
-    # Finite only (JSON has no infinity): T at the divergence's upper bound (ln 2 for js, 1 for tv)
-    # already accepts every draft token.
-    if not 0 <= value < math.inf:
-        raise ValueError(text)
-    return value
+    # The same rule as generate and chat: DecodingSettings raises SettingsError.
+    return DecodingSettings(threshold=float(text)).threshold
 
 
 def _temperature(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or math.isinf(value):
-        raise ValueError(text)
-    return value
+    return SamplingConfig(temperature=float(text)).temperature
 
 
 def _draft_tokens(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= MAX_DRAFT_TOKENS:
-        raise ValueError(text)
-    return value
+    return DecodingSettings(draft_tokens=int(text)).draft_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Origin, Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
@@ -75,6 +76,7 @@ class AutoregressiveDecoder:
         tokenizer: Its tokenizer.
         controls: Live controls (only the stop request matters here).
         vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
+        time_phases: Synchronise the device at each phase (see `SpeculativeDecoder`).
     """
 
     rule = "autoregressive"
@@ -86,13 +88,21 @@ class AutoregressiveDecoder:
         *,
         controls: Controls | None = None,
         vocab_size: int | None = None,
+        time_phases: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size or len(tokenizer))
         self.context = context_length(target)
         self.eos_token_ids = eos_token_ids(tokenizer, target)
 
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """The models whose KV caches this decoder fills."""
+        return (self.target,)
+
+    @frees_memory_on_oom
     def generate(
         self,
         prompt_ids: list[int],
@@ -106,6 +116,7 @@ class AutoregressiveDecoder:
         Raises:
             ContextLengthError: the prompt does not fit the context window.
             SettingsError: max_new_tokens < 1 or an empty prompt.
+            DeviceMemoryError: the device ran out of memory (the KV cache is freed).
         """
         sampling = sampling or SamplingConfig()
         start = begin(
@@ -119,6 +130,7 @@ class AutoregressiveDecoder:
             headroom=0,
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
+            time_phases=self.time_phases,
         )
         prefill_seconds = start.prefill_seconds
         while True:

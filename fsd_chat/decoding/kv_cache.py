@@ -9,8 +9,8 @@ starts after the prefill so a long prompt does not keep a full-length copy of ev
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from fsd_chat.errors import UnsupportedCacheError
 
@@ -46,13 +46,16 @@ class CachedModel:
         self.model = model
         self.vocab_size = vocab_size
         self.device = model.get_input_embeddings().weight.device
-        self.cache: DynamicCache = DynamicCache(config=model.config)
+        self.cache: Cache = self._new_cache()
         self.seen = 0
         self._check_rollback()
 
+    def _new_cache(self) -> Cache:
+        return DynamicCache(config=self.model.config)
+
     def reset(self) -> None:
         """Start a new sequence with an empty cache."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._new_cache()
         self.seen = 0
 
     @torch.inference_mode()
@@ -104,4 +107,84 @@ class CachedModel:
             raise UnsupportedCacheError(
                 f"{type(self.model).__name__} keeps state ({', '.join(unsupported)}) that cannot be "
                 "rolled back to an accepted prefix; speculative decoding needs a KV cache that can"
+            )
+
+
+class CompiledModel(CachedModel):
+    """A model whose one-token forward passes are compiled (`torch.compile`) over a static KV cache.
+
+    A draft model's forward pass over one token costs mostly framework overhead on a CPU and kernel
+    launches on a GPU; compiling it (on CUDA with CUDA graphs, mode "reduce-overhead") removes most
+    of both. The static cache (transformers' `StaticCache`) keeps tensor shapes and addresses fixed:
+    rolling back only moves each layer's write position, and the slots beyond it are masked out
+    until they are overwritten. Multi-token forward passes (the prompt, a catch-up after a fully
+    accepted block) run eagerly over the same cache.
+
+    If compilation fails (no C++ compiler, an unsupported operator), the model runs eagerly from
+    then on and `compile_error` says why.
+
+    Args:
+        model: A causal LM whose cache layers are all full-attention (no sliding window).
+        vocab_size: See `CachedModel`.
+        capacity: Tokens the static cache holds (the decoder's context is capped to it).
+
+    Raises:
+        UnsupportedCacheError: the model has sliding-window or recurrent layers.
+    """
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.compile_error: str | None = None
+        super().__init__(model, vocab_size)
+        cuda = self.device.type == "cuda"
+        self._compiled = torch.compile(model.forward, mode="reduce-overhead" if cuda else None, dynamic=False)
+
+    def reset(self) -> None:
+        """Start a new sequence: the write position goes back to 0 (the cache is reused)."""
+        self._move_to(0)
+
+    def _new_cache(self) -> StaticCache:
+        return StaticCache(config=self.model.config, max_cache_len=self.capacity)
+
+    @torch.inference_mode()
+    def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        """See `CachedModel.forward`; `upto` must not exceed `capacity`."""
+        kwargs = {
+            # A view whose strides do not depend on the buffer's length: the compiled function is
+            # guarded on strides, and each reply's buffer has its own length.
+            "input_ids": seq[0, self.seen : upto].unsqueeze(0),
+            "past_key_values": self.cache,
+            # Given explicitly: the model would otherwise read the write position back from the device.
+            "cache_position": torch.arange(self.seen, upto, device=self.device),
+            "use_cache": True,
+            "logits_to_keep": keep,
+        }
+        out = None
+        if upto - self.seen == 1 and self.compile_error is None:
+            try:
+                out = self._compiled(**kwargs)
+            except Exception as exc:  # compilation failures come in many types; fall back to eager
+                self.compile_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        if out is None:
+            out = self.model(**kwargs)
+        self.seen = upto
+        return out.logits[0, -keep:, : self.vocab_size].float()
+
+    def rollback(self, length: int) -> None:
+        """Move the write position back to `length` (no-op when the cache holds fewer)."""
+        if length < self.seen:
+            self._move_to(length)
+
+    def _move_to(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                # In place: CUDA graphs captured the tensor's address.
+                layer.cumulative_length.fill_(length)
+        self.seen = length
+
+    def _check_rollback(self) -> None:
+        if not all(type(layer) is StaticLayer for layer in self.cache.layers):
+            kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
+            raise UnsupportedCacheError(
+                f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
             )

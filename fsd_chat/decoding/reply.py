@@ -63,9 +63,9 @@ class Reply:
         self.prompt_length = len(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.context = context
-        self.seq = torch.empty(
-            (1, len(prompt_ids) + max_new_tokens + headroom + 1), dtype=torch.long, device=device
-        )
+        # A reply never outgrows the context window, whatever max_new_tokens says: size by both.
+        budget = max_new_tokens if context is None else min(max_new_tokens, context)
+        self.seq = torch.empty((1, len(prompt_ids) + budget + headroom + 1), dtype=torch.long, device=device)
         self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.length = len(prompt_ids)
         self._eos = eos_token_ids
@@ -173,9 +173,11 @@ def begin(
     headroom: int,
     eos_token_ids: frozenset[int],
     stop_strings: tuple[str, ...],
+    time_phases: bool,
 ) -> Start:
     """Start a reply: clear any stop request, reset the models' caches and prefill them with all
-    prompt tokens but the last (each step feeds the last token itself).
+    prompt tokens but the last (each step feeds the last token itself). `time_phases`: synchronise
+    the device at each phase so that draft, target and other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -193,7 +195,7 @@ def begin(
         stop_strings=stop_strings,
         controls=controls,
     )
-    clock = PhaseClock(device)
+    clock = PhaseClock(device, synchronize=time_phases)
     for model in models:
         model.reset()
         if reply.length > 1:

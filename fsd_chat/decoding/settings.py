@@ -25,6 +25,17 @@ CPU-scale pair (README, "Choosing the defaults"); below it fuzzy acceptances are
 
 MAX_DRAFT_TOKENS = 32
 
+MIN_TEMPERATURE = 1e-4
+"""The smallest non-zero temperature: below it the division of float32 logits overflows (1e-40
+gives NaN probabilities), and sampling is already indistinguishable from greedy decoding."""
+
+MIN_TOP_P = 1e-6
+"""The smallest top-p: below float32's resolution of cumulative probabilities every token would be
+dropped; any top-p this small keeps only the most likely token anyway."""
+
+MAX_SEED = 2**64 - 1
+"""torch generators take 64-bit seeds."""
+
 
 @dataclass(frozen=True, slots=True)
 class DecodingSettings:
@@ -35,7 +46,9 @@ class DecodingSettings:
             paper's released code) or "mixture" (exact SD against (1 − λ)p + λq, KL ≤ T per token).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
         threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
-            nats per token (KL, or log-probability regret when greedy) for mixture; inf allowed.
+            nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
+            output has no infinity, and the dial could not be turned down from it (T at the
+            divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS (the starting k when adaptive).
         adaptive: Adapt k each step: +2 after a fully accepted block, −1 after a rejection
             (the heuristic of transformers' assisted generation).
@@ -57,9 +70,9 @@ class DecodingSettings:
             raise SettingsError(
                 f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCE_NAMES)}"
             )
-        if math.isnan(self.threshold) or self.threshold < 0:
+        if not 0 <= self.threshold < math.inf:
             raise SettingsError(
-                f"threshold must be ≥ 0 (0 = exact speculative decoding), got {self.threshold}"
+                f"threshold must be a finite number ≥ 0 (0 = exact speculative decoding), got {self.threshold}"
             )
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
@@ -70,13 +83,16 @@ class SamplingConfig:
     """How tokens are drawn.
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it: a finite number
+            ≥ MIN_TEMPERATURE.
         top_k: Keep the k most likely tokens (0 = all).
-        top_p: Keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
-        seed: Seed of the generator used for draws and acceptance tests (None = random).
+        top_p: Keep the smallest set of tokens whose probability reaches top_p (1.0 = all), in
+            [MIN_TOP_P, 1].
+        seed: Seed of the generator used for draws and acceptance tests, 0..MAX_SEED (None = random).
 
     Raises:
-        SettingsError: on a negative temperature or top-k, or top-p outside (0, 1].
+        SettingsError: on a temperature that is neither 0 nor a finite number ≥ MIN_TEMPERATURE, a
+            negative top-k, top-p outside [MIN_TOP_P, 1], or a seed outside 0..MAX_SEED.
     """
 
     temperature: float = 0.0
@@ -85,12 +101,16 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise SettingsError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise SettingsError(
+                f"temperature must be 0 (greedy) or a finite number ≥ {MIN_TEMPERATURE:g}, got {self.temperature}"
+            )
         if self.top_k < 0:
             raise SettingsError(f"top-k must be ≥ 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise SettingsError(f"top-p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise SettingsError(f"seed must be in 0..2^64 − 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

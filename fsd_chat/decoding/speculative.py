@@ -24,11 +24,15 @@ from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step, StepStats
-from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
+from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import Reply, begin
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
+
+COMPILED_CONTEXT = 8192
+"""Most tokens a compiled draft's static KV cache holds (it is allocated whole, up front)."""
 
 
 class SpeculativeDecoder:
@@ -42,6 +46,15 @@ class SpeculativeDecoder:
         tokenizer: The shared tokenizer.
         controls: Live settings and stop requests.
         vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
+        time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
+            synchronisation per phase (benchmarks); off, a step synchronises once, when its
+            verdict comes back (see `PhaseClock`).
+        compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
+            (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens.
+
+    Raises:
+        UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
+            draft has other than full-attention layers).
     """
 
     def __init__(
@@ -52,16 +65,36 @@ class SpeculativeDecoder:
         *,
         controls: Controls | None = None,
         vocab_size: int | None = None,
+        time_phases: bool = False,
+        compile_draft: bool = False,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
+        self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
-        self.draft = CachedModel(draft, vocab_size)
         contexts = [c for c in (context_length(target), context_length(draft)) if c is not None]
         self.context = min(contexts) if contexts else None
+        if compile_draft:
+            # The static cache is allocated whole: cap it, and the context with it.
+            self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+            self.draft: CachedModel = CompiledModel(draft, vocab_size, self.context + MAX_DRAFT_TOKENS + 1)
+        else:
+            self.draft = CachedModel(draft, vocab_size)
         self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
 
+    @property
+    def compile_error(self) -> str | None:
+        """Why the compiled draft fell back to eager forward passes (None: it did not, or no
+        compilation was asked for)."""
+        return getattr(self.draft, "compile_error", None)
+
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """The models whose KV caches this decoder fills."""
+        return (self.target, self.draft)
+
+    @frees_memory_on_oom
     def generate(
         self,
         prompt_ids: list[int],
@@ -82,6 +115,7 @@ class SpeculativeDecoder:
             ContextLengthError: the prompt does not fit the context window.
             SettingsError: max_new_tokens < 1 or an empty prompt.
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
+            DeviceMemoryError: the device ran out of memory (the KV caches are freed).
         """
         sampling = sampling or SamplingConfig()
         start = begin(
@@ -95,6 +129,7 @@ class SpeculativeDecoder:
             headroom=MAX_DRAFT_TOKENS,
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
+            time_phases=self.time_phases,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         prefill_seconds = start.prefill_seconds

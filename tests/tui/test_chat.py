@@ -184,9 +184,9 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
     assert "| Target | `" in text and "stories260K` (none) |" in text
     assert "| Device | cpu float32 |" in text
     assert "| Decoding | fuzzy · js · T 0.100 · k 4 |" in text
-    assert "## System\n\nTell a story." in text
-    assert f"## User\n\n{PROMPT}\n" in text
-    assert f"## Assistant\n\n{reply.text}\n" in text
+    assert "## System\n\n```text\nTell a story.\n```\n" in text
+    assert f"## User\n\n```text\n{PROMPT}\n```\n" in text
+    assert f"## Assistant\n\n```text\n{reply.text}\n```\n" in text
     assert f"> 30 tokens · {reply.stats['tokens_per_second']:.1f} tokens/s · acceptance" in text
     assert "<details><summary>Provenance</summary>" in text
     assert not list(suggested.parent.glob(".*.tmp"))  # the atomic write left no temporary file

@@ -32,7 +32,7 @@ def test_history_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == 0 and out.startswith("# fsd-chat session abcd1234\n") and "## Assistant" in out
     target = tmp_path / "t.md"
     code, out, _ = run(["export", "abcd1234", "-o", str(target)], capsys)
-    assert code == 0 and out.strip() == str(target)
+    assert code == 0 and out.strip() == f"wrote {target}"
     assert target.read_text().startswith("# fsd-chat session abcd1234")
     code, _, err = run(["export", "nope"], capsys)
     assert code == 2 and err == "fsd-chat: error: no saved session 'nope'; `fsd-chat history` lists them\n"
@@ -59,7 +59,7 @@ def test_config_fills_in_and_flags_override(
         f'target = "{target_dir}"\ndraft = "{tmp_path / "gone"}"\nthreshold = -1.0\n'
     )
     code, _, err = run([], capsys)  # target, draft and threshold all from the config
-    assert code == 2 and "threshold must be ≥ 0" in err
+    assert code == 2 and "threshold must be a finite number ≥ 0" in err
     code, _, err = run(["--threshold", "0.2"], capsys)  # the flag wins; the draft is still the config's
     assert code == 2 and err == f"fsd-chat: error: model path not found: {tmp_path / 'gone'}\n"
     (config_dir() / "config.toml").write_text('[keymap]\nstopp = "x"\n')

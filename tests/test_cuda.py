@@ -1,0 +1,120 @@
+"""The engine on a CUDA GPU (`pytest -m cuda`, run by `make gpu-check`); every test here skips
+without one.
+
+Covers what the CPU suite can only reach with torch.cuda's queries patched: float32 greedy identity
+with target-only decoding, bfloat16 and float16, an 8-bit and a 4-bit target with a bfloat16 draft,
+sampling losslessness (a reduced chi-square test: 4,000 replies, α = 0.001), a target dispatched
+with device_map="auto" on one GPU, and the host synchronisations of a step counted by torch's own
+CUDA sync debug mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
+from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from tests.conftest import DRAFT_DIR, TARGET_DIR
+from tests.decoding_helpers import collect
+from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)"),
+]
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
+
+
+def cuda_pair(dtype: str, quantize_target: str = "none") -> ModelPair:
+    return load_pair(
+        ModelSpec(str(TARGET_DIR), quantize_target),  # type: ignore[arg-type]
+        ModelSpec(str(DRAFT_DIR)),
+        LoadOptions(device="cuda", dtype=dtype),
+    )
+
+
+@pytest.fixture(scope="module")
+def pair32() -> ModelPair:
+    return cuda_pair("float32")
+
+
+def greedy_ids(decoder, pair: ModelPair, prompt: str, tokens: int = 120) -> list[int]:
+    ids = pair.tokenizer(prompt).input_ids
+    return collect(decoder.generate(ids, max_new_tokens=tokens, sampling=SamplingConfig())).ids
+
+
+@pytest.mark.parametrize("rule", ["exact", "fuzzy", "mixture"])
+def test_greedy_float32_equals_target_only(pair32: ModelPair, rule: str) -> None:
+    speculative = pair32.speculative(Controls(DecodingSettings(rule=rule, threshold=0.0)))
+    target_only = pair32.autoregressive(Controls())
+    for prompt in PROMPTS:
+        assert greedy_ids(speculative, pair32, prompt) == greedy_ids(target_only, pair32, prompt)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantize_target"),
+    [("bfloat16", "none"), ("float16", "none"), ("bfloat16", "8bit"), ("bfloat16", "4bit")],
+)
+def test_reduced_precision_and_quantized_targets_decode(dtype: str, quantize_target: str) -> None:
+    pair = cuda_pair(dtype, quantize_target)
+    decoder = pair.speculative(Controls(DecodingSettings()))
+    run = collect(
+        decoder.generate(
+            pair.tokenizer(PROMPTS[0]).input_ids,
+            max_new_tokens=64,
+            sampling=SamplingConfig(temperature=1.0, seed=0),
+        )
+    )
+    assert run.stats.tokens > 0
+    assert run.stats.acceptance_rate > 0
+    assert all(torch.isfinite(torch.tensor(t.cost)) for s in run.steps for t in s.tokens)
+
+
+def test_sampling_is_lossless_on_cuda(pair32: ModelPair) -> None:
+    replies, sampling = 4_000, SamplingConfig(temperature=0.9, top_p=0.95)
+    vocab, eos = pair32.vocab_size, pair32.tokenizer.eos_token_id
+    prompt_ids = pair32.tokenizer("Once upon a time, there was a").input_ids
+    decoder = pair32.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=2)))
+    firsts = torch.zeros(vocab + 1, dtype=torch.long)
+    for seed in range(replies):
+        seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        ids = collect(decoder.generate(prompt_ids, max_new_tokens=2, sampling=seeded)).ids
+        firsts[ids[0] if ids else vocab] += 1
+    first, _ = exact_first_two(pair32.target.cpu(), prompt_ids, vocab, eos)
+    pair32.target.cuda()
+    assert chi_square_p_value(firsts, first) > ALPHA
+
+
+def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
+    target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32, device_map="auto").eval()
+    decoder = SpeculativeDecoder(
+        target, pair32.draft, pair32.tokenizer, controls=Controls(DecodingSettings(threshold=0.0))
+    )
+    assert greedy_ids(decoder, pair32, PROMPTS[0]) == greedy_ids(
+        pair32.autoregressive(Controls()), pair32, PROMPTS[0]
+    )
+
+
+def test_one_synchronisation_per_step(pair32: ModelPair) -> None:
+    decoder = pair32.speculative(Controls(DecodingSettings(draft_tokens=4)))
+    steps = decoder.generate(
+        pair32.tokenizer(PROMPTS[0]).input_ids,
+        max_new_tokens=64,
+        sampling=SamplingConfig(temperature=1.0, seed=0),
+    )
+    next(steps)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            count = sum(1 for _ in steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # The verdict's transfer, and the phase clock's explicit synchronisations (timing), per step.
+    assert len(syncs) <= count, [str(w.message) for w in syncs[:5]]

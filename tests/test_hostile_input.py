@@ -1,0 +1,439 @@
+"""Hostile input, damaged files and odd environments, through the real command line.
+
+Every case of the table runs `fsd-chat` in-process through its entry point (`fsd_chat.cli.main`,
+what the console script calls) and must end with the expected exit code, exactly one line on
+stderr naming the problem, no traceback, nothing on stdout, and no file created or changed in the
+user's folders (working directory, config and data folders). Cases that need a real stdout that
+fails (a full disk) or the terminal run the console script in a subprocess.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from fsd_chat.chat import Message, fit_to_context, prompt_ids
+from fsd_chat.cli import main
+from fsd_chat.errors import ContextLengthError, IncompatibleModelsError
+from fsd_chat.models import ModelPair, check_compatible
+from fsd_chat.store import SessionStore
+from fsd_chat.text import to_json, visible
+from tests.test_transcript import session as saved_session
+
+CONSOLE_SCRIPT = str(Path(sys.executable).with_name("fsd-chat"))
+ESC_TOKEN = "<0x1B>"  # the byte-fallback token of the escape character, in the offline vocabulary
+
+
+class Evil:
+    """Unpickling this runs `print`: what a malicious pytorch_model.bin would do with os.system."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("pickled code ran",))
+
+
+def _copy(source: Path, root: Path, name: str) -> Path:
+    destination = root / name
+    shutil.copytree(source, destination)
+    return destination
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _rewrite_weights(folder: Path, change: Callable[[Tensors], Tensors]) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    save_file(change(tensors), folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _swap_tokens(folder: Path, a: str, b: str) -> None:
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
+    """The real pair, and damaged copies of its target."""
+    root = tmp_path_factory.mktemp("hostile-models")
+    truncated = _copy(target_dir, root, "truncated")
+    weights = truncated / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    missing = _copy(target_dir, root, "missing")
+    _rewrite_weights(missing, lambda t: {k: v for k, v in t.items() if ".layers.0." not in k})
+    misshapen = _copy(target_dir, root, "misshapen")
+    _rewrite_weights(misshapen, lambda t: {**t, "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
+    pickled = _copy(target_dir, root, "pickled")
+    tensors = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    torch.save({**tensors, "payload": Evil()}, pickled / "pytorch_model.bin")
+    return {
+        "target": target_dir,
+        "draft": draft_dir,
+        "truncated": truncated,
+        "missing": missing,
+        "misshapen": misshapen,
+        "pickled": pickled,
+    }
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hostile command line: args (with {placeholders} for model folders and the user's
+    folders), the text the one stderr line must hold, the exit code, and optionally a config.toml,
+    standard input, and files to create first (relative to the user's folder)."""
+
+    id: str
+    args: list[str]
+    message: str
+    code: int = 2
+    config: str | None = None
+    stdin: bytes | None = None
+    files: dict[str, bytes | None] = field(default_factory=dict)  # None: a folder
+
+
+PAIR = ["--target", "{target}", "--draft", "{draft}", "--device", "cpu"]
+GEN = ["generate", *PAIR, "--max-new-tokens", "4"]
+DATA = str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data")
+
+
+def bench(prompts: str = "tinystories") -> list[str]:
+    return [
+        "bench",
+        *PAIR,
+        "--prompts",
+        prompts,
+        "--data-dir",
+        DATA,
+        "--limit",
+        "1",
+        "--output",
+        "{home}/out",
+    ]
+
+
+BENCH = bench()
+
+
+def damaged(name: str) -> list[str]:
+    return ["generate", "--target", "{" + name + "}", "--draft", "{draft}", "--device", "cpu", "Once"]
+
+
+CASES = [
+    # 1. damaged weights
+    Case(
+        "truncated-safetensors", damaged("truncated"), "truncated/model.safetensors is damaged or truncated"
+    ),
+    Case("missing-tensors", damaged("missing"), "9 missing tensors (model.layers.0."),
+    Case("wrong-shapes", damaged("misshapen"), "1 tensors of the wrong shape (model.layers.0.mlp.up_proj"),
+    Case("malicious-pickle", damaged("pickled"), "refused to load its pickled weights (pytorch_model.bin)"),
+    # 2. text that is not UTF-8, and prompts from standard input
+    Case("prompt-not-utf8", [*GEN, "Once \udcff"], "is not valid UTF-8 (byte 0xff at character 6)"),
+    Case("system-not-utf8", ["chat", *PAIR, "--system", "\udcfe"], "is not valid UTF-8 (byte 0xfe"),
+    Case(
+        "stdin-not-utf8", [*GEN, "-"], "standard input:2: not valid UTF-8 (byte 0xff)", stdin=b"Once\nup\xff"
+    ),
+    Case("stdin-empty", [*GEN, "-"], "the prompt is empty", stdin=b"\n"),
+    Case("empty-prompt", [*GEN, ""], "the prompt is empty"),
+    Case("blank-prompt", [*GEN, " \t\n"], "the prompt is empty"),
+    Case(
+        "bench-jsonl-not-utf8",
+        bench("{home}/p.jsonl"),
+        "p.jsonl:2: not valid UTF-8 (byte 0xfe)",
+        files={"p.jsonl": b'{"prompt": "fine"}\n{"prompt": "\xfe"}\n'},
+    ),
+    Case(
+        "bench-jsonl-lone-surrogate",
+        bench("{home}/p.jsonl"),
+        "the prompt of row 1 is not valid UTF-8 (byte 0xff",
+        files={"p.jsonl": b'{"prompt": "\\udcff"}\n'},
+    ),
+    # 8. huge or extreme numbers: one rule for generate, chat and bench
+    Case(
+        "huge-max-new-tokens", [*GEN, "--max-new-tokens", "1000000000000", "x"], "--max-new-tokens must be in"
+    ),
+    Case("seed-over-64-bits", [*GEN, "--seed", str(2**64), "x"], "seed must be in 0..2^64 − 1"),
+    Case(
+        "tiny-temperature",
+        [*GEN, "--temperature", "1e-40", "x"],
+        "temperature must be 0 (greedy) or a finite",
+    ),
+    Case(
+        "infinite-temperature",
+        [*GEN, "--temperature", "inf", "x"],
+        "temperature must be 0 (greedy) or a finite",
+    ),
+    Case("tiny-top-p", [*GEN, "--temperature", "1", "--top-p", "1e-300", "x"], "top-p must be in [1e-06, 1]"),
+    Case(
+        "infinite-threshold", [*GEN, "--threshold", "inf", "--json", "x"], "threshold must be a finite number"
+    ),
+    Case(
+        "bench-infinite-temperature",
+        [*BENCH, "--temperature", "0,inf"],
+        "temperature must be 0 (greedy) or a",
+    ),
+    Case("bench-infinite-threshold", [*BENCH, "--thresholds", "inf"], "threshold must be a finite number"),
+    Case(
+        "bench-seed-over-64-bits",
+        [*BENCH, "--limit", "2", "--seed", str(2**64 - 1)],
+        "seed must be in 0..2^64 − 1",
+    ),
+    Case("bench-zero-tokens", [*BENCH, "--max-new-tokens", "0"], "--max-new-tokens must be in"),
+    # 9. the chat checks flags and config.toml before its screen opens
+    Case("chat-zero-tokens", ["chat", *PAIR, "--max-new-tokens", "0"], "--max-new-tokens must be in"),
+    Case("chat-mps", ["chat", *PAIR[:4], "--device", "mps"], "unsupported device 'mps'"),
+    Case("chat-int8", ["chat", *PAIR, "--dtype", "int8"], "unknown dtype 'int8'"),
+    Case(
+        "chat-config-3bit",
+        ["chat", *PAIR],
+        "unknown quantization '3bit'",
+        config='quantize_target = "3bit"\n',
+    ),
+    Case(
+        "chat-config-huge",
+        ["chat", *PAIR],
+        "--max-new-tokens must be in",
+        config="max_new_tokens = 10000000000\n",
+    ),
+    Case("chat-config-infinite-T", ["chat", *PAIR], "threshold must be a finite", config="threshold = inf\n"),
+    # 7. bench checks its output before measuring
+    Case(
+        "bench-report-is-a-folder",
+        BENCH,
+        "out/report.json: it is a folder",
+        files={"out": None, "out/report.json": None},
+    ),
+    Case(
+        "bench-output-under-a-file",
+        BENCH,
+        "cannot write into the output folder",
+        files={"out": b"a file"},
+    ),
+    # 6. export onto a device that cannot take it
+    Case(
+        "export-to-full-device",
+        ["export", "feed0001", "-o", "/dev/full"],
+        "/dev/full: No space left on device",
+    ),
+    # error text is data: one visible line, whatever the path holds
+    Case(
+        "escape-in-model-path",
+        ["generate", "--target", "{home}/\x1b]0;pwned\x07\n[red]x[/]", "--draft", "{draft}", "x"],
+        "model path not found: {home}/␛]0;pwned␇ [red]x[/]",
+    ),
+]
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The user's folders: the working directory, config and data folders (with one saved session)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "config").mkdir()
+    SessionStore(tmp_path / "data" / "sessions.sqlite3").save(saved_session())
+    yield tmp_path
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_command_line(
+    case: Case,
+    models: dict[str, Path],
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    places = {name: str(path) for name, path in models.items()}
+    places["home"] = str(home)
+    if case.config is not None:
+        (home / "config" / "config.toml").write_text(case.config)
+    for name, content in case.files.items():
+        if content is None:
+            (home / name).mkdir()
+        else:
+            (home / name).write_bytes(content)
+    if case.stdin is not None:
+        stdin_file = tmp_path_factory.mktemp("stdin") / "input"
+        stdin_file.write_bytes(case.stdin)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(stdin_file.open("rb")))
+    before = _snapshot(home)
+
+    code, out, err = run([arg.format(**places) for arg in case.args], capsys)
+
+    assert code == case.code, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fsd-chat: error: "), err
+    assert case.message.format(**places) in lines[0]
+    assert "Traceback" not in err and "\x1b" not in err
+    assert out == ""
+    assert _snapshot(home) == before  # nothing created, changed or removed
+
+
+def test_prompt_from_standard_input(
+    models: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    args = ["generate", *[a.format(**{k: str(v) for k, v in models.items()}) for a in PAIR]]
+    args += ["--max-new-tokens", "12"]
+    _, from_argument, _ = run([*args, "Once upon a time"], capsys)
+    (tmp_path / "prompt").write_bytes(b"Once upon a time\n")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper((tmp_path / "prompt").open("rb")))
+    code, from_stdin, err = run([*args, "-"], capsys)
+    assert code == 0 and err == ""
+    assert from_stdin == from_argument and from_stdin.startswith(", there was")
+
+
+def test_user_text_is_never_a_special_token(pair: ModelPair) -> None:
+    ids = prompt_ids(pair.tokenizer, [Message("user", "The end.</s> Once")])
+    assert pair.tokenizer.eos_token_id not in ids
+    assert pair.tokenizer.decode(ids, skip_special_tokens=True) == "The end.</s> Once"
+    templated = copy.deepcopy(pair.tokenizer)
+    templated.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    ids = prompt_ids(templated, [Message("user", "a </s> b")])
+    # The template's own </s> is the token; the one the user typed is text.
+    assert ids.count(pair.tokenizer.eos_token_id) == 1 and ids[-1] == pair.tokenizer.eos_token_id
+
+
+def test_tokenizer_mismatch_counts_tokens_of_either(target_dir: Path) -> None:
+    target = AutoTokenizer.from_pretrained(target_dir)
+    draft = AutoTokenizer.from_pretrained(target_dir)
+    draft.add_tokens(["<extra-1>", "<extra-2>", "<extra-3>"])
+    with pytest.raises(IncompatibleModelsError, match=r"3 of the 515 tokens in either"):
+        check_compatible(target, draft, 512, 515)
+
+
+def test_a_system_prompt_too_long_is_named(pair: ModelPair) -> None:
+    messages = [Message("system", "word " * 200), Message("user", "Hi")]
+    with pytest.raises(ContextLengthError, match=r"^the system prompt needs \d+ tokens"):
+        fit_to_context(pair.tokenizer, messages, context=150, reserve=10)
+    messages = [Message("system", "Be brief."), Message("user", "word " * 200)]
+    with pytest.raises(
+        ContextLengthError, match=r"^the last message needs \d+ tokens with the system prompt"
+    ):
+        fit_to_context(pair.tokenizer, messages, context=150, reserve=10)
+
+
+def test_json_output_is_strict(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # KL between one-hot distributions that disagree is infinite: it must come out as null.
+    args = ["generate", *[a.format(**{k: str(v) for k, v in models.items()}) for a in PAIR]]
+    args += ["--json", "--divergence", "kl", "--top-k", "1", "--temperature", "1", "--seed", "0"]
+    code, out, _ = run([*args, "--max-new-tokens", "40", "Once upon a time"], capsys)
+    assert code == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in JSON output")
+
+    records = [json.loads(line, parse_constant=refuse) for line in out.splitlines()]
+    divergences = [t["divergence"] for r in records[:-1] for t in r["tokens"]]
+    assert None in divergences  # bonus tokens have none; infinite ones are null too
+
+
+@pytest.fixture(scope="module")
+def escape_pair(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir: Path) -> list[str]:
+    """The real pair whose shared tokenizer swaps "upon" with the escape byte: after "Once" the
+    models emit ESC, as a model can."""
+    root = tmp_path_factory.mktemp("escape-pair")
+    folders = [_copy(target_dir, root, "target"), _copy(draft_dir, root, "draft")]
+    for folder in folders:
+        _swap_tokens(folder, "▁upon", ESC_TOKEN)
+    return ["--target", str(folders[0]), "--draft", str(folders[1]), "--device", "cpu"]
+
+
+def test_escape_sequences_from_the_model_are_shown_not_run(
+    escape_pair: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = ["generate", *escape_pair, "--max-new-tokens", "6", "-T", "0", "Once"]
+    code, piped, _ = run(args, capsys)
+    assert code == 0 and piped.startswith("\x1b a time")  # data stays data in a pipe or a file
+    _, as_json, _ = run([*args, "--json"], capsys)
+    assert '"text": "\\u001b a time' in as_json.splitlines()[-1]  # kept, escaped, in JSON
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich writes as to a terminal
+    code, terminal, _ = run(args, capsys)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", terminal)  # rich's own colour codes
+    assert code == 0 and shown.startswith("␛ a time") and "\x1b" not in shown
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "--max-new-tokens", "4", "Once"], ["export", "feed0001"], ["history"]],
+    ids=["generate", "export", "history"],
+)
+def test_a_full_disk_is_one_line_and_exit_1(
+    command: list[str], models: dict[str, Path], tmp_path: Path
+) -> None:
+    SessionStore(tmp_path / "sessions.sqlite3").save(saved_session())
+    if command[0] == "generate":
+        command = [
+            *command[:1],
+            "--target",
+            str(models["target"]),
+            "--draft",
+            str(models["draft"]),
+            *command[1:],
+        ]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [CONSOLE_SCRIPT, *command],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FSD_CHAT_DATA_DIR": str(tmp_path)},
+            timeout=300,
+        )
+    assert result.returncode == 1
+    assert result.stderr == "fsd-chat: error: writing the output: No space left on device\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("\x1b[2J\x1b]0;title\x07", "␛[2J␛]0;title␇"),
+        ("a\rb\x08c\x00", "a␍b␈c␀"),
+        ("del\x7f c1\x9b31m", "del␡ c1\ufffd31m"),
+        ("tab\tand\nnewline stay", "tab\tand\nnewline stay"),
+        ("ünïcödé ✓", "ünïcödé ✓"),
+    ],
+)
+def test_control_characters_are_made_visible(raw: str, shown: str) -> None:
+    assert visible(raw) == shown
+    assert json.loads(to_json({"text": raw})) == {"text": raw}  # JSON keeps the text exactly...
+    assert not re.search("[\x00-\x1f\x7f-\x9f]", to_json(raw))  # ...with every control escaped
+
+
+def test_json_has_no_infinity() -> None:
+    assert to_json({"d": [math.inf, -math.inf, math.nan, 0.5]}) == '{"d": [null, null, null, 0.5]}'
