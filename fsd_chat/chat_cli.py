@@ -6,6 +6,7 @@ Settings come from the command line, else config.toml, else the built-in default
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,7 @@ from fsd_chat import cli_options as o
 from fsd_chat.config import ConfigError, check_chat_options, load_config, sessions_path, user_themes_dir
 from fsd_chat.errors import ModelLoadError
 from fsd_chat.store import SessionStore
+from fsd_chat.text import one_line
 from fsd_chat.transcript import export_transcript, render_markdown
 
 CHAT = "Chat"
@@ -43,6 +45,15 @@ RawOpt = Annotated[
 ]
 AutoregressiveOpt = Annotated[
     bool, typer.Option("--autoregressive", help="Target-only decoding (no draft).", rich_help_panel=CHAT)
+]
+DebugOpt = Annotated[
+    bool,
+    typer.Option(
+        "--debug",
+        help="After the chat ends, print the tracebacks of unexpected errors (always logged to "
+        "fsd-chat.log in the data folder).",
+        rich_help_panel=CHAT,
+    ),
 ]
 OptionalTargetOpt = Annotated[
     str | None,
@@ -85,6 +96,7 @@ def chat(
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
     adaptive_k: o.AdaptiveOpt = False,
+    compile_draft: o.CompileOpt = False,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
     top_k: o.TopKOpt = 0,
@@ -95,12 +107,14 @@ def chat(
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     trust_remote_code: o.TrustRemoteCodeOpt = False,
+    threads: o.ThreadsOpt = None,
     raw: RawOpt = False,
     autoregressive: AutoregressiveOpt = False,
     system: SystemOpt = None,
     theme: ThemeOpt = None,
     transcripts_dir: TranscriptsDirOpt = None,
     resume: ResumeOpt = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
     config = load_config()
@@ -153,8 +167,16 @@ def chat(
         resume=session,
         keymap=config.keymap,
         user_themes_dir=user_themes_dir(),
+        threads=v["threads"],
+        compile_draft=v["compile_draft"],
     )
-    FsdChatApp(options).run()
+    app = FsdChatApp(options)
+    app.run()
+    if debug:
+        for text in app.tracebacks:
+            sys.stderr.write(text)
+    if app.return_code:  # a crash (1) or an ending signal (128 + its number)
+        raise SystemExit(app.return_code)
 
 
 def history() -> None:
@@ -165,7 +187,10 @@ def history() -> None:
         return
     for s in summaries:
         models = f"{Path(s.target).name} + {Path(s.draft).name}"
-        print(f"{s.id}  {s.updated[:16].replace('T', ' ')}  {s.turns:3d} turns  {models}  {s.title}")
+        # Titles are the user's text and paths are the user's: shown, never obeyed, by the terminal.
+        print(
+            one_line(f"{s.id}  {s.updated[:16].replace('T', ' ')}  {s.turns:3d} turns  {models}  {s.title}")
+        )
 
 
 def export(

@@ -61,6 +61,7 @@ def generate(
     rule: o.RuleOpt = o.DEFAULT_RULE,
     draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
     adaptive_k: o.AdaptiveOpt = False,
+    compile_draft: o.CompileOpt = False,
     temperature: o.TemperatureOpt = 0.0,
     top_p: o.TopPOpt = 1.0,
     top_k: o.TopKOpt = 0,
@@ -71,6 +72,7 @@ def generate(
     device: o.DeviceOpt = "auto",
     dtype: o.DtypeOpt = "auto",
     trust_remote_code: o.TrustRemoteCodeOpt = False,
+    threads: o.ThreadsOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Plain text prompt, no chat template.")] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="JSON Lines: one object per step, then a summary.")
@@ -97,6 +99,8 @@ def generate(
         raw=raw,
         as_json=as_json,
         autoregressive=autoregressive,
+        threads=threads,
+        compile_draft=compile_draft,
     )
 
 

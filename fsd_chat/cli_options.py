@@ -57,6 +57,14 @@ DtypeOpt = Annotated[
         rich_help_panel=MODELS,
     ),
 ]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="torch CPU threads (default: the cores idle at the start, one fewer in the chat).",
+        rich_help_panel=MODELS,
+    ),
+]
 TrustRemoteCodeOpt = Annotated[
     bool,
     typer.Option(
@@ -88,6 +96,15 @@ RuleOpt = Annotated[
 DraftTokensOpt = Annotated[
     int,
     typer.Option("--draft-tokens", "-k", help="Draft length k.", rich_help_panel=DECODING),
+]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Compile the draft's one-token forward passes (torch.compile; CUDA graphs on a GPU) over a "
+        "static KV cache: the first reply waits for compilation, later draft steps run faster.",
+        rich_help_panel=DECODING,
+    ),
 ]
 AdaptiveOpt = Annotated[
     bool,

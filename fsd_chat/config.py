@@ -43,6 +43,7 @@ OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "rule": str,
     "draft_tokens": int,
     "adaptive_k": bool,
+    "compile_draft": bool,
     "temperature": (int, float),
     "top_p": (int, float),
     "top_k": int,
@@ -53,6 +54,7 @@ OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "system": str,
     "theme": str,
     "transcripts_dir": str,
+    "threads": int,
 }
 """Settings `config.toml` may hold, with their TOML types (the chat command's option names)."""
 

@@ -15,6 +15,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Sampl
 from fsd_chat.models import LoadOptions, ModelSpec, load_pair
 from fsd_chat.text import TextError, decode_utf8, require_utf8, to_json, visible
 from fsd_chat.themes import default_origin_styles
+from fsd_chat.threads import apply_threads
 
 STDIN = "-"
 
@@ -28,7 +29,7 @@ def step_record(step: Step) -> dict[str, object]:
         ],
         "stats": asdict(step.stats),
         "stop_reason": None if step.stop_reason is None else str(step.stop_reason),
-        "trailing_text": step.trailing_text,
+        "flushed": step.flushed,
     }
 
 
@@ -66,6 +67,8 @@ def run_generate(
     raw: bool,
     as_json: bool,
     autoregressive: bool,
+    threads: int | None = None,
+    compile_draft: bool = False,
 ) -> GenerationStats:
     """Load the pair, decode one reply to `prompt` and write it out; returns the totals.
 
@@ -76,8 +79,14 @@ def run_generate(
         OSError: standard output cannot be written (a full disk).
     """
     pair = load_pair(target, draft, options)
+    if pair.device.type == "cpu":
+        apply_threads(threads)
     controls = Controls(settings)
-    decoder = pair.autoregressive(controls) if autoregressive else pair.speculative(controls)
+    decoder = (
+        pair.autoregressive(controls)
+        if autoregressive
+        else pair.speculative(controls, compile_draft=compile_draft)
+    )
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()
@@ -96,7 +105,7 @@ def run_generate(
         elif colour:
             # Model text is data: an ESC token must not reach the terminal as an escape sequence.
             spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
-            console.print(Text.assemble(*spans, visible(step.trailing_text)), end="")
+            console.print(Text.assemble(visible(step.flushed), *spans), end="")
         else:
             sys.stdout.write(step.text)
             sys.stdout.flush()
@@ -121,4 +130,9 @@ def run_generate(
                 f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token[/dim]",
                 highlight=False,
             )
+    compile_error = getattr(decoder, "compile_error", None)
+    if compile_error:
+        sys.stderr.write(
+            f"fsd-chat: --compile fell back to eager draft forward passes: {visible(compile_error)}\n"
+        )
     return totals

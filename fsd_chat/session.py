@@ -12,6 +12,11 @@ from typing import Any
 
 from fsd_chat.chat import Message, Role
 from fsd_chat.decoding.events import GenerationStats, Origin, Step
+from fsd_chat.errors import FsdChatError
+
+STREAMING = "streaming"
+"""Stored stop reason of a reply written while it streams; read back as `stopped` (its process died)."""
+STOPPED = "stopped"
 
 
 def now() -> str:
@@ -59,6 +64,11 @@ class ReplyRecord:
         """The reply's text."""
         return "".join(run.text for run in self.runs)
 
+    def snapshot(self) -> ReplyRecord:
+        """A copy another thread may serialise while this one keeps growing; a reply still
+        streaming is marked `STREAMING`."""
+        return ReplyRecord(list(self.runs), dict(self.stats), self.stop_reason or STREAMING)
+
 
 class ReplyBuilder:
     """Folds a decoder's `Step`s into a `ReplyRecord` and running `GenerationStats`."""
@@ -66,32 +76,33 @@ class ReplyBuilder:
     def __init__(self) -> None:
         self.record = ReplyRecord()
         self.totals = GenerationStats()
+        self._last_origin = Origin.TARGET
+        self._last_setting: tuple[str, str, float] = ("", "", 0.0)
 
     def add(self, step: Step) -> None:
         """Append one step's tokens (merged into runs) and fold in its statistics."""
         s = step.stats
-        runs = self.record.runs
+        setting = (s.rule, s.divergence, s.threshold)
+        if step.flushed:
+            # Held-back text of the previous step's last token, in that token's run.
+            self._append(step.flushed, self._last_origin, self._last_setting)
         for token in step.tokens:
-            if not token.text:
-                continue
-            last = runs[-1] if runs else None
-            if (
-                last is not None
-                and last.origin == token.origin
-                and last.setting
-                == (
-                    s.rule,
-                    s.divergence,
-                    s.threshold,
-                )
-            ):
-                runs[-1] = Run(last.text + token.text, last.origin, s.threshold, s.divergence, s.rule)
-            else:
-                runs.append(Run(token.text, token.origin, s.threshold, s.divergence, s.rule))
+            self._last_origin, self._last_setting = token.origin, setting
+            self._append(token.text, token.origin, setting)
         self.totals.add(step)
         self.record.stats = self.totals.to_dict()
         if step.stop_reason is not None:
             self.record.stop_reason = str(step.stop_reason)
+
+    def _append(self, text: str, origin: Origin, setting: tuple[str, str, float]) -> None:
+        if not text:
+            return
+        runs = self.record.runs
+        rule, divergence, threshold = setting
+        if runs and runs[-1].origin == origin and runs[-1].setting == setting:
+            runs[-1] = Run(runs[-1].text + text, origin, threshold, divergence, rule)
+        else:
+            runs.append(Run(text, origin, threshold, divergence, rule))
 
 
 @dataclass(slots=True)
@@ -138,6 +149,58 @@ class Session:
         """The conversation as `Message`s for the prompt: the system prompt, then every turn."""
         head = [Message("system", self.system)] if self.system else []
         return head + [Message(t.role, t.content) for t in self.turns]
+
+
+class MalformedSessionError(FsdChatError):
+    """A stored session cannot be repaired into a valid conversation."""
+
+
+def repair_turns(turns: list[Turn]) -> tuple[list[Turn], list[str]]:
+    """Make stored turns a valid conversation: user and assistant turns alternating, every
+    assistant turn with a finished reply.
+
+    A reply left `streaming` (its process died) becomes `stopped`; a user turn not followed by a
+    reply gets an empty stopped one (what a crash mid-reply left in older versions); consecutive
+    assistant turns are joined into one reply. Nothing stored is dropped.
+
+    Returns:
+        The repaired turns and one line per kind of repair made (empty when none was needed).
+
+    Raises:
+        MalformedSessionError: a turn with an unknown role, or an assistant turn without its reply.
+    """
+    repaired: list[Turn] = []
+    repairs: set[str] = set()
+    for turn in turns:
+        if turn.role not in ("user", "assistant"):
+            raise MalformedSessionError(
+                f"a turn has the role {turn.role!r} (only user and assistant are stored)"
+            )
+        if turn.role == "assistant":
+            if turn.reply is None:
+                raise MalformedSessionError("an assistant turn has no reply record")
+            if turn.reply.stop_reason in (None, STREAMING):
+                turn.reply.stop_reason = STOPPED
+                repairs.add("a reply interrupted while streaming is marked stopped")
+            previous = repaired[-1] if repaired else None
+            if previous is not None and previous.role == "assistant" and previous.reply is not None:
+                previous.reply.runs += turn.reply.runs
+                previous.reply.stop_reason = turn.reply.stop_reason
+                previous.content += turn.content
+                repairs.add("consecutive replies are joined")
+                continue
+        elif repaired and repaired[-1].role == "user":
+            repaired.append(_empty_reply(repaired[-1].created))
+            repairs.add("a message without a reply gets an empty stopped one")
+        repaired.append(turn)
+    if repaired and repaired[-1].role == "user":
+        repaired.append(_empty_reply(repaired[-1].created))
+        repairs.add("a message without a reply gets an empty stopped one")
+    return repaired, sorted(repairs)
+
+
+def _empty_reply(created: str) -> Turn:
+    return Turn("assistant", "", created, ReplyRecord(stop_reason=STOPPED))
 
 
 def reply_from_dict(data: dict[str, Any]) -> ReplyRecord:

@@ -22,7 +22,7 @@ class Run:
 
     @property
     def text(self) -> str:
-        return "".join(t.text for s in self.steps for t in s.tokens)
+        return "".join(s.text for s in self.steps)
 
     @property
     def origins(self) -> list[str]:

@@ -88,6 +88,7 @@ def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path,
         (["--top-p", "1.5"], "top-p"),
         (["--device", "cuda"], "no CUDA GPU"),
         (["--quantize-target", "4bit"], "4bit quantization"),
+        (["--threads", "0"], "--threads must be ≥ 1, got 0"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(

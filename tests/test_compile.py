@@ -14,6 +14,7 @@ import torch._inductor.config
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
 from fsd_chat.models import ModelPair
 from tests.decoding_helpers import collect
+from tests.test_cli_generate import pair_args, run_cli
 from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
@@ -65,3 +66,16 @@ def test_falls_back_to_eager_when_compilation_fails(pair: ModelPair, monkeypatch
     assert got == want
     assert decoder.compile_error is not None and "C++ compiler" in decoder.compile_error
     torch._dynamo.reset()
+
+
+def test_generate_says_when_compile_falls_back(
+    target_dir, draft_dir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    args = ["generate", *pair_args(target_dir, draft_dir), "--compile", "-T", "0", "--max-new-tokens", "30"]
+    code, out, err = run_cli([*args, PROMPTS[0]], capsys)
+    torch._dynamo.reset()
+    assert code == 0 and out.strip()
+    assert err.count("\n") == 1 and "--compile fell back to eager draft forward passes" in err

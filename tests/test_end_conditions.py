@@ -6,11 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
 from fsd_chat.decoding import Controls, DecodingSettings, StopReason
+from fsd_chat.decoding.events import Origin, StepStats
+from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.errors import UnsupportedCacheError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.session import ReplyBuilder
 from tests.decoding_helpers import collect
 
 PROMPT = "Once upon a time"
@@ -39,6 +44,37 @@ def test_stop_string_ends_the_reply_after_the_token_that_completes_it(pair: Mode
     )
     assert run.text == full[: full.index(" park") + len(" park")]
     assert run.steps[-1].stop_reason == StopReason.STOP_STRING
+
+
+def test_text_held_back_is_flushed_when_a_step_starts_with_eos(pair: ModelPair) -> None:
+    tokenizer = pair.tokenizer
+    partial = tokenizer.convert_tokens_to_ids("<0xE2>")  # the first byte of a 3-byte character
+    eos = tokenizer.eos_token_id
+    controls = Controls()
+    reply = Reply(
+        tokenizer(PROMPT).input_ids,
+        tokenizer=tokenizer,
+        device=torch.device("cpu"),
+        max_new_tokens=10,
+        context=None,
+        headroom=0,
+        eos_token_ids=frozenset({eos}),
+        stop_strings=(),
+        controls=controls,
+    )
+    stats = StepStats(1, 0, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, "js", "fuzzy", 1)
+    clock = PhaseClock(torch.device("cpu"))
+    steps = []
+    for token in (partial, eos):
+        reply.seq[0, reply.length] = token
+        steps.append(reply.commit(1, [Origin.TARGET], [None], stats, clock))
+    assert steps[0].text == ""  # held back: an incomplete character
+    assert steps[1].tokens == () and steps[1].stop_reason == StopReason.EOS
+    assert steps[1].flushed == tokenizer.decode([partial]) != ""  # not lost
+    builder = ReplyBuilder()
+    for step in steps:
+        builder.add(step)
+    assert builder.record.text == tokenizer.decode([partial])
 
 
 def test_model_with_recurrent_state_is_refused(tmp_path: Path, target_dir: Path) -> None:

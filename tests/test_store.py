@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import sqlite3
+import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from fsd_chat.decoding.events import GenerationStats, Origin
 from fsd_chat.session import ReplyRecord, Run, Session, Turn
-from fsd_chat.store import SessionStore, SessionStoreError
+from fsd_chat.session_writer import SessionWriter
+from fsd_chat.store import SCHEMA, SessionStore, SessionStoreError
 
 
 def make_session(session_id: str = "abcd1234") -> Session:
@@ -39,29 +43,38 @@ def make_session(session_id: str = "abcd1234") -> Session:
     )
 
 
-def test_save_and_load_round_trip(tmp_path: Path) -> None:
+def saved(store: SessionStore, session: Session) -> None:
+    store.append_turns(session, session.turns)
+
+
+def test_save_and_load_round_trip_with_a_private_file(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "deep" / "sessions.sqlite3")  # the folder is created
     session = make_session()
-    store.save(session)
-    loaded = store.load("abcd1234")
-    assert loaded == session
+    saved(store, session)
+    assert store.load("abcd1234") == session
+    assert stat.S_IMODE((tmp_path / "deep").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "deep" / "sessions.sqlite3").stat().st_mode) == 0o600
 
 
-def test_saving_again_replaces_the_turns(tmp_path: Path) -> None:
+def test_writes_append_and_update_one_row(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "s.sqlite3")
     session = make_session()
-    store.save(session)
-    session.turns.append(Turn("user", "More"))
-    store.save(session)
-    assert [t.content for t in store.load(session.id).turns] == ["Hello", "Once there", "More"]
-    rows = sqlite3.connect(tmp_path / "s.sqlite3").execute("SELECT COUNT(*) FROM turns").fetchone()
-    assert rows == (3,)
+    saved(store, session)
+    question, answer = Turn("user", "More"), Turn("assistant", "", reply=ReplyRecord(stop_reason="streaming"))
+    assert store.append_turns(session, [question, answer]) == [2, 3]
+    conn = sqlite3.connect(tmp_path / "s.sqlite3")
+    rowids = conn.execute("SELECT rowid FROM turns ORDER BY position").fetchall()
+    answer.reply = ReplyRecord([Run("Yes", Origin.TARGET_BONUS, 0.1, "js", "fuzzy")], {}, "eos")
+    store.update_turn(session.id, 3, Turn("assistant", "Yes", answer.created, answer.reply))
+    # The earlier rows were not deleted and rewritten: same rows, same ids.
+    assert conn.execute("SELECT rowid FROM turns ORDER BY position").fetchall() == rowids
+    assert [t.content for t in store.load(session.id).turns] == ["Hello", "Once there", "More", "Yes"]
 
 
 def test_prefixes_and_unknown_ids(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "s.sqlite3")
-    store.save(make_session("abcd1234"))
-    store.save(make_session("abff0000"))
+    saved(store, make_session("abcd1234"))
+    saved(store, make_session("abff0000"))
     assert store.load("abc").id == "abcd1234"
     with pytest.raises(SessionStoreError, match="ambiguous"):
         store.load("ab")
@@ -73,10 +86,10 @@ def test_prefixes_and_unknown_ids(tmp_path: Path) -> None:
 
 def test_summaries_most_recent_first(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "s.sqlite3")
-    store.save(make_session("first000"))
+    saved(store, make_session("first000"))
     second = make_session("second00")
     second.turns[0] = Turn("user", "A much later question")
-    store.save(second)
+    saved(store, second)
     summaries = store.summaries()
     assert summaries[0].id == "second00" and summaries[0].title == "A much later question"
     assert summaries[0].turns == 2 and summaries[0].target == "/m/t"
@@ -84,5 +97,97 @@ def test_summaries_most_recent_first(tmp_path: Path) -> None:
 
 def test_an_unopenable_store_gives_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a folder")
+    session = make_session()
     with pytest.raises(SessionStoreError, match="cannot open the session store"):
-        SessionStore(tmp_path / "file" / "s.sqlite3").save(make_session())
+        saved(SessionStore(tmp_path / "file" / "s.sqlite3"), session)
+
+
+def write_v0_file(path: Path, roles_and_replies: list[tuple[str, str | None]]) -> None:
+    """A session file as fsd-chat wrote it before schema versions (user_version 0)."""
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA)
+    conn.execute(
+        "INSERT INTO sessions VALUES ('old00000', '2025-01-01', '2025-01-01', 'Hi', '{}', '{}', NULL)"
+    )
+    conn.executemany(
+        "INSERT INTO turns VALUES ('old00000', ?, ?, ?, '2025-01-01', ?)",
+        [(i, role, f"text {i}", reply) for i, (role, reply) in enumerate(roles_and_replies)],
+    )
+    conn.commit()
+    conn.close()
+
+
+REPLY = '{"runs": [{"text": "text", "origin": "target", "threshold": 0.1, "divergence": "js", "rule": "fuzzy"}], "stats": {}, "stop_reason": "eos"}'
+
+
+def test_old_files_are_migrated_and_malformed_sessions_repaired(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    # Killed mid-reply twice in an older version: two user turns in a row, and one at the end.
+    write_v0_file(path, [("user", None), ("user", None), ("assistant", REPLY), ("user", None)])
+    store = SessionStore(path)
+    session = store.load("old")
+    assert [t.role for t in session.turns] == ["user", "assistant"] * 3
+    assert [t.content for t in session.turns] == ["text 0", "", "text 1", "text 2", "text 3", ""]
+    assert session.turns[1].reply is not None and session.turns[1].reply.stop_reason == "stopped"
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (1,)
+    # The repair is stored: the raw rows alternate now.
+    rows = sqlite3.connect(path).execute("SELECT role FROM turns ORDER BY position").fetchall()
+    assert [r for (r,) in rows] == ["user", "assistant"] * 3
+
+
+def test_streaming_replies_load_as_stopped_and_consecutive_replies_join(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    streaming = REPLY.replace('"eos"', '"streaming"')
+    write_v0_file(path, [("user", None), ("assistant", REPLY), ("assistant", streaming)])
+    session = SessionStore(path).load("old00000")
+    assert [t.role for t in session.turns] == ["user", "assistant"]
+    reply = session.turns[1].reply
+    assert reply is not None and reply.text == "texttext" and reply.stop_reason == "stopped"
+    assert session.turns[1].content == "text 1text 2"
+
+
+def test_unrepairable_sessions_and_newer_files_are_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    write_v0_file(path, [("user", None), ("robot", None)])
+    with pytest.raises(
+        SessionStoreError, match=r"^session old00000 cannot be read: a turn has the role 'robot'"
+    ):
+        SessionStore(path).load("old00000")
+    sqlite3.connect(path).execute("PRAGMA user_version = 7").connection.commit()
+    with pytest.raises(SessionStoreError, match="written by a newer fsd-chat"):
+        SessionStore(path).summaries()
+
+
+def test_writer_waits_for_a_lock_and_retries_a_failed_save(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    store = SessionStore(path, busy_timeout=0.3)
+    session = make_session()
+    saved(store, session)
+    errors: list[str] = []
+    recovered = threading.Event()
+    writer = SessionWriter(store, on_error=errors.append, on_recovered=recovered.set)
+    locker = sqlite3.connect(path, isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    first = [Turn("user", "One"), Turn("assistant", "", reply=ReplyRecord())]
+    session.turns += first
+    writer.append(session, first)
+    time.sleep(0.5)  # past the busy timeout: the save fails and is reported once
+    second = [Turn("user", "Two"), Turn("assistant", "", reply=ReplyRecord())]
+    session.turns += second
+    writer.append(session, second)  # retried, fails again: not reported again
+    time.sleep(0.5)
+    assert len(errors) == 1 and "database is locked" in errors[0]
+    assert writer.pending() == 2
+    locker.execute("ROLLBACK")
+    second[1].reply = ReplyRecord([Run("Done", Origin.TARGET, 0.1, "js", "fuzzy")], {}, "eos")
+    writer.update_reply(session.id, second[1])  # the next save writes everything, in order
+    assert recovered.wait(5)
+    assert writer.close(5)
+    assert [t.content for t in store.load(session.id).turns] == [
+        "Hello",
+        "Once there",
+        "One",
+        "",
+        "Two",
+        "Done",
+    ]

@@ -20,7 +20,7 @@ SWEEP = "Sweep"
 
 @dataclass(frozen=True, slots=True)
 class Preset:
-    """Defaults of the sweep options (threads None: torch's choice)."""
+    """Defaults of the sweep options (threads None: the thread policy's choice, `fsd_chat.threads`)."""
 
     limit: int
     max_new_tokens: int
@@ -127,10 +127,7 @@ def bench(
     dtype: Annotated[
         str, _opt("--dtype", "Dtypes: auto, float32, bfloat16, float16 (comma-separated).", o.MODELS)
     ] = "auto",
-    threads: Annotated[
-        int | None,
-        _opt("--threads", "torch CPU threads (default: torch's choice; 1 with --quick).", o.MODELS),
-    ] = None,
+    threads: o.ThreadsOpt = None,
     trust_remote_code: o.TrustRemoteCodeOpt = False,
 ) -> None:
     """Measure FSD's speed/quality trade-off against autoregressive decoding, exact speculative

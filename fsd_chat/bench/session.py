@@ -7,7 +7,6 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -30,6 +29,7 @@ from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
 from fsd_chat.text import visible
+from fsd_chat.threads import apply_threads
 
 EXIT_INTERRUPTED = 130
 
@@ -78,10 +78,8 @@ def run_bench(
     # Prompt i runs with seed + i: the last one must still be a valid seed.
     for prompt_seed in (seed, seed + len(prompt_set.items) - 1):
         SamplingConfig(seed=prompt_seed)
-    if threads is not None:
-        if threads < 1:
-            raise FsdChatError(f"--threads must be ≥ 1, got {threads}")
-        torch.set_num_threads(threads)
+    if resolve_device(device).type == "cpu":
+        apply_threads(threads)
     check_writable(output)
     console = Console(stderr=True)
     pairs: dict[str, ModelPair] = {}

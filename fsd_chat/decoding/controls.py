@@ -40,7 +40,7 @@ class Controls:
         self._stop.set()
 
     def clear_stop(self) -> None:
-        """Forget a stop request (called when a new generation starts)."""
+        """Forget a stop request: the reply it ended consumed it, or a UI starts a new reply."""
         self._stop.clear()
 
     @property

@@ -60,20 +60,3 @@ def divergence(name: DivergenceName, p: torch.Tensor, q: torch.Tensor) -> torch.
         KeyError: unknown divergence name.
     """
     return DIVERGENCES[name](p.float(), q.float())
-
-
-DIAL_RANGE: dict[DivergenceName, float] = {
-    "kl": 2.0,
-    "reverse-kl": 2.0,
-    "js": math.log(2.0),
-    "tv": 1.0,
-}
-"""Top of a threshold dial for each divergence: beyond it nearly every draft token is accepted."""
-
-THRESHOLD_STEP: dict[DivergenceName, float] = {
-    "kl": 0.05,
-    "reverse-kl": 0.05,
-    "js": 0.02,
-    "tv": 0.05,
-}
-"""One nudge of the threshold, sized to the divergence's typical spread between a draft and a target."""

@@ -116,20 +116,20 @@ class StepStats:
 class Step:
     """One decoding step: the tokens it emitted and its statistics.
 
-    `stop_reason` is set on the final step of a generation only. `trailing_text` is text the
-    detokeniser still held (an incomplete character) when the reply ended in a step that emitted no
-    token to carry it; it follows the previous tokens' text.
+    `stop_reason` is set on the final step of a generation only. `flushed` is text of earlier
+    tokens that the detokeniser held back (an incomplete character, a lone space) and released
+    because the reply ended on this step's first token; it follows the previous step's text.
     """
 
     tokens: tuple[Token, ...]
     stats: StepStats
     stop_reason: StopReason | None = None
-    trailing_text: str = ""
+    flushed: str = ""
 
     @property
     def text(self) -> str:
         """The text this step adds to the reply."""
-        return "".join(t.text for t in self.tokens) + self.trailing_text
+        return self.flushed + "".join(t.text for t in self.tokens)
 
 
 @dataclass(slots=True)

@@ -102,8 +102,10 @@ class Reply:
         """Emit the tokens `ids`, already written at seq[length:length + len(ids)], as one `Step`.
 
         Tokens after an EOS are dropped (the EOS too, though its cost counts); the reply ends at the
-        first end condition. `stats.emitted` and `stats.cost` become those of the tokens actually
-        decided, and the time spent here (detokenisation) is added to `stats.other_seconds`.
+        first end condition. Text the detokeniser still holds back when the reply ends goes to the
+        last emitted token, or to `Step.flushed` when the step emits none (its first token was EOS).
+        `stats.emitted` and `stats.cost` become those of the tokens actually decided, and the time
+        spent here (detokenisation) is added to `stats.other_seconds`.
         """
         reason: StopReason | None = None
         tokens: list[Token] = []
@@ -119,6 +121,7 @@ class Reply:
                 reason = StopReason.STOP_STRING
                 break
         self.length += len(tokens)
+        tail = ""
         if reason is None:
             if self.produced >= self.max_new_tokens:
                 reason = StopReason.MAX_NEW_TOKENS
@@ -126,17 +129,19 @@ class Reply:
                 reason = StopReason.CONTEXT
             elif self._controls.stop_requested:
                 reason = StopReason.STOPPED
-        trailing = ""
+        tail = ""
         if reason is not None:
+            # A stop request is consumed by the reply it ends (one that arrives before the reply's
+            # first step still ends it: `begin` does not clear it).
+            self._controls.clear_stop()
             tail = self._detok.flush()
             if tail and tokens:
                 tokens[-1] = replace(tokens[-1], text=tokens[-1].text + tail)
-            else:
-                trailing = tail
+                tail = ""
         stats = replace(
             stats, emitted=len(tokens), cost=cost, other_seconds=stats.other_seconds + clock.lap()
         )
-        return Step(tuple(tokens), stats, reason, trailing)
+        return Step(tuple(tokens), stats, reason, flushed=tail)
 
     def _completes_stop_string(self, delta: str) -> bool:
         if not self._stop_strings:
@@ -175,14 +180,13 @@ def begin(
     stop_strings: tuple[str, ...],
     time_phases: bool,
 ) -> Start:
-    """Start a reply: clear any stop request, reset the models' caches and prefill them with all
-    prompt tokens but the last (each step feeds the last token itself). `time_phases`: synchronise
-    the device at each phase so that draft, target and other seconds are exact (see `PhaseClock`).
+    """Start a reply: reset the models' caches and prefill them with all prompt tokens but the last
+    (each step feeds the last token itself). `time_phases`: synchronise the device at each phase so
+    that draft, target and other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
     """
-    controls.clear_stop()
     device = models[0].device
     reply = Reply(
         prompt_ids,

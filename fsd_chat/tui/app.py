@@ -7,13 +7,15 @@ wrapper that pauses between steps).
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from textual import work
 from textual.app import App, SystemCommand
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
@@ -22,8 +24,10 @@ from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
 from fsd_chat.session import Session, new_session_id, now
-from fsd_chat.store import SessionStore
+from fsd_chat.store import BUSY_TIMEOUT, SessionStore
+from fsd_chat.text import one_line
 from fsd_chat.themes import DEFAULT_THEME, load_themes
+from fsd_chat.threads import apply_threads
 from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
 from fsd_chat.tui.messages import LoadProgress
 from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup, Decoder
@@ -32,6 +36,7 @@ from fsd_chat.tui.themes import default_variables, to_textual
 
 Loader = Callable[[Progress], ModelPair]
 DecoderFactory = Callable[[ModelPair, Controls], Decoder]
+END_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(slots=True)
@@ -52,6 +57,8 @@ class ChatOptions:
         resume: A saved session to continue.
         keymap: Binding id -> keys.
         user_themes_dir: Folder of the user's theme files.
+        threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.threads`).
+        compile_draft: Compile the draft's one-token forward passes (`--compile`).
     """
 
     target: ModelSpec
@@ -69,11 +76,8 @@ class ChatOptions:
     resume: Session | None = None
     keymap: dict[str, str] = field(default_factory=dict)
     user_themes_dir: Path | None = None
-
-
-def default_decoder(pair: ModelPair, controls: Controls) -> Decoder:
-    """A speculative decoder over the pair."""
-    return pair.speculative(controls)
+    threads: int | None = None
+    compile_draft: bool = False
 
 
 def autoregressive_decoder(pair: ModelPair, controls: Controls) -> Decoder:
@@ -105,11 +109,32 @@ class FsdChatApp(App[None]):
         self.options = options
         self.loader = loader or self._load_pair
         self.decoder_factory = decoder_factory or (
-            autoregressive_decoder if options.autoregressive else default_decoder
+            autoregressive_decoder if options.autoregressive else self._speculative_decoder
         )
         self.controls = Controls(options.settings)
         self.theme_errors: list[str] = []
+        self.tracebacks: list[str] = []
+        """Tracebacks of unexpected errors (also in the log file; `--debug` prints them)."""
         self._register_themes()
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Show a notification, always literally: its text quotes paths, error messages, theme and
+        model names, none of which may be read as Textual markup (or reach the terminal as control
+        characters)."""
+        super().notify(
+            one_line(message), title=one_line(title), severity=severity, timeout=timeout, markup=False
+        )
+
+    def _speculative_decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
+        return pair.speculative(controls, compile_draft=self.options.compile_draft)
 
     def _load_pair(self, progress: Progress) -> ModelPair:
         from fsd_chat.models import load_pair
@@ -138,17 +163,34 @@ class FsdChatApp(App[None]):
             self.notify(error, title="Theme", severity="warning", timeout=8)
         o = self.options
         self.push_screen(LoadingScreen(f"target {o.target.source} · draft {o.draft.source}"))
+        loop = asyncio.get_running_loop()
+        for signum in END_SIGNALS:
+            loop.add_signal_handler(signum, self.end_on_signal, signum)
         self._load()
+
+    def on_unmount(self) -> None:
+        """Give the signals back."""
+        loop = asyncio.get_running_loop()
+        for signum in END_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+    def end_on_signal(self, signum: int) -> None:
+        """SIGTERM / SIGHUP: save the reply in flight as stopped, restore the terminal, and exit
+        with 128 + the signal's number, as a shell reports a process ended by it."""
+        self._shut_down_chat()
+        self.exit(return_code=128 + signum)
+
+    def _shut_down_chat(self) -> None:
+        for screen in self.screen_stack:  # under any dialog
+            if isinstance(screen, ChatScreen):
+                screen.shut_down(BUSY_TIMEOUT + 1)
 
     @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> ModelPair:
         """Load the pair in a thread, posting progress."""
         pair = self.loader(lambda text: self.post_message(LoadProgress(text)))
-        if pair.device.type == "cpu" and torch.get_num_threads() > 1:
-            # torch's intra-op threads spin-wait for each other on every core; when the UI thread
-            # (or anything else) takes a core from them, each step stalls (measured on 2 cores:
-            # 5 tokens/s instead of 1100). One core is left to the UI.
-            torch.set_num_threads(torch.get_num_threads() - 1)
+        if pair.device.type == "cpu":
+            apply_threads(self.options.threads, reserve=1)  # one core is left to the UI
         return pair
 
     def on_load_progress(self, message: LoadProgress) -> None:
@@ -182,6 +224,7 @@ class FsdChatApp(App[None]):
             session=o.resume or self._new_session(pair),
             transcripts_dir=o.transcripts_dir,
             keymap=o.keymap,
+            tracebacks=self.tracebacks,
         )
 
     def _new_session(self, pair: ModelPair) -> Session:
@@ -215,7 +258,6 @@ class FsdChatApp(App[None]):
                 )
 
     async def action_quit(self) -> None:
-        """Stop any reply (the decoder ends within one step), then quit."""
-        if isinstance(self.screen, ChatScreen):
-            self.screen.stop_generation()
+        """Stop any reply (kept, as stopped; the decoder ends within one step), save, then quit."""
+        self._shut_down_chat()
         self.exit()

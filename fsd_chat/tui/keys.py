@@ -37,6 +37,14 @@ CHAT_BINDINGS = [
         tooltip="Cycle the divergence: kl, reverse-kl, js, tv",
     ),
     Binding(
+        "ctrl+g",
+        "cycle_rule",
+        "Rule",
+        id="cycle-rule",
+        priority=True,
+        tooltip="Cycle the acceptance rule: fuzzy, mixture, pure, exact",
+    ),
+    Binding(
         "escape",
         "stop",
         "Stop",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from fsd_chat.decoding.events import Step
-
 
 class LoadProgress(Message):
     """The model loader moved on to a new phase."""
@@ -15,10 +13,23 @@ class LoadProgress(Message):
         self.text = text
 
 
-class StepDecoded(Message):
-    """One decoding step of generation number `generation` (stale generations are ignored)."""
+class StepsReady(Message):
+    """Generation number `generation` (stale ones are ignored) buffered steps for the UI, or
+    (`ended`) its decoder finished."""
 
-    def __init__(self, generation: int, step: Step) -> None:
+    def __init__(self, generation: int, *, ended: bool = False) -> None:
         super().__init__()
         self.generation = generation
-        self.step = step
+        self.ended = ended
+
+
+class SaveFailed(Message):
+    """Saving the session failed (it is retried on the next save)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+
+class SaveRecovered(Message):
+    """Saving works again after a failure: everything pending was written."""

@@ -92,10 +92,10 @@ def make_app(
     options.setdefault(
         "settings", DecodingSettings(rule="fuzzy", divergence="js", threshold=0.1, draft_tokens=4)
     )
+    options.setdefault("store", SessionStore(tmp_path / "sessions.sqlite3"))
     chat_options = ChatOptions(
         target=pair.target_spec,
         draft=pair.draft_spec,
-        store=SessionStore(tmp_path / "sessions.sqlite3"),
         transcripts_dir=tmp_path / "transcripts",
         **options,  # type: ignore[arg-type]
     )

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from textual.widgets import Markdown, Static
 
-from fsd_chat.decoding.divergence import THRESHOLD_STEP
 from fsd_chat.decoding.events import Origin, StopReason
+from fsd_chat.decoding.settings import DecodingSettings
 from fsd_chat.models import ModelPair
 from fsd_chat.session import ReplyRecord
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.screens.chat import ChatScreen
-from fsd_chat.tui.widgets.dial import ThresholdDial
+from fsd_chat.tui.widgets.dial import THRESHOLD_STEP, ThresholdDial
 from fsd_chat.tui.widgets.prompt import PromptInput
 from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
@@ -225,10 +225,14 @@ async def test_toggle_markdown_view_and_new_chat(pair: ModelPair, tmp_path: Path
         gate[0].allow(100)
         await wait_for(pilot, lambda: screen.streaming is None and len(screen.session.turns) == 2)
         reply = screen.query_one(ReplyView)
-        markdown = reply.query_one(Markdown)
-        assert not markdown.display and reply.query_one(".provenance").display is True
+        assert not reply.query(Markdown)  # built on first use only
+        assert reply.query_one(".provenance").display is True
         await pilot.press("ctrl+o")
+        await pilot.pause()
+        markdown = reply.query_one(Markdown)
         assert markdown.display and not reply.query_one(".provenance").display
+        await pilot.press("ctrl+o")
+        assert not markdown.display and reply.query_one(".provenance").display
         old_id = screen.session.id
         await pilot.press("ctrl+n")
         await pilot.pause()
@@ -263,3 +267,36 @@ async def test_newline_key_and_command_palette(pair: ModelPair, tmp_path: Path) 
         await pilot.pause(0.3)
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.controls.snapshot().threshold == 0.0)
+
+
+async def test_the_stats_strip_shows_the_cost_and_follows_the_dial(pair: ModelPair, tmp_path: Path) -> None:
+    gate: list[GatedDecoder] = []
+    start_settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.0, draft_tokens=4)
+    app = make_app(pair, tmp_path, gate=gate, max_new_tokens=120, settings=start_settings)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await start(pilot)
+        decoder = gate[0]
+        figures = screen.query_one("#figures", Static)
+        decoder.allow(4)
+        await wait_for(pilot, lambda: len(decoder.steps) == 4 and "tok/s" in figures.content.plain)
+        await wait_for(pilot, lambda: "cost 0" in figures.content.plain)
+        assert all(t.cost == 0 for s in decoder.steps for t in s.tokens)
+        for _ in range(15):  # js T 0.30: fuzzy acceptances now cost something
+            await pilot.press("ctrl+up")
+        decoder.allow(100)
+        await wait_for(pilot, lambda: screen.streaming is None)
+        assert sum(t.cost for s in decoder.steps for t in s.tokens) > 0
+        shown = figures.content.plain
+        assert "cost 0." in shown and "/tok" in shown, shown
+        stats_line = screen.query(ReplyView).last().query_one(".reply-stats", Static).content.plain
+        assert "nats" in stats_line and "/token" in stats_line
+        # ctrl+g reaches the mixture rule; T is then a budget in nats per token, capped at its dial.
+        await pilot.press("ctrl+g")
+        settings = app.controls.snapshot()
+        assert settings.rule == "mixture" and settings.threshold == 0.3
+        assert "mixture · nats/token" in screen.query_one(ThresholdDial).render().plain
+        for _ in range(30):
+            await pilot.press("ctrl+up")
+        assert app.controls.snapshot().threshold == 0.5
+        await pilot.press("ctrl+g", "ctrl+g")  # pure, exact
+        assert app.controls.snapshot().rule == "exact"

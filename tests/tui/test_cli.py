@@ -25,7 +25,8 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 def test_history_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["history"], capsys) == (0, "no saved sessions yet\n", "")
-    SessionStore(sessions_path()).save(make_session("abcd1234"))
+    session = make_session("abcd1234")
+    SessionStore(sessions_path()).append_turns(session, session.turns)
     code, out, _ = run(["history"], capsys)
     assert code == 0 and out.startswith("abcd1234  ") and "2 turns  t + d  Hello" in out
     code, out, _ = run(["export", "abcd"], capsys)

@@ -1,16 +1,22 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
 A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass, posted as `StepDecoded` and appended to the streaming `ReplyView`. Keys
-change the shared `Controls`, which the decoder reads at the start of every step. The session is
-saved after the user's message and after every finished reply.
+target forward pass; the worker buffers them (`StepBuffer`) and the UI shows them in batches,
+about 30 a second at most, in the streaming `ReplyView`. Keys change the shared `Controls`, which the decoder reads at the
+start of every step.
+
+Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
+together with the reply it asks for (stored as `streaming`), so the stored session always
+alternates; the reply's row is rewritten at most once a second while it streams and once when it
+ends (stopped, if a new chat, quit or a signal cut it short).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -19,29 +25,38 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.timer import Timer
+from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat import Message, fit_to_context
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.divergence import DIAL_RANGE, THRESHOLD_STEP
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.settings import DIVERGENCE_NAMES, SamplingConfig
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
+from fsd_chat.errorlog import log_exception, log_path
 from fsd_chat.errors import FsdChatError
-from fsd_chat.session import Session, Turn, new_session_id, now
-from fsd_chat.store import SessionStore
+from fsd_chat.session import STOPPED, Session, Turn, new_session_id, now
+from fsd_chat.session_writer import SessionWriter
+from fsd_chat.store import BUSY_TIMEOUT, SessionStore
 from fsd_chat.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.tui.keys import CHAT_BINDINGS
-from fsd_chat.tui.messages import StepDecoded
+from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
-from fsd_chat.tui.widgets.dial import ThresholdDial
+from fsd_chat.tui.stream import BatchPacer, StepBuffer
+from fsd_chat.tui.widgets.dial import ThresholdDial, dial_scale
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
 from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from fsd_chat.tui.widgets.stats import StatsStrip
 
 GROUP = "generation"
+RULE_CYCLE: tuple[Rule, ...] = ("fuzzy", "mixture", "pure", "exact")
+"""The order ctrl+g steps through the acceptance rules."""
+SHOWN_TURNS = 10
+"""Turns kept on screen (up to twice as many before the oldest are put away)."""
+SAVE_INTERVAL = 1.0
+"""Seconds between two saves of a streaming reply: what a kill -9 can lose at most."""
 
 
 class Decoder(Protocol):
@@ -78,6 +93,7 @@ class ChatSetup:
         session: The session to continue (a fresh one, or a resumed one).
         transcripts_dir: Folder the export dialog suggests.
         keymap: Binding id -> keys (for the help screen).
+        tracebacks: Where unexpected errors' tracebacks are collected (`--debug` prints them).
     """
 
     tokenizer: object
@@ -92,6 +108,7 @@ class ChatSetup:
     session: Session
     transcripts_dir: Path
     keymap: dict[str, str]
+    tracebacks: list[str]
 
 
 class ChatScreen(Screen[None]):
@@ -107,9 +124,24 @@ class ChatScreen(Screen[None]):
         self.generation = 0
         """Number of the current generation; steps of older ones (before ctrl+n) are dropped."""
         self.streaming: ReplyView | None = None
+        self._hidden = 0
+        """Turns at the start of the session that are not mounted (see `_trim_turns`)."""
+        self.reply_turn: Turn | None = None
+        """The streaming reply's turn (in `session.turns` and stored)."""
+        self._sent_text = ""
+        self._last_save = 0.0
+        self._buffer = StepBuffer()
+        self._pacer = BatchPacer()
+        self._batch_timer: Timer | None = None
+        self.writer = SessionWriter(
+            setup.store,
+            on_error=lambda reason: self.post_message(SaveFailed(reason)),
+            on_recovered=lambda: self.post_message(SaveRecovered()),
+        )
         # One generation at a time uses the decoder's KV caches, even when a cancelled one is
         # still finishing its last step.
         self._decoder_lock = threading.Lock()
+        self._compile_error_shown = False
 
     def compose(self) -> ComposeResult:
         """Header, conversation, legend, dial and stats, prompt, footer."""
@@ -132,12 +164,45 @@ class ChatScreen(Screen[None]):
         self.query_one(PromptInput).focus()
 
     def _show_turns(self) -> None:
+        self._hidden = len(self.session.turns)
+        self._trim_turns()
+
+    @staticmethod
+    def _turn_widgets(turns: list[Turn]) -> list[UserMessage | ReplyView]:
+        return [UserMessage(t.content) if t.reply is None else ReplyView(t.reply) for t in turns]
+
+    def _trim_turns(self) -> None:
+        """Keep at most `SHOWN_TURNS` (to `2 * SHOWN_TURNS`) turns mounted: Textual lays out every
+        mounted widget on each frame, so a long conversation would slow down every update of the
+        streaming reply. Earlier turns are one button press away."""
         conversation = self.query_one("#conversation", VerticalScroll)
-        widgets = [
-            UserMessage(t.content) if t.reply is None else ReplyView(t.reply) for t in self.session.turns
-        ]
-        if widgets:
-            conversation.mount_all(widgets)
+        shown = len(self.session.turns) - self._hidden
+        if shown > 2 * SHOWN_TURNS:
+            mounted = conversation.query_children(".turn")
+            for widget in list(mounted)[: shown - SHOWN_TURNS]:
+                widget.remove()
+            self._hidden += shown - SHOWN_TURNS
+        elif self._hidden and shown < SHOWN_TURNS:
+            reveal = min(self._hidden, SHOWN_TURNS - shown)
+            self._hidden -= reveal
+            widgets = self._turn_widgets(self.session.turns[self._hidden : self._hidden + reveal])
+            conversation.mount_all(widgets, before=0 if shown else None)
+        earlier = conversation.query_children("#earlier")
+        if self._hidden and not earlier:
+            conversation.mount(Button("", id="earlier", compact=True), before=0)
+        elif not self._hidden:
+            earlier.remove()
+        for button in conversation.query_children("#earlier").results(Button):
+            button.label = f"Show {self._hidden} earlier turns"
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        """Show every earlier turn (the per-frame work then grows with them)."""
+        if event.button.id == "earlier":
+            conversation = self.query_one("#conversation", VerticalScroll)
+            widgets = self._turn_widgets(self.session.turns[: self._hidden])
+            self._hidden = 0
+            conversation.mount_all(widgets, after=event.button)
+            event.button.remove()
 
     # --- sending and streaming -------------------------------------------------------------
 
@@ -149,7 +214,6 @@ class ChatScreen(Screen[None]):
         if self.streaming is not None:
             self.notify("A reply is streaming: wait for it, or press Esc to stop it.", severity="warning")
             return
-        turn = Turn("user", text)
         messages = [*self.session.messages(), Message("user", text)]
         context = self.setup.decoder.context
         # Keep half the window for the prompt at least: a large --max-new-tokens must not make
@@ -168,6 +232,11 @@ class ChatScreen(Screen[None]):
         except FsdChatError as exc:
             self.notify(str(exc), title="Message not sent", severity="error")
             return
+        except Exception as exc:  # e.g. a chat template that rejects the conversation
+            self.notify(
+                self.unexpected(exc, "building the prompt"), title="Message not sent", severity="error"
+            )
+            return
         if len(kept) < len(messages):
             self.notify(
                 f"{len(messages) - len(kept)} earlier message(s) no longer fit the model's context "
@@ -175,61 +244,116 @@ class ChatScreen(Screen[None]):
                 severity="warning",
             )
         self.query_one(PromptInput).clear()
-        self.session.turns.append(turn)
-        self._save()
+        # Cleared here, not when decoding starts: Esc pressed before the first step still counts.
+        self.controls.clear_stop()
         reply = ReplyView()
+        question = Turn("user", text)
+        self.reply_turn = Turn("assistant", "", reply=reply.record)
+        self.session.turns += [question, self.reply_turn]
+        self.writer.append(self.session, [question, self.reply_turn])
+        self._last_save = time.monotonic()
+        self._sent_text = text
         self.streaming = reply
         self.generation += 1
+        self._buffer = StepBuffer()
+        self._pacer = BatchPacer()
         self.query_one("#conversation", VerticalScroll).mount_all([UserMessage(text), reply])
-        self._generate(ids, self.generation)
+        self._trim_turns()
+        self._generate(ids, self.generation, self._buffer)
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
-    def _generate(self, ids: list[int], generation: int) -> None:
-        """Decode one reply in this thread, posting one `StepDecoded` per step."""
+    def _generate(self, ids: list[int], generation: int, buffer: StepBuffer) -> None:
+        """Decode one reply in this thread into `buffer`, waking the UI when it was empty."""
         worker = get_current_worker()
         with self._decoder_lock:
             steps = self.setup.decoder.generate(
                 ids, max_new_tokens=self.setup.max_new_tokens, sampling=self.setup.sampling
             )
             for step in steps:
-                self.post_message(StepDecoded(generation, step))
+                if buffer.add(step):
+                    self.post_message(StepsReady(generation))
                 if worker.is_cancelled:
-                    break
+                    return
+        self.post_message(StepsReady(generation, ended=True))
 
-    def on_step_decoded(self, message: StepDecoded) -> None:
-        """Append a step to the streaming reply; finish the reply on its last step."""
+    def on_steps_ready(self, message: StepsReady) -> None:
+        """Show the buffered steps: now, or when the pacer allows the next batch."""
         if message.generation != self.generation or self.streaming is None:
             return
-        self.streaming.add_step(message.step)
-        self.query_one(StatsStrip).add(message.step)
-        if message.step.stop_reason is not None:
+        wait = self._pacer.wait()
+        if message.ended or wait <= 0:
+            self._show_steps(ended=message.ended)
+        elif self._batch_timer is None:
+            self._batch_timer = self.set_timer(wait, self._show_steps)
+
+    def _show_steps(self, ended: bool = False) -> None:
+        """Append the buffered steps to the streaming reply; finish the reply when it ended."""
+        self._batch_timer = None
+        if self.streaming is None:
+            return
+        self._pacer.shown()
+        steps = self._buffer.take()
+        if steps:
+            self.streaming.add_steps(steps)
+            self.query_one(StatsStrip).add(steps)
+        if ended or (steps and steps[-1].stop_reason is not None):
             self._finish_reply()
+        elif time.monotonic() - self._last_save >= SAVE_INTERVAL:
+            self._last_save = time.monotonic()
+            assert self.reply_turn is not None
+            self.writer.update_reply(self.session.id, self.reply_turn)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """A generation that failed ends its reply with the error; the conversation stays."""
         if event.worker.group != GROUP or event.state != WorkerState.ERROR:
             return
         error = event.worker.error
-        message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"
+        assert error is not None
+        message = (
+            str(error) if isinstance(error, FsdChatError) else self.unexpected(error, "decoding a reply")
+        )
         self.notify(message, title="Generation failed", severity="error")
         if self.streaming is not None:
             self._finish_reply(error=message)
 
-    def _finish_reply(self, error: str | None = None) -> None:
-        reply = self.streaming
-        assert reply is not None
-        self.streaming = None
-        if error is not None and reply.record.stop_reason is None:
-            reply.record.stop_reason = "error"
-        reply.finish(error)
-        self.session.turns.append(Turn("assistant", reply.record.text, reply=reply.record))
-        self._save()
+    def unexpected(self, error: BaseException, doing: str) -> str:
+        """Log an unexpected error with its traceback; returns the one line to show."""
+        self.setup.tracebacks.append(log_exception(error, doing))
+        return f"{type(error).__name__} while {doing}: {error} (details in {log_path()})"
 
-    def _save(self) -> None:
-        try:
-            self.setup.store.save(self.session)
-        except FsdChatError as exc:
-            self.notify(str(exc), title="Session not saved", severity="error")
+    def _finish_reply(self, error: str | None = None) -> None:
+        """End the streaming reply (stopped, unless it has its own reason) and save it."""
+        reply, turn = self.streaming, self.reply_turn
+        assert reply is not None and turn is not None
+        self.streaming = self.reply_turn = None
+        if reply.record.stop_reason is None:
+            reply.record.stop_reason = "error" if error is not None else STOPPED
+        reply.finish(error)
+        if self.has_class("-markdown"):
+            reply.show_markdown()
+        turn.content = reply.record.text
+        self.writer.update_reply(self.session.id, turn)
+        compile_error = getattr(self.setup.decoder, "compile_error", None)
+        if compile_error and not self._compile_error_shown:
+            self._compile_error_shown = True
+            self.notify(
+                f"running the draft eagerly: {compile_error}", title="--compile failed", severity="warning"
+            )
+        prompt = self.query_one(PromptInput)
+        if error is not None and not turn.content and not prompt.text:
+            prompt.text = self._sent_text  # nothing came of it: the message can be sent again
+
+    def on_save_failed(self, message: SaveFailed) -> None:
+        """Say once that saving fails; the writer retries on the next save."""
+        self.notify(
+            f"{message.reason}. It is kept and retried on the next save.",
+            title="Session not saved",
+            severity="error",
+        )
+
+    def on_save_recovered(self, message: SaveRecovered) -> None:
+        """Saving works again."""
+        self.notify("Session saved again.", timeout=3)
 
     # --- the dial ---------------------------------------------------------------------------
 
@@ -242,16 +366,17 @@ class ChatScreen(Screen[None]):
         self.query_one(ThresholdDial).settings = settings
 
     def action_raise_threshold(self) -> None:
-        """T up one step of the divergence in use (capped at the dial's top)."""
+        """T up one step of the dial in use (capped at the dial's top)."""
         s = self.controls.snapshot()
-        top = DIAL_RANGE[s.divergence]
+        top, step = dial_scale(s)
         if s.threshold < top:
-            self._update_controls(threshold=round(min(s.threshold + THRESHOLD_STEP[s.divergence], top), 6))
+            self._update_controls(threshold=round(min(s.threshold + step, top), 6))
 
     def action_lower_threshold(self) -> None:
-        """T down one step (not below 0)."""
+        """T down one step (not below 0); from above the dial's top, to the top."""
         s = self.controls.snapshot()
-        self._update_controls(threshold=round(max(s.threshold - THRESHOLD_STEP[s.divergence], 0.0), 6))
+        top, step = dial_scale(s)
+        self._update_controls(threshold=round(max(min(s.threshold - step, top), 0.0), 6))
 
     def action_exact(self) -> None:
         """T = 0: exact speculative decoding."""
@@ -261,9 +386,15 @@ class ChatScreen(Screen[None]):
         """The next divergence; T stays, capped at the new divergence's dial range."""
         s = self.controls.snapshot()
         following = DIVERGENCE_NAMES[(DIVERGENCE_NAMES.index(s.divergence) + 1) % len(DIVERGENCE_NAMES)]
-        self._update_controls(divergence=following, threshold=min(s.threshold, DIAL_RANGE[following]))
+        top, _ = dial_scale(replace(s, divergence=following))
+        self._update_controls(divergence=following, threshold=min(s.threshold, top))
 
-    # --- other actions ----------------------------------------------------------------------
+    def action_cycle_rule(self) -> None:
+        """The next acceptance rule (fuzzy, mixture, pure, exact); T stays, capped at its dial's top."""
+        s = self.controls.snapshot()
+        following = RULE_CYCLE[(RULE_CYCLE.index(s.rule) + 1) % len(RULE_CYCLE)]
+        top, _ = dial_scale(replace(s, rule=following))
+        self._update_controls(rule=following, threshold=min(s.threshold, top))
 
     def action_stop(self) -> None:
         """Stop the streaming reply after the step in progress; the partial reply is kept."""
@@ -273,25 +404,43 @@ class ChatScreen(Screen[None]):
     def action_toggle_view(self) -> None:
         """Finished replies: origin colours <-> Markdown."""
         self.toggle_class("-markdown")
-        view = "Markdown" if self.has_class("-markdown") else "origin colours"
-        self.notify(f"Finished replies: {view}", timeout=2)
+        markdown = self.has_class("-markdown")
+        if markdown:
+            for reply in self.query(ReplyView):
+                reply.show_markdown()
+        self.notify(f"Finished replies: {'Markdown' if markdown else 'origin colours'}", timeout=2)
 
     def action_new_chat(self) -> None:
-        """Stop any reply and start a new session (the old one stays saved)."""
+        """Stop any reply (kept, as stopped) and start a new session (the old one stays saved)."""
         self.stop_generation()
         self.generation += 1
-        self.streaming = None
         old = self.session
         self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
         self.query_one("#conversation", VerticalScroll).remove_children()
+        self._hidden = 0
         self.query_one(StatsStrip).clear()
         self.query_one(PromptInput).focus()
         self.notify(f"New chat {self.session.id}", timeout=2)
 
     def stop_generation(self) -> None:
-        """Ask the running generation (if any) to end now."""
-        self.controls.request_stop()
+        """End the running generation (if any) now: its reply is kept, marked stopped."""
+        if self.streaming is not None:
+            self.controls.request_stop()
+            self._finish_reply()
         self.app.workers.cancel_group(self, GROUP)
+
+    def on_unmount(self) -> None:
+        """Leaving the chat (however the app ends): the reply in flight and all saves are written."""
+        self.shut_down(BUSY_TIMEOUT + 1)
+
+    def shut_down(self, timeout: float) -> bool:
+        """Stop any reply and write everything pending (waiting at most `timeout` seconds).
+
+        Returns:
+            Whether everything was saved.
+        """
+        self.stop_generation()
+        return self.writer.close(timeout)
 
     def action_export(self) -> None:
         """Open the export dialog."""

@@ -20,7 +20,7 @@ COLOURS: dict[Origin, str] = {
     Origin.DRAFT_FUZZY: "draft token accepted only because D(p, q) ≤ T: here the text may depart from the target",
     Origin.TARGET_RESAMPLED: "token drawn from the target after it rejected a draft token",
     Origin.TARGET_BONUS: "the target's extra token after all k draft tokens were accepted",
-    Origin.TARGET: "plain target token (autoregressive mode, no drafting)",
+    Origin.TARGET: "plain target token: autoregressive mode, and a reply's last token when no room is left to draft",
 }
 
 DIAL = """\
@@ -40,9 +40,21 @@ js in nats (0–ln 2), tv a probability (0–1).
 **T = 0** (ctrl+r) is exact speculative decoding: only the exact test accepts, so the replies
 follow the target model's own distribution — lossless, only faster than decoding with the target alone.
 
+**What a token costs.** Every token is drawn from some law r — the draft's where the fuzzy test
+decided, the target's otherwise — and its **cost** is KL(r ‖ p) in nats: 0 for every token that
+follows the target (greedy: how much less likely the token is than the target's own choice, in
+nats). Summed over a reply it measures how far the reply's law departs from the target's. The
+stats strip shows it per token beside tokens/s, so the dial shows both sides of the trade-off.
+
+**The rules** (ctrl+g): **fuzzy** (FSD, the default), **mixture**, **pure** (the paper's released
+code: D ≤ T alone decides) and **exact**. Under **mixture** the target's law at each position is
+replaced by the blend (1 − λ)p + λq with the largest λ whose KL from p stays within T, and exact
+speculative sampling runs against that blend; so T is a hard budget, in nats, on every token's
+cost, and the dial reads in the same units as the cost figure.
+
 The stats strip shows tokens/s, acceptance rate, mean accepted length τ (tokens per target
-forward pass) and the share of fuzzy-accepted tokens over the last 16 steps, and a sparkline of
-tokens per step.
+forward pass), the share of fuzzy-accepted tokens and the cost per token over the last 16 steps,
+and a sparkline of tokens per step.
 """
 
 

@@ -1,4 +1,5 @@
-"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy` (Textual has no slider widget).
+"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy` (Textual has no slider widget), and its
+range and step for each rule and divergence.
 
 It shows the `DecodingSettings` in force; left/right (when focused) and the chat keys move T
 through the chat screen's actions, which update the shared `Controls`.
@@ -6,13 +7,43 @@ through the chat screen's actions, which update the shared `Controls`.
 
 from __future__ import annotations
 
+import math
+
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from fsd_chat.decoding.divergence import DIAL_RANGE
-from fsd_chat.decoding.settings import DecodingSettings
+from fsd_chat.decoding.settings import DecodingSettings, DivergenceName
 from fsd_chat.tui.keys import DIAL_BINDINGS
+
+DIAL_RANGE: dict[DivergenceName, float] = {
+    "kl": 2.0,
+    "reverse-kl": 2.0,
+    "js": math.log(2.0),
+    "tv": 1.0,
+}
+"""Top of the dial for each divergence (fuzzy / pure): beyond it nearly every draft token is accepted."""
+
+THRESHOLD_STEP: dict[DivergenceName, float] = {
+    "kl": 0.05,
+    "reverse-kl": 0.05,
+    "js": 0.02,
+    "tv": 0.05,
+}
+"""One nudge of T, sized to the divergence's typical spread between a draft and a target."""
+
+MIXTURE_RANGE = 0.5
+"""Top of the dial under the mixture rule, in nats per token (a per-token KL or regret budget)."""
+MIXTURE_STEP = 0.01
+"""One nudge of the mixture rule's budget: its useful costs are 0.01–0.1 nats per token."""
+
+
+def dial_scale(settings: DecodingSettings) -> tuple[float, float]:
+    """(top, step) of the dial for the rule and divergence in force, in T's units."""
+    if settings.rule == "mixture":
+        return MIXTURE_RANGE, MIXTURE_STEP
+    return DIAL_RANGE[settings.divergence], THRESHOLD_STEP[settings.divergence]
+
 
 BAR_CELLS = 10
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -39,12 +70,14 @@ class ThresholdDial(Widget, can_focus=True):
         s = self.settings
         if self.autoregressive:
             return Content.assemble(("T  —  ", "$text-muted"), ("autoregressive: no drafting", "$text-muted"))
-        top = DIAL_RANGE[s.divergence]
+        top, _ = dial_scale(s)
+        # The mixture rule's T is a budget in nats per token and ignores the divergence.
+        rule = "mixture · nats/token" if s.rule == "mixture" else f"{s.divergence} · {s.rule}"
         return Content.assemble(
             (f"T {s.threshold:.2f} ", "bold"),
             ("▕", "$text-muted"),
             (bar(s.threshold / top), "$accent"),
             ("▏", "$text-muted"),
-            f" {s.divergence} · {s.rule}",
+            f" {rule}",
             (f" · k {s.draft_tokens}", "$text-muted"),
         )

@@ -8,7 +8,9 @@ from textual.widgets import Static
 from fsd_chat.decoding.events import Origin
 from fsd_chat.tui.themes import origin_style
 
-SPECULATIVE_ORIGINS = (Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY, Origin.TARGET_RESAMPLED, Origin.TARGET_BONUS)
+# Speculative decoding emits plain `target` tokens too: the last token of a reply, when no room is
+# left to draft.
+SPECULATIVE_ORIGINS = tuple(Origin)
 
 
 def legend_content(origins: tuple[Origin, ...]) -> Content:

@@ -1,11 +1,17 @@
 """Conversation widgets: a user message, and an assistant reply coloured by token origin.
 
-The reply is rebuilt from its runs as `Content` spans styled with the theme's `$origin-*`
-variables; a ⟨…⟩ mark shows where the settings changed mid-reply. Once finished it also holds a
-Markdown rendering, shown instead of the colours when the chat screen has the `-markdown` class.
+The reply's runs are shown as `Content` spans styled with the theme's `$origin-*` variables; a ⟨…⟩
+mark shows where the settings changed mid-reply. While a reply streams, only its live tail (the
+text after its last finished line) is re-assembled and re-wrapped on each update: finished lines
+are frozen into a second widget, updated only when a line is finished, so the work per update
+does not grow with the reply. Once the
+reply ends it is rendered whole, once. The Markdown view of a finished reply is built the first
+time it is shown.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -13,21 +19,27 @@ from textual.content import Content
 from textual.widgets import Markdown, Static
 
 from fsd_chat.decoding.events import Step
-from fsd_chat.session import ReplyBuilder, ReplyRecord
+from fsd_chat.session import STOPPED, ReplyBuilder, ReplyRecord, Run
 from fsd_chat.transcript import reply_summary
 from fsd_chat.tui.themes import origin_style
 
+LIVE_LIMIT = 1000
+"""Characters the live tail may reach without a newline before it is frozen at a space (a very
+long paragraph; the line break this leaves while streaming is gone in the final render)."""
 
-def provenance_content(record: ReplyRecord) -> Content:
-    """The reply's text, each run in its origin's colour, with ⟨divergence T⟩ where T changed."""
+
+def provenance_content(
+    runs: Sequence[Run], previous: tuple[str, str, float] | None = None, stopped: bool = False
+) -> Content:
+    """`runs`' text, each run in its origin's colour, with ⟨divergence T⟩ where the setting
+    changed (from `previous`, the setting of the run before them), and a stop mark if `stopped`."""
     parts: list[Content | tuple[str, str] | str] = []
-    previous = None
-    for run in record.runs:
+    for run in runs:
         if previous is not None and run.setting != previous:
             parts.append((f"⟨{run.divergence} T {run.threshold:.2f}⟩", "bold reverse $accent"))
         previous = run.setting
         parts.append((run.text, origin_style(run.origin)))
-    if record.stop_reason == "stopped":
+    if stopped:
         parts.append((" ⏹ stopped", "bold $warning"))
     return Content.assemble(*parts)
 
@@ -36,7 +48,7 @@ class UserMessage(Static):
     """A user turn."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(Content(text), classes="user")
+        super().__init__(Content(text), classes="user turn")
 
 
 class ReplyView(Vertical):
@@ -47,10 +59,17 @@ class ReplyView(Vertical):
     """
 
     def __init__(self, record: ReplyRecord | None = None) -> None:
-        super().__init__(classes="reply")
+        super().__init__(classes="reply turn")
         self.builder = ReplyBuilder()
         if record is not None:
             self.builder.record = record
+        self._live_run = 0
+        """Index of the first run (partly) in the live tail."""
+        self._live_offset = 0
+        """Characters of that run already frozen."""
+        self.live_chars = 0
+        """Characters of the live tail at the last update (what that update re-assembled)."""
+        self._frozen: list[Content] = []
 
     @property
     def record(self) -> ReplyRecord:
@@ -58,24 +77,101 @@ class ReplyView(Vertical):
         return self.builder.record
 
     def compose(self) -> ComposeResult:
-        """The coloured text and the statistics line (Markdown is added when finished)."""
-        yield Static(provenance_content(self.record), classes="provenance")
+        """The frozen lines (while streaming), the coloured text (the live tail while streaming)
+        and the statistics line."""
+        frozen = Static(classes="provenance-frozen")
+        frozen.display = False
+        yield frozen
+        yield Static(classes="provenance")
         yield Static("", classes="reply-stats")
 
     def on_mount(self) -> None:
-        """A finished record is shown complete."""
+        """A finished record is shown complete (as Markdown too when the chat shows Markdown)."""
         if self.record.stop_reason is not None:
             self.finish()
+            if self.screen.has_class("-markdown"):
+                self.show_markdown()
 
-    def add_step(self, step: Step) -> None:
-        """Append one decoding step's tokens."""
-        self.builder.add(step)
-        self.query_one(".provenance", Static).update(provenance_content(self.record))
+    def add_steps(self, steps: Iterable[Step]) -> None:
+        """Append decoding steps' tokens; re-renders the live tail only."""
+        for step in steps:
+            self.builder.add(step)
+        live = self._live_runs()
+        text = "".join(run.text for run in live)
+        cut = text.rfind("\n")
+        if cut < 0 and len(text) > LIVE_LIMIT:
+            cut = text.rfind(" ")
+        if cut > 0:
+            self._freeze(cut)
+            live = self._live_runs()
+        self.live_chars = sum(len(run.text) for run in live)
+        self.query_one(".provenance", Static).update(provenance_content(live, self._previous_setting()))
+
+    def _live_runs(self) -> list[Run]:
+        runs = self.record.runs[self._live_run :]
+        if runs and self._live_offset:
+            first = runs[0]
+            runs[0] = Run(
+                first.text[self._live_offset :], first.origin, first.threshold, first.divergence, first.rule
+            )
+        return runs
+
+    def _previous_setting(self) -> tuple[str, str, float] | None:
+        """The setting before the live tail (its first run's own when that run is partly frozen)."""
+        if self._live_offset:
+            return self.record.runs[self._live_run].setting
+        return self.record.runs[self._live_run - 1].setting if self._live_run else None
+
+    def _freeze(self, cut: int) -> None:
+        """Move the live tail's first `cut` characters to the frozen widget; the character at
+        `cut` (the newline or space that ends them) is dropped, the widget boundary breaks there."""
+        frozen: list[Run] = []
+        previous = self._previous_setting()
+        remaining = cut
+        for run in self._live_runs():
+            if remaining < len(run.text):
+                if remaining:
+                    frozen.append(
+                        Run(run.text[:remaining], run.origin, run.threshold, run.divergence, run.rule)
+                    )
+                self._live_offset += remaining + 1
+                break
+            frozen.append(run)
+            remaining -= len(run.text)
+            self._live_run += 1
+            self._live_offset = 0
+        # The separator may be the last character of a run: move on to the next one.
+        if self._live_run < len(self.record.runs) and self._live_offset >= len(
+            self.record.runs[self._live_run].text
+        ):
+            self._live_run += 1
+            self._live_offset = 0
+        self._frozen.append(provenance_content(frozen, previous))
+        widget = self.query_one(".provenance-frozen", Static)
+        widget.update(Content("\n").join(self._frozen))
+        widget.display = True
 
     def finish(self, error: str | None = None) -> None:
-        """The reply ended: show its statistics (or `error`) and prepare the Markdown view."""
-        self.query_one(".provenance", Static).update(provenance_content(self.record))
+        """The reply ended: render it whole once and show its statistics (or `error`)."""
+        self._frozen.clear()
+        frozen = self.query_one(".provenance-frozen", Static)
+        frozen.update("")
+        frozen.display = False
+        stopped = self.record.stop_reason == STOPPED
+        self.query_one(".provenance", Static).update(provenance_content(self.record.runs, stopped=stopped))
         summary = reply_summary(self.record) if error is None else f"error: {error}"
         self.query_one(".reply-stats", Static).update(Content(summary))
         self.add_class("-finished")
-        self.mount(Markdown(self.record.text, classes="markdown"), before=".reply-stats")
+
+    def on_markdown_link_clicked(self, event: Markdown.LinkClicked) -> None:
+        """Show a clicked link's target rather than open it: model output is not to be trusted."""
+        event.stop()
+        self.notify(f"Link (not opened): {event.href}", title="Link", timeout=8)
+
+    def show_markdown(self) -> None:
+        """Build the Markdown view, the first time the chat shows finished replies as Markdown."""
+        if self.has_class("-finished") and not self.query(Markdown):
+            # Links in model output are not followed on a click: the URL is shown instead.
+            self.mount(
+                Markdown(self.record.text, classes="markdown", open_links=False), before=".reply-stats"
+            )

@@ -1,12 +1,16 @@
-"""The stats strip: tokens/s, acceptance rate, mean accepted length τ and fuzzy share over the
-last few steps (so a retune shows at once), and a sparkline of tokens per step."""
+"""The stats strip: both sides of the dial over the last few steps (so a retune shows at once):
+tokens/s, acceptance rate, mean accepted length τ and fuzzy share, and the cost in nats per token
+(each token's KL divergence from the target's law; see `fsd_chat.decoding.acceptance`); then a
+sparkline of tokens per step."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
+from textual.content import Content
 from textual.widgets import Sparkline, Static
 
 from fsd_chat.decoding.events import GenerationStats, Step
@@ -15,6 +19,16 @@ WINDOW = 16
 """Steps the figures are taken over."""
 SPARK_STEPS = 48
 """Steps the sparkline shows."""
+NOTABLE_COST = 0.02
+"""Cost per token (nats) from which the figure takes the theme's warning colour."""
+
+
+def cost_figure(cost_per_token: float) -> Content:
+    """The cost per token, coloured by the theme: success at 0 (lossless), warning when notable."""
+    if cost_per_token == 0:
+        return Content.styled("cost 0", "$success")
+    style = "$warning" if cost_per_token >= NOTABLE_COST else ""
+    return Content.styled(f"cost {cost_per_token:.3f}/tok", style)
 
 
 class StatsStrip(Horizontal):
@@ -36,18 +50,20 @@ class StatsStrip(Horizontal):
             totals.add(step)
         return totals
 
-    def _figures(self) -> str:
+    def _figures(self) -> Content:
         w = self.window()
         if not w.steps:
-            return "tok/s –   acc –   τ –   fuzzy –"
-        return (
-            f"{w.tokens_per_second:6.0f} tok/s  acc {w.acceptance_rate:4.0%}  "
-            f"τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}"
+            return Content("tok/s –   cost –   acc –   τ –   fuzzy –")
+        # The cost sits beside tokens/s: the two sides of the dial, read together.
+        return Content.assemble(
+            f"{w.tokens_per_second:5.0f} tok/s  ",
+            cost_figure(w.cost_per_token),
+            f"  acc {w.acceptance_rate:4.0%}  τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}",
         )
 
-    def add(self, step: Step) -> None:
-        """Take in one step and refresh."""
-        self._steps.append(step)
+    def add(self, steps: Iterable[Step]) -> None:
+        """Take in a batch of steps and refresh once."""
+        self._steps.extend(steps)
         self.query_one("#figures", Static).update(self._figures())
         self.query_one("#spark", Sparkline).data = [s.stats.emitted for s in self._steps]
 

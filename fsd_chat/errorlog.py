@@ -1,0 +1,38 @@
+"""Unexpected errors (bugs, not bad input) go to a log file in the data folder with their traceback,
+so that the chat can show one line and stay usable while the details are kept."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import datetime
+from pathlib import Path
+
+from fsd_chat.config import data_dir
+
+
+def log_path() -> Path:
+    """The error log: `fsd-chat.log` in the data folder."""
+    return data_dir() / "fsd-chat.log"
+
+
+def log_exception(error: BaseException, context: str) -> str:
+    """Append `error`'s traceback to the log (private to its owner, like the sessions).
+
+    Args:
+        error: The exception (with its traceback).
+        context: What was being done, e.g. "decoding a reply".
+
+    Returns:
+        The traceback as text (for `--debug`).
+    """
+    text = "".join(traceback.format_exception(error))
+    path = log_path()
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as log:
+            log.write(f"--- {datetime.now().astimezone().isoformat(timespec='seconds')} {context}\n{text}")
+    except OSError:
+        pass  # the log is a convenience: failing to write it must not end the chat
+    return text

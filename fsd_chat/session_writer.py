@@ -1,0 +1,149 @@
+"""Saving a chat session off the UI thread: one writer thread applies the saves in order.
+
+A save that fails (the file locked past the busy timeout, a full disk) stays at the head of the
+queue: it is reported once, and retried with everything after it on the next save (or `close`),
+so nothing is lost while the chat goes on. A streaming reply's rows are written as snapshots;
+only the latest pending snapshot of a turn is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fsd_chat.errors import FsdChatError
+from fsd_chat.session import Session, Turn
+from fsd_chat.store import SessionStore
+
+
+@dataclass(slots=True)
+class _Append:
+    session: Session
+    turns: list[Turn]
+
+
+@dataclass(slots=True)
+class _Update:
+    session_id: str
+    turn: Turn
+    """The turn given to an earlier append: it identifies the stored row."""
+    snapshot: Turn
+    """What to write."""
+    in_flight: bool = False
+
+
+class SessionWriter:
+    """A thread that writes appends and updates of sessions to `store`, in order.
+
+    Args:
+        store: Where sessions are saved.
+        on_error: Called (in the writer thread) with a one-line reason when a save fails, once per
+            run of failures.
+        on_recovered: Called (in the writer thread) when saving works again after a failure.
+    """
+
+    def __init__(
+        self,
+        store: SessionStore,
+        *,
+        on_error: Callable[[str], None],
+        on_recovered: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.store = store
+        self._on_error = on_error
+        self._on_recovered = on_recovered
+        self._queue: deque[_Append | _Update] = deque()
+        self._positions: dict[int, tuple[Turn, int]] = {}
+        """id(turn) -> (turn, stored position), for the turns this writer appended (the turn is
+        kept so that its id is not reused)."""
+        self._puts = 0
+        self._failing = False
+        self._closing = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="session-writer", daemon=True)
+        self._thread.start()
+
+    def append(self, session: Session, turns: list[Turn]) -> None:
+        """Store `turns` (already appended to `session.turns`) after the session's stored ones."""
+        self._put(_Append(session, list(turns)))
+
+    def update_reply(self, session_id: str, turn: Turn) -> None:
+        """Store the reply turn `turn` (given to `append` before) as it is now; a reply still
+        streaming is stored as such (see `ReplyRecord.snapshot`)."""
+        assert turn.reply is not None
+        snapshot = Turn(turn.role, turn.reply.text, turn.created, turn.reply.snapshot())
+        with self._wake:
+            for op in self._queue:
+                # A newer snapshot replaces a pending one: throttled streaming writes never pile
+                # up behind a lock.
+                if isinstance(op, _Update) and op.turn is turn and not op.in_flight:
+                    op.snapshot = snapshot
+                    self._puts += 1
+                    self._wake.notify()
+                    return
+        self._put(_Update(session_id, turn, snapshot))
+
+    def _put(self, op: _Append | _Update) -> None:
+        with self._wake:
+            self._queue.append(op)
+            self._puts += 1
+            self._wake.notify()
+
+    def pending(self) -> int:
+        """Saves not yet written."""
+        with self._wake:
+            return len(self._queue)
+
+    def close(self, timeout: float) -> bool:
+        """Write what is pending (waiting at most `timeout` seconds) and stop the thread.
+
+        Returns:
+            Whether everything was written.
+        """
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(timeout)
+        return self.pending() == 0
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closing:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                op = self._queue[0]
+                if isinstance(op, _Update):
+                    op.in_flight = True
+                puts = self._puts
+            try:
+                self._write(op)
+            except FsdChatError as exc:
+                if not self._failing:
+                    self._failing = True
+                    self._on_error(str(exc))
+                with self._wake:
+                    if isinstance(op, _Update):
+                        op.in_flight = False
+                    if self._closing:
+                        return
+                    # Retried on the next save (or close), not in a busy loop.
+                    while self._puts == puts and not self._closing:
+                        self._wake.wait()
+                continue
+            with self._wake:
+                self._queue.popleft()
+            if self._failing:
+                self._failing = False
+                self._on_recovered()
+
+    def _write(self, op: _Append | _Update) -> None:
+        if isinstance(op, _Append):
+            positions = self.store.append_turns(op.session, op.turns)
+            for turn, position in zip(op.turns, positions, strict=True):
+                self._positions[id(turn)] = (turn, position)
+        else:
+            self.store.update_turn(op.session_id, self._positions[id(op.turn)][1], op.snapshot)

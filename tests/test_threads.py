@@ -1,0 +1,31 @@
+"""The CPU thread policy: an explicit count wins, else the idle cores minus those kept for the UI.
+Its effect under load is measured by scripts/bench_threads.py (figures in the README)."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from fsd_chat.errors import SettingsError
+from fsd_chat.threads import apply_threads, choose_threads, idle_cores
+
+
+def test_an_explicit_count_wins_and_must_be_positive() -> None:
+    assert choose_threads(3) == 3
+    with pytest.raises(SettingsError, match="--threads must be ≥ 1, got 0"):
+        choose_threads(0)
+
+
+def test_the_default_counts_idle_cores_and_never_goes_below_one() -> None:
+    idle = idle_cores(0.05)
+    assert 0 <= idle <= (psutil.cpu_count() or 1)
+    assert choose_threads(None, reserve=64) == 1  # more reserved than there are cores
+
+
+def test_apply_sets_torchs_thread_count() -> None:
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(2) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
