@@ -67,7 +67,7 @@ def test_text_held_back_is_flushed_when_a_step_starts_with_eos(pair: ModelPair) 
     steps = []
     for token in (partial, eos):
         reply.seq[0, reply.length] = token
-        steps.append(reply.commit(1, [Origin.TARGET], [None], stats, clock))
+        steps.append(reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock))
     assert steps[0].text == ""  # held back: an incomplete character
     assert steps[1].tokens == () and steps[1].stop_reason == StopReason.EOS
     assert steps[1].flushed == tokenizer.decode([partial]) != ""  # not lost
