@@ -3,35 +3,42 @@
 The sweeps are tiny (a few prompts, a few dozen tokens, one torch thread so that other processes on
 a small machine cannot stall it); speed is never asserted, only the report's structure and the
 invariants that hold whatever the timing: exact SD and transformers' assisted generation reproduce
-target-only greedy output, fuzzy SD at T = 0 is exact SD, acceptance grows with the threshold.
+target-only greedy output, fuzzy SD at T = 0 is exact SD, acceptance and cost grow with the threshold,
+lossless methods cost exactly 0 and the mixture rule stays within its budget. The comparison of
+curves at matched cost is checked on constructed runs whose speeds and costs are known.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsd_chat.bench.methods import PairRunner
+from fsd_chat.bench.curves import Verdict, compare_curves
+from fsd_chat.bench.meter import ForwardTally
+from fsd_chat.bench.methods import Generation, PairRunner
 from fsd_chat.bench.metrics import median_ci95, summarize
-from fsd_chat.bench.plot import quality_axis
 from fsd_chat.bench.prompts import (
     choice_correct,
     generic_correct,
     load_prompt_set,
     number_correct,
 )
-from fsd_chat.bench.runner import run_sweep
+from fsd_chat.bench.runner import Run, run_sweep
 from fsd_chat.bench.session import write_outputs
 from fsd_chat.bench.sweep import Config, Setup
 from fsd_chat.chat import Message, prompt_ids
 from fsd_chat.cli import main
+from fsd_chat.decoding import GenerationStats
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+MIXTURE_LOW, MIXTURE_HIGH = 0.05, 0.5
+"""The mixture rule's budgets in the sweep (nats per token; greedy: regret)."""
 REQUIRED_KEYS = {
     "method",
     "divergence",
@@ -47,7 +54,8 @@ REQUIRED_KEYS = {
 
 @pytest.fixture(scope="module")
 def report(target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """One tiny sweep through the real CLI: greedy and sampling, three baselines, three thresholds."""
+    """One tiny sweep through the real CLI: greedy and sampling, three baselines, fuzzy js at three
+    thresholds and mixture at two budgets."""
     out = tmp_path_factory.mktemp("bench")
     threads = torch.get_num_threads()  # --threads sets a process-wide value: give it back after
     main(
@@ -61,6 +69,8 @@ def report(target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathF
             "--max-new-tokens", "24",
             "--thresholds", "0,0.2,0.7",
             "--divergences", "js",
+            "--rules", "fuzzy,mixture",
+            "--mixture-thresholds", f"{MIXTURE_LOW},{MIXTURE_HIGH}",
             "--draft-tokens", "3",
             "--temperature", "0,1",
             "--device", "cpu",
@@ -88,12 +98,13 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
     assert env["packages"]["torch"] and env["packages"]["transformers"]
     assert env["device"] == ["cpu"] and env["torch_threads"] == 1
     assert data["interrupted"] is False
-    # 2 temperatures × (autoregressive, exact, hf-assisted, fuzzy at 3 thresholds)
-    assert len(data["configs"]) == 12
+    # 2 temperatures × (autoregressive, exact, hf-assisted, fuzzy at 3 thresholds, mixture at 2)
+    assert len(data["configs"]) == 16
     for config in data["configs"]:
         assert config.keys() >= REQUIRED_KEYS
         assert config["runs"] == 3 and config["tokens"] > 0 and config["tokens_per_second"] > 0
         assert config["quality"]["target_nll"] > 0
+        assert config["quality"]["cost_per_token"] >= 0 and config["quality"]["cost_per_token_ci95"] >= 0
         # Forward passes are metered during generation only (not while the quality is scored).
         assert 0 < config["outside_forward_share"] < 1
         assert config["limit_tokens_per_second"] > 0
@@ -101,10 +112,54 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
         assert (config["quality"]["greedy_agreement"] is None) == (config["temperature"] != 0)
     autoregressive = _config(data, 0, "autoregressive")
     assert autoregressive["target_forwards_per_token"] == 1.0 and autoregressive["acceptance_rate"] is None
-    assert {c["method"] for c in data["configs"]} == {"autoregressive", "exact", "hf-assisted", "fuzzy"}
+    methods = {c["method"] for c in data["configs"]}
+    assert methods == {"autoregressive", "exact", "hf-assisted", "fuzzy", "mixture"}
     assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "report.md").read_text()
     assert "| setup | temp | method |" in markdown and "hf-assisted" in markdown
+    assert "cost/tok (±95%)" in markdown and "## Curves at matched cost" in markdown
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_lossless_methods_cost_exactly_zero(report: tuple[dict, Path], temperature: float) -> None:
+    data, _ = report
+    for method in ("autoregressive", "exact"):
+        quality = _config(data, temperature, method)["quality"]
+        assert quality["cost_per_token"] == 0.0 and quality["cost_per_token_ci95"] == 0.0
+    assert _config(data, temperature, "fuzzy", 0.0)["quality"]["cost_per_token"] == 0.0
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_mixture_stays_within_its_budget(report: tuple[dict, Path], temperature: float) -> None:
+    data, _ = report
+    costs = [
+        _config(data, temperature, "mixture", t)["quality"]["cost_per_token"]
+        for t in (MIXTURE_LOW, MIXTURE_HIGH)
+    ]
+    # Every token costs ≤ T, so every prompt's mean does (float32 rounding aside).
+    assert costs[0] <= MIXTURE_LOW + 1e-6 and costs[1] <= MIXTURE_HIGH + 1e-6
+    assert costs[1] > 0  # the larger budget is used: the bound is not met vacuously
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_cost_rises_with_threshold(report: tuple[dict, Path], temperature: float) -> None:
+    data, _ = report
+    costs = [_config(data, temperature, "fuzzy", t)["quality"]["cost_per_token"] for t in (0.0, 0.2, 0.7)]
+    assert costs[0] == 0.0 < costs[1] < costs[2]
+
+
+def test_curves_compared_in_the_report(report: tuple[dict, Path]) -> None:
+    data, _ = report
+    clocks = ["wall clock", "forward work"]
+    assert [(v["temperature"], v["clock"]) for v in data["curves"]] == [
+        (t, c) for t in (0, 1) for c in clocks
+    ]
+    for verdict in data["curves"]:
+        (comparison,) = verdict["comparisons"]  # fuzzy js k=3 against mixture k=3
+        assert {comparison["a"], comparison["b"]} == {"fuzzy js k=3", "mixture k=3"}
+        assert comparison["ratio"] >= 1 and comparison["prompts"] == 3
+        assert verdict["leader"] == comparison["a"]  # the faster of the two leads
+        assert comparison["ci95"] is None and comparison["winner"] is None  # 3 prompts: no interval
 
 
 def test_lossless_baselines_reproduce_greedy_output(report: tuple[dict, Path]) -> None:
@@ -116,6 +171,8 @@ def test_lossless_baselines_reproduce_greedy_output(report: tuple[dict, Path]) -
     assert _config(data, 0, "fuzzy", 0.0)["quality"]["greedy_agreement"] == 1.0
     assert _config(data, 0, "fuzzy", 0.0)["acceptance_rate"] == exact["acceptance_rate"]
     assert exact["fuzzy_share"] == 0.0 and exact["speedup"]["exact"] == 1.0
+    # The forward-work clock sees only forward counts: the same decoding is the same speed.
+    assert _config(data, 0, "fuzzy", 0.0)["work_speedup"]["exact"] == 1.0
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
@@ -216,6 +273,10 @@ def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> N
         (["--prompts", "tinystories", "--divergences", "js,cosine"], "--divergences: unknown value 'cosine'"),
         (["--prompts", "tinystories", "--rules", "exact"], "--rules: unknown value 'exact'"),
         (["--prompts", "tinystories", "--draft-tokens", "0"], "--draft-tokens: draft length k must be"),
+        (
+            ["--prompts", "tinystories", "--mixture-thresholds", "0.1,-0.1"],
+            "--mixture-thresholds: threshold must be a finite",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -283,7 +344,6 @@ def test_accuracy_on_a_set_with_answers(pair: ModelPair, tmp_path: Path) -> None
         runs = [r for r in result.runs if r.config == summary.config]
         assert [r.correct for r in runs if r.prompt == 1] == [False]  # no story mentions a zebra crossing
         assert summary.quality.accuracy == sum(bool(r.correct) for r in runs) / 2
-    assert quality_axis(summaries) == ("accuracy", True)
 
 
 @pytest.mark.parametrize(
@@ -318,3 +378,58 @@ def test_results_are_shown_even_when_the_reports_cannot_be_written(
         )
     out = capsys.readouterr().out
     assert "[/] run of [bold]x␛[2J" in out and "autoregressive" in out
+
+
+def _constructed_runs(speed: Callable[[Config, int], float], costs: dict[Config, float]) -> list[Run]:
+    """Runs of 7 prompts with known speed and cost: `speed(config, prompt)` tokens/s, 10 tokens,
+    cost per token `costs[config]`."""
+    runs = []
+    for prompt in range(7):
+        for config, cost in costs.items():
+            stats = GenerationStats(tokens=10, cost=10 * cost, target_forwards=4)
+            generation = Generation(
+                [0] * 10, 10 / speed(config, prompt), stats, ForwardTally(), ForwardTally()
+            )
+            runs.append(Run(config, prompt, 0, [1], generation, 20.0, None))
+    return runs
+
+
+def test_curves_are_compared_at_matched_cost_from_the_data() -> None:
+    setup = Setup("float32")
+    exact = Config(setup, 1.0, "exact", 5)
+    a1, a2 = Config(setup, 1.0, "mixture", 5, None, 0.1), Config(setup, 1.0, "mixture", 5, None, 0.3)
+    b1, b2 = Config(setup, 1.0, "fuzzy", 5, "js", 0.05), Config(setup, 1.0, "fuzzy", 5, "js", 0.2)
+    costs = {exact: 0.0, a1: 0.1, a2: 0.3, b1: 0.05, b2: 0.2}
+    configs = list(costs)
+    speeds = {exact: 100.0, a1: 150.0, a2: 180.0, b1: 110.0, b2: 160.0}
+    factors = [1.0, 0.5, 2.0, 1.5, 0.8, 1.2, 0.9]  # a slow prompt is slow for every configuration
+
+    def verdict_of(speed: Callable[[Config, int], float]) -> Verdict:
+        runs = _constructed_runs(speed, costs)
+        # The constructed runs time no forward passes, so only the wall clock has anything to compare.
+        (verdict,) = compare_curves(summarize(configs, runs), runs)
+        assert verdict.clock == "wall clock"
+        return verdict
+
+    verdict = verdict_of(lambda c, prompt: speeds[c] * factors[prompt])
+    (comparison,) = verdict.comparisons
+    assert (comparison.a, comparison.b) == ("mixture k=5", "fuzzy js k=5")
+    # Common costs up to 0.2 (fuzzy's end): 0.05, 0.1, 0.2. mixture: 100 + 500·c up to 0.1, then
+    # 150 + 150·(c − 0.1); fuzzy: 100 + 200·c up to 0.05, then 110 + (50 / 0.15)·(c − 0.05).
+    expected = [125 / 110, 150 / (110 + 50 / 3), 165 / 160]
+    assert [level.cost for level in comparison.levels] == pytest.approx([0.05, 0.1, 0.2])
+    assert [level.ratio for level in comparison.levels] == pytest.approx(expected)
+    geometric_mean = (expected[0] * expected[1] * expected[2]) ** (1 / 3)
+    assert comparison.ratio == pytest.approx(geometric_mean) and comparison.prompts == 7
+    # Paired by prompt: the prompts' factors cancel, so every prompt has the same ratio.
+    assert comparison.ci95 == pytest.approx((geometric_mean, geometric_mean))
+    assert verdict.leader == "mixture k=5" and verdict.dominates and comparison.winner == "mixture k=5"
+
+    # The same costs with fuzzy faster: the verdict follows the data.
+    slow_mixture = speeds | {a1: 105.0, a2: 120.0}
+    verdict = verdict_of(lambda c, prompt: slow_mixture[c] * factors[prompt])
+    assert verdict.leader == "fuzzy js k=5" and verdict.comparisons[0].b == "mixture k=5"
+
+    # mixture faster on some prompts, slower on others: a leader by the median, but no dominance.
+    verdict = verdict_of(lambda c, prompt: speeds[c] * (0.7 if c.method == "mixture" and prompt % 2 else 1.0))
+    assert verdict.leader == "mixture k=5" and not verdict.dominates and verdict.comparisons[0].winner is None

@@ -27,6 +27,7 @@ class Preset:
     thresholds: str
     divergences: str
     rules: str
+    mixture_thresholds: str
     draft_tokens: str
     draft_policies: str
     repeats: int
@@ -39,6 +40,7 @@ FULL = Preset(
     thresholds="0.01,0.02,0.05,0.1,0.2,0.4",
     divergences="js,kl,tv",
     rules="fuzzy",
+    mixture_thresholds="0.01,0.02,0.05,0.1,0.2",
     draft_tokens=str(o.DEFAULT_K),
     draft_policies=o.DEFAULT_DRAFT_POLICY,
     repeats=1,
@@ -52,6 +54,7 @@ QUICK = Preset(
     thresholds="0.02,0.05,0.1,0.2,0.4",
     divergences="js,tv",
     rules="fuzzy",
+    mixture_thresholds="0.01,0.02,0.05,0.1",
     draft_tokens=str(o.DEFAULT_K),
     draft_policies=o.DEFAULT_DRAFT_POLICY,
     repeats=1,
@@ -87,7 +90,14 @@ def bench(
         str | None, _opt("--divergences", "Divergences: kl, reverse-kl, js, tv (comma-separated).")
     ] = None,
     rules: Annotated[
-        str | None, _opt("--rules", "FSD rules: fuzzy, pure (comma-separated, or none).")
+        str | None, _opt("--rules", "Lossy rules: fuzzy, pure, mixture (comma-separated, or none).")
+    ] = None,
+    mixture_thresholds: Annotated[
+        str | None,
+        _opt(
+            "--mixture-thresholds",
+            "mixture rule's per-token KL budgets T, nats (greedy: regret), comma-separated.",
+        ),
     ] = None,
     draft_tokens: Annotated[str | None, _opt("--draft-tokens", "Draft lengths k (comma-separated).")] = None,
     draft_policies: Annotated[
@@ -144,6 +154,9 @@ def bench(
         thresholds=thresholds if thresholds is not None else preset.thresholds,
         divergences=divergences if divergences is not None else preset.divergences,
         rules=rules if rules is not None else preset.rules,
+        mixture_thresholds=mixture_thresholds
+        if mixture_thresholds is not None
+        else preset.mixture_thresholds,
         draft_tokens=draft_tokens if draft_tokens is not None else preset.draft_tokens,
         draft_policies=draft_policies if draft_policies is not None else preset.draft_policies,
         temperatures=temperature,

@@ -8,6 +8,20 @@ same prompt (same models, same sampling), so drift between prompts cancels.
 For hf-assisted, transformers reports no step statistics: target forwards are counted by the hooks
 (every one is a verification), drafted tokens = draft forwards (one token each), and accepted
 tokens = generated tokens − target forwards (each step emits its accepted tokens plus one).
+
+Speed is measured on two clocks. Wall clock (`tokens_per_second`, `speedup`) is what a user sees,
+but on a machine shared with other processes one run can wait seconds for a core. Forward work
+(`work_speedup`) is immune to that: each run's tokens / (its target forwards × t_target + its draft
+forwards × t_draft), where t_target and t_draft are the median per-forward costs over all runs of
+the same setup, temperature and k (the verify width), so every configuration of that kind is charged
+the same price per forward and only the forward counts differ. It leaves out time outside forward
+passes (1–3% in fsd-chat's decoders), so it cannot see a rule's own arithmetic.
+
+Quality's main figure is the cost per token (nats; `Token.cost` in fsd_chat/decoding/acceptance.py):
+the KL divergence of each emitted token's law from the target's (greedy: the log-probability regret),
+computed exactly from the distributions at each position, so a configuration's mean over prompts
+varies only with which positions the replies visited. The target NLL change is kept beside it; it
+is the difference of two large, noisy sums and needs many more prompts to resolve the same loss.
 """
 
 from __future__ import annotations
@@ -15,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from fsd_chat.bench.quality import greedy_agreement
@@ -26,7 +40,7 @@ SPEEDUP_BASELINES = ("autoregressive", "exact", "hf-assisted", "hf-assisted-defa
 """The methods every configuration's speed-up is paired against (when the sweep ran them)."""
 
 Z95 = 1.959964
-"""Two-sided 95% normal quantile (confidence intervals of NLL changes)."""
+"""Two-sided 95% normal quantile (confidence intervals of means over prompts: NLL change, cost)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,13 @@ class Quality:
     """Quality of a configuration's replies.
 
     Attributes:
+        cost_per_token: Mean over prompts of each prompt's cost per generated token (nats: the KL
+            divergence of the tokens' laws from the target's, summed over the reply and divided by
+            its tokens; greedy: log-probability regret). Exactly 0 for autoregressive decoding and
+            exact SD; hf-assisted is exact speculative sampling too and counts 0 by construction
+            (transformers reports no per-token laws, so it is not measured).
+        cost_per_token_ci95: Half-width of its 95% confidence interval (normal approximation over
+            prompts); None with fewer than 2 prompts.
         target_nll: Mean target negative log-likelihood per generated token (nats).
         target_nll_change: Relative change of target_nll against the reference (the group's
             autoregressive run, else exact SD with the same k); 0.02 = 2% worse.
@@ -65,6 +86,8 @@ class Quality:
     """
 
     target_nll: float | None
+    cost_per_token: float | None = None
+    cost_per_token_ci95: float | None = None
     target_nll_change: float | None = None
     target_nll_change_ci95: float | None = None
     reference: str | None = None
@@ -87,6 +110,8 @@ class Summary:
         speedup: Paired median tokens/s ratio against each baseline of the same group (and k).
         speedup_ci95: Distribution-free 95% confidence interval of each of those medians (from 6
             prompts × repeats up; see `median_ci95`).
+        work_speedup: The same paired medians on the forward-work clock (see the module docstring).
+        work_speedup_ci95: Their intervals.
         mean_accepted_length: τ, tokens per target forward.
         draft_tokens_per_step: Mean k: drafted tokens per target forward (None without drafting).
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
@@ -113,6 +138,8 @@ class Summary:
     decode_tokens_per_second: float | None
     speedup: dict[str, float]
     speedup_ci95: dict[str, tuple[float, float]]
+    work_speedup: dict[str, float]
+    work_speedup_ci95: dict[str, tuple[float, float]]
     mean_accepted_length: float
     draft_tokens_per_step: float | None
     acceptance_rate: float | None
@@ -153,12 +180,38 @@ def _mean_cost(seconds: Iterable[float], calls: Iterable[int]) -> float | None:
     return sum(seconds) / total_calls if total_calls else None
 
 
-def _rate(run: Run) -> float:
+def run_rate(run: Run) -> float:
+    """Generated tokens / wall-clock seconds of one run (0.0 for a run that took no time)."""
     return len(run.generation.token_ids) / run.generation.seconds if run.generation.seconds > 0 else 0.0
 
 
-def _trial(run: Run) -> tuple[int, int]:
+def trial_key(run: Run) -> tuple[int, int]:
+    """(prompt, repeat): runs of different configurations with the same key are paired (same
+    prompt, same seed)."""
     return (run.prompt, run.repeat)
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """Mean of a non-empty sample and the half-width of its 95% confidence interval by the normal
+    approximation, Z95 · s / √n (None for n < 2)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, Z95 * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def per_prompt(pairs: Iterable[tuple[int, float]]) -> list[float]:
+    """The mean of each prompt's values, from (prompt, value) pairs: repeats of a prompt reuse its
+    seed, so they are one observation, not several independent ones."""
+    by_prompt: dict[int, list[float]] = defaultdict(list)
+    for prompt, value in pairs:
+        by_prompt[prompt].append(value)
+    return [statistics.fmean(v) for v in by_prompt.values()]
+
+
+def _cost_per_token(run: Run) -> float:
+    """The run's cost per token (nats); 0 for hf-assisted, which is lossless (see `Quality`)."""
+    return run.generation.stats.cost_per_token if run.generation.stats is not None else 0.0
 
 
 def _reference(config: Config, method: str) -> Config:
@@ -205,6 +258,34 @@ def _limit(run: Run, counts: _Counts) -> float | None:
     return len(g.token_ids) / seconds if seconds > 0 else None
 
 
+RunRate = Callable[[Run], float]
+"""A clock: tokens/s of one run."""
+
+
+def work_rate(runs: list[Run]) -> RunRate:
+    """The forward-work clock of a set of runs: tokens / (target forwards × t_target + draft
+    forwards × t_draft), with t the median over the runs of the same setup, temperature and k of
+    each run's mean per-forward decode seconds (see the module docstring)."""
+    per_forward: dict[tuple[object, ...], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for run in runs:
+        g, c = run.generation, run.config
+        for tally, costs in zip((g.target, g.draft), per_forward[(*c.group, c.draft_tokens)], strict=True):
+            if tally.decode_calls:
+                costs.append(tally.decode_seconds / tally.decode_calls)
+    medians = {
+        key: tuple(statistics.median(costs) if costs else 0.0 for costs in pair)
+        for key, pair in per_forward.items()
+    }
+
+    def rate(run: Run) -> float:
+        counts = _Counts.of(run)
+        t_target, t_draft = medians[(*run.config.group, run.config.draft_tokens)]
+        seconds = counts.target * t_target + counts.draft * t_draft
+        return len(run.generation.token_ids) / seconds if seconds > 0 else 0.0
+
+    return rate
+
+
 def _nll_change(
     runs: list[Run], reference: list[Run], nll: float | None
 ) -> tuple[float | None, float | None]:
@@ -214,16 +295,16 @@ def _nll_change(
     ref_nll = sum(r.nll for r in reference) / ref_tokens
     if ref_nll <= 0:
         return None, None
-    ref_by_trial = {_trial(r): r for r in reference}
-    diffs = [
-        r.nll / len(r.generation.token_ids) - ref.nll / len(ref.generation.token_ids)
+    ref_by_trial = {trial_key(r): r for r in reference}
+    diffs = per_prompt(
+        (r.prompt, r.nll / len(r.generation.token_ids) - ref.nll / len(ref.generation.token_ids))
         for r in runs
-        if (ref := ref_by_trial.get(_trial(r))) is not None
+        if (ref := ref_by_trial.get(trial_key(r))) is not None
         and r.generation.token_ids
         and ref.generation.token_ids
-    ]
-    ci = Z95 * statistics.stdev(diffs) / math.sqrt(len(diffs)) / ref_nll if len(diffs) >= 2 else None
-    return (nll - ref_nll) / ref_nll, ci
+    )
+    half = mean_ci95(diffs)[1] if diffs else None
+    return (nll - ref_nll) / ref_nll, None if half is None else half / ref_nll
 
 
 def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]) -> Quality:
@@ -246,13 +327,18 @@ def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
     agreement = None
     greedy_reference = by_config.get(_reference(config, "autoregressive"), [])
     if config.temperature == 0 and greedy_reference:
-        ref_ids = {_trial(r): r.generation.token_ids for r in greedy_reference}
+        ref_ids = {trial_key(r): r.generation.token_ids for r in greedy_reference}
         scores = [
-            greedy_agreement(r.generation.token_ids, ref_ids[_trial(r)]) for r in runs if _trial(r) in ref_ids
+            greedy_agreement(r.generation.token_ids, ref_ids[trial_key(r)])
+            for r in runs
+            if trial_key(r) in ref_ids
         ]
         agreement = statistics.fmean(scores) if scores else None
+    cost, cost_ci = mean_ci95(per_prompt((r.prompt, _cost_per_token(r)) for r in runs))
     return Quality(
         target_nll=nll,
+        cost_per_token=cost,
+        cost_per_token_ci95=cost_ci,
         target_nll_change=change,
         target_nll_change_ci95=ci,
         reference=reference,
@@ -277,16 +363,17 @@ def median_ci95(values: list[float]) -> tuple[float, float] | None:
 
 
 def _speedups(
-    config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
+    config: Config, runs: list[Run], by_config: dict[Config, list[Run]], rate: RunRate
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    """Paired median tokens/s ratio on the clock `rate` against each baseline, with intervals."""
     speedups: dict[str, float] = {}
     intervals: dict[str, tuple[float, float]] = {}
     for method in SPEEDUP_BASELINES:
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
-        rates = {_trial(r): _rate(r) for r in reference}
-        ratios = [_rate(r) / rates[_trial(r)] for r in runs if rates.get(_trial(r))]
+        rates = {trial_key(r): rate(r) for r in reference}
+        ratios = [rate(r) / rates[trial_key(r)] for r in runs if rates.get(trial_key(r))]
         if ratios:
             speedups[method] = statistics.median(ratios)
             if (interval := median_ci95(ratios)) is not None:
@@ -299,6 +386,7 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
     by_config: dict[Config, list[Run]] = defaultdict(list)
     for run in runs:
         by_config[run.config].append(run)
+    work = work_rate(runs)
     summaries = []
     for config in configs:
         mine = by_config.get(config)
@@ -317,7 +405,8 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
             (r.generation.draft.decode_seconds for r in mine), (r.generation.draft.decode_calls for r in mine)
         )
         engine = [r.generation.stats for r in mine if r.generation.stats is not None]
-        speedups, intervals = _speedups(config, mine, by_config)
+        speedups, intervals = _speedups(config, mine, by_config, run_rate)
+        work_speedups, work_intervals = _speedups(config, mine, by_config, work)
         wall = sum(r.generation.seconds for r in mine)
         metered = sum(r.generation.target.seconds + r.generation.draft.seconds for r in mine)
         summaries.append(
@@ -325,12 +414,14 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
                 config=config,
                 runs=len(mine),
                 tokens=tokens,
-                tokens_per_second=Spread.of([_rate(r) for r in mine]),
+                tokens_per_second=Spread.of([run_rate(r) for r in mine]),
                 decode_tokens_per_second=statistics.median(s.tokens_per_second for s in engine)
                 if engine
                 else None,
                 speedup=speedups,
                 speedup_ci95=intervals,
+                work_speedup=work_speedups,
+                work_speedup_ci95=work_intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
                 draft_tokens_per_step=_ratio(sum(c.drafted for c in counts), target_forwards) or None,
                 acceptance_rate=_ratio(sum(c.accepted for c in counts), sum(c.drafted for c in counts)),

@@ -1,16 +1,20 @@
-"""tradeoff.png: quality against tokens/s, one panel per (setup, temperature).
+"""tradeoff.png: speed against cost per token, one column per (setup, temperature), one row per clock:
+wall-clock tokens/s (what a user sees), and the paired speed-up over exact SD on the forward-work
+clock (forward counts at shared per-forward costs, which other processes on the machine cannot
+disturb; see `metrics`).
 
-In each panel: one curve per FSD (rule, divergence, k) through its thresholds, the baselines as
-marked points, and the Pareto front (the points no other point beats on both speed and quality)
-joined by a wide dashed grey line.
-Quality is accuracy where the prompt set has answers, else target NLL per token (lower is better,
-so that axis is inverted: up is better everywhere).
+In each panel: one curve per lossy rule × divergence (fuzzy, pure) or rule (mixture) × k through its
+thresholds, each point with its cost's 95% interval as a horizontal bar, the baselines as marked
+points (lossless: at cost 0), and the Pareto front (the points no other point beats on both speed
+and cost) joined by a wide dashed grey line. Up and left is better.
 """
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -19,21 +23,26 @@ matplotlib.use("Agg")  # files only; no display on a terminal machine
 import matplotlib.pyplot as plt
 
 from fsd_chat.bench.metrics import Summary
-from fsd_chat.bench.sweep import FSD_RULES
 
 BASELINE_MARKERS = {"autoregressive": "s", "exact": "D", "hf-assisted": "^", "hf-assisted-default": "v"}
 
+Speed = Callable[[Summary], float | None]
+SPEEDS: dict[str, Speed] = {
+    "tokens/s (median over prompts)": lambda s: s.tokens_per_second.median,
+    "×exact SD, forward-work clock (paired median)": lambda s: s.work_speedup.get("exact"),
+}
+"""The rows of the plot: axis label → a summary's speed (None: not on this row)."""
 
-def quality_axis(summaries: list[Summary]) -> tuple[str, bool]:
-    """("accuracy" or "target_nll", higher is better?) for a set of summaries."""
-    if any(s.quality.accuracy is not None for s in summaries):
-        return "accuracy", True
-    return "target_nll", False
 
-
-def quality_value(summary: Summary, axis: str) -> float | None:
-    """The summary's value on the quality axis."""
-    return summary.quality.accuracy if axis == "accuracy" else summary.quality.target_nll
+def trade_off_points(
+    summaries: list[Summary], speed: Speed = lambda s: s.tokens_per_second.median
+) -> list[tuple[Summary, float, float]]:
+    """(summary, speed, cost per token) of every summary whose speed and cost are known."""
+    return [
+        (s, v, s.quality.cost_per_token)
+        for s in summaries
+        if s.quality.cost_per_token is not None and (v := speed(s)) is not None
+    ]
 
 
 def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[int]:
@@ -49,51 +58,60 @@ def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> l
 
 def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
     """Draw the trade-off of `summaries` into a PNG at `path`."""
-    axis, higher = quality_axis(summaries)
     groups: dict[str, list[Summary]] = defaultdict(list)
     for s in summaries:
         groups[f"{s.config.setup.label} · temperature {s.config.temperature:g}"].append(s)
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.4 * len(groups), 4.8), squeeze=False)
-    for ax, (name, members) in zip(axes[0], groups.items(), strict=True):
-        points = [(s, quality_value(s, axis)) for s in members]
-        points = [(s, q) for s, q in points if q is not None]
-        curves: dict[str, list[tuple[Summary, float]]] = defaultdict(list)
-        for s, q in points:
+    fig, axes = plt.subplots(len(SPEEDS), len(groups), figsize=(6.4 * len(groups), 9.6), squeeze=False)
+    for (row, (ylabel, speed)), (column, (name, members)) in itertools.product(
+        enumerate(SPEEDS.items()), enumerate(groups.items())
+    ):
+        ax = axes[row][column]
+        points = trade_off_points(members, speed)
+        curves: dict[str, list[tuple[Summary, float, float]]] = defaultdict(list)
+        for s, speed, cost in points:
             c = s.config
-            if c.method in FSD_RULES:
-                curves[
-                    f"{c.method} {c.divergence} k={c.draft_tokens}"
-                    + ("" if c.draft_policy == "fixed" else f" {c.draft_policy}")
-                ].append((s, q))
+            if c.curve is not None:
+                curves[c.curve].append((s, speed, cost))
             else:
                 ax.scatter(
-                    s.tokens_per_second.median,
-                    q,
+                    cost,
+                    speed,
                     marker=BASELINE_MARKERS[c.method],
                     s=70,
                     zorder=3,
                     label=c.label,
                     edgecolors="black",
                 )
+        exact = {
+            s.config.draft_tokens: (speed, cost) for s, speed, cost in points if s.config.method == "exact"
+        }
         for label, curve in curves.items():
             curve.sort(key=lambda item: item[0].config.threshold or 0.0)
-            xs = [s.tokens_per_second.median for s, _ in curve]
-            ys = [q for _, q in curve]
-            ax.plot(xs, ys, marker="o", label=label, zorder=2)
-            for s, q in curve:
+            # Every rule at T = 0 is exact SD: the curve starts at exact SD's point of the same k.
+            start = [exact[k]] if (k := curve[0][0].config.draft_tokens) in exact else []
+            ax.errorbar(
+                [cost for _, cost in start] + [cost for _, _, cost in curve],
+                [speed for speed, _ in start] + [speed for _, speed, _ in curve],
+                xerr=[0.0] * len(start) + [s.quality.cost_per_token_ci95 or 0.0 for s, _, _ in curve],
+                marker="o",
+                capsize=2,
+                label=label,
+                zorder=2,
+            )
+            for s, speed, cost in curve:
                 ax.annotate(
                     f"{s.config.threshold:g}",
-                    (s.tokens_per_second.median, q),
+                    (cost, speed),
                     textcoords="offset points",
                     xytext=(4, 4),
                     fontsize=7,
                 )
         if points:
-            coords = [(s.tokens_per_second.median, q) for s, q in points]
-            front = sorted((coords[i] for i in pareto_front(coords, higher)), key=lambda xy: xy[0])
+            coords = [(speed, cost) for _, speed, cost in points]
+            front = sorted((coords[i] for i in pareto_front(coords, False)), key=lambda xy: xy[1])
             ax.plot(
-                [x for x, _ in front],
-                [y for _, y in front],
+                [cost for _, cost in front],
+                [speed for speed, _ in front],
                 linestyle="--",
                 linewidth=4,
                 alpha=0.3,
@@ -101,11 +119,9 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
                 label="Pareto front",
                 zorder=1,
             )
-        if not higher:
-            ax.invert_yaxis()
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("tokens/s (median over prompts)")
-        ax.set_ylabel("accuracy" if axis == "accuracy" else "target NLL per token, nats (↑ better)")
+        ax.set_xlabel("cost per token, nats (KL from the target's law; greedy: regret), mean ± 95%")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from fsd_chat.bench.metrics import SPEEDUP_BASELINES, Summary
+from fsd_chat.bench.curves import Verdict
+from fsd_chat.bench.metrics import SPEEDUP_BASELINES, Quality, Summary
 from fsd_chat.models import ModelPair
 from fsd_chat.text import to_json
 
@@ -29,11 +30,13 @@ HEADERS = (
     "×exact",
     "×HF",
     "×HF-def",
+    "×exact work",
     "limit tok/s",
     "τ",
     "mean k",
     "accept",
     "fuzzy",
+    "cost/tok (±95%)",
     "NLL",
     "ΔNLL (±95%)",
     "greedy agree",
@@ -86,14 +89,17 @@ def write_json(
     environment: dict[str, object],
     sweep: dict[str, object],
     summaries: list[Summary],
+    verdicts: list[Verdict],
     interrupted: bool,
 ) -> None:
-    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs`."""
+    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs`, and
+    `curves`: per (setup, temperature), the lossy rules' curves compared at matched cost."""
     report = {
         "environment": environment,
         "sweep": sweep,
         "interrupted": interrupted,
         "configs": [s.to_dict() for s in summaries],
+        "curves": [v.to_dict() for v in verdicts],
     }
     path.write_text(to_json(report, indent=2) + "\n", encoding="utf-8")
 
@@ -102,14 +108,25 @@ def _num(value: float | None, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def _speedup(summary: Summary, method: str) -> str:
-    value = summary.speedup.get(method)
+def _speedup(summary: Summary, method: str, *, work: bool = False) -> str:
+    """The paired speed-up against `method` with its interval, on the wall clock or (`work`) the
+    forward-work clock."""
+    value = (summary.work_speedup if work else summary.speedup).get(method)
     if value is None:
         return "–"
-    interval = summary.speedup_ci95.get(method)
+    interval = (summary.work_speedup_ci95 if work else summary.speedup_ci95).get(method)
     if interval is None or interval[0] == interval[1]:  # too few prompts, or the baseline itself
         return f"{value:.2f}"
     return f"{value:.2f} [{interval[0]:.2f}–{interval[1]:.2f}]"
+
+
+def _cost(quality: Quality) -> str:
+    """Cost per token in nats with its 95% half-width; 4 decimals, since costs of 0.001 matter."""
+    if quality.cost_per_token is None:
+        return "–"
+    if quality.cost_per_token_ci95 is None:
+        return f"{quality.cost_per_token:.4f}"
+    return f"{quality.cost_per_token:.4f} ±{quality.cost_per_token_ci95:.4f}"
 
 
 def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
@@ -137,11 +154,13 @@ def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
                 "–" if c.method.startswith(("hf-", "autoregressive")) else c.draft_policy,
                 f"{tps.median:.1f} [{tps.q1:.1f}–{tps.q3:.1f}]",
                 *(_speedup(s, method) for method in SPEEDUP_BASELINES),
+                _speedup(s, "exact", work=True),
                 _num(s.limit_tokens_per_second, ".1f"),
                 f"{s.mean_accepted_length:.2f}",
                 _num(s.draft_tokens_per_step),
                 _num(s.acceptance_rate, ".0%"),
                 f"{s.fuzzy_share:.0%}",
+                _cost(q),
                 _num(q.target_nll, ".3f"),
                 change,
                 _num(q.greedy_agreement, ".0%"),
@@ -159,10 +178,12 @@ def write_markdown(
     title: str,
     environment: dict[str, object],
     summaries: list[Summary],
+    verdicts: list[Verdict],
     interrupted: bool,
     plot_name: str | None,
 ) -> None:
-    """Write report.md: what ran where, the table, the column legend and the plot."""
+    """Write report.md: what ran where, the table, the column legend, the curves compared at
+    matched cost, and the plot."""
     packages = environment["packages"]
     assert isinstance(packages, dict)
     lines = [
@@ -182,15 +203,33 @@ def write_markdown(
         "tok/s: generated tokens / wall-clock seconds of the whole call, over prompts. ×AR, ×exact, ×HF, "
         "×HF-def: paired median speed-up against target-only decoding, exact speculative decoding (same k, "
         "fixed), transformers' assisted generation (same constant k) and the same at transformers' "
-        "defaults, with its distribution-free 95% confidence interval from 6 prompts up. limit: tokens/s with zero overhead from the measured forward costs. "
-        "policy: fsd-chat's draft-length policy. τ: tokens per target forward. mean k: drafted tokens per target forward. accept: accepted / drafted. fuzzy: share of tokens accepted only by "
-        "D ≤ T. NLL: target negative log-likelihood per generated token (nats). ΔNLL: relative to "
+        "defaults, with its distribution-free 95% confidence interval from 6 prompts up. "
+        "×exact work: the same against exact SD on the forward-work clock (each run's forward counts × the "
+        "median per-forward costs of its setup, temperature and k: immune to other processes, blind to "
+        "time outside forward passes). limit: tokens/s with zero overhead from the measured forward costs. "
+        "policy: fsd-chat's draft-length policy. τ: tokens per target forward. mean k: drafted tokens per "
+        "target forward. accept: accepted / drafted. fuzzy: share of tokens accepted only by "
+        "D ≤ T. cost/tok: mean over prompts of the cost per token in nats (KL divergence of each token's law "
+        "from the target's, exact at each position; greedy: log-probability regret) with its 95% interval; "
+        "0 for lossless methods. NLL: target negative log-likelihood per generated token (nats). ΔNLL: relative to "
         "autoregressive decoding. greedy agree: share of the reply equal to target-only greedy output "
         "before the first difference. fwd ms: mean target / draft forward (prefill excluded). outside fwd: "
         "share of wall-clock time outside the models' forward passes (sampling, acceptance, cache "
         "rollback, detokenisation, framework). report.json has every figure, with fsd-chat's own "
         "overhead_share (other_seconds / decode seconds).",
     ]
+    if verdicts:
+        lines += [
+            "",
+            "## Curves at matched cost",
+            "",
+            "Each lossy rule's curve (through its thresholds, from exact SD at cost 0) against each other "
+            "one: per prompt, tokens/s interpolated linearly in cost at the cost levels both curves reach, "
+            "the ratio's geometric mean over the levels, then its median over prompts with a "
+            "distribution-free 95% interval (fsd_chat/bench/curves.py).",
+        ]
+        for verdict in verdicts:
+            lines += ["", *verdict.lines()]
     if plot_name:
-        lines += ["", f"![quality against speed]({plot_name})"]
+        lines += ["", f"![tokens/s against cost per token]({plot_name})"]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

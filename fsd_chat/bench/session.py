@@ -19,6 +19,7 @@ from rich.progress import (
 from rich.text import Text
 
 from fsd_chat.bench import plot, report, terminal
+from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.runner import Run, SweepResult, run_sweep
@@ -173,6 +174,7 @@ def write_outputs(
         FsdChatError: a report file cannot be written.
     """
     summaries = summarize(configs, runs)
+    verdicts = compare_curves(summaries, runs)
     environment = report.environment(pairs)
     plot_name = "tradeoff.png" if summaries else None
     console = Console(highlight=False)
@@ -183,12 +185,15 @@ def write_outputs(
         Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
     )
     terminal.show(console, summaries)
+    for verdict in verdicts:
+        console.print(Text("\n".join(verdict.lines())))
     try:
         report.write_json(
             output / "report.json",
             environment=environment,
             sweep=sweep,
             summaries=summaries,
+            verdicts=verdicts,
             interrupted=interrupted,
         )
         if plot_name:
@@ -198,6 +203,7 @@ def write_outputs(
             title=title,
             environment=environment,
             summaries=summaries,
+            verdicts=verdicts,
             interrupted=interrupted,
             plot_name=plot_name,
         )

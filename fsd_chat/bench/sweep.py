@@ -2,9 +2,11 @@
 
 Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
 engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same constant k),
-`hf-assisted-default` (the same at transformers' own defaults, whatever k), and FSD's `fuzzy` /
-`pure` rules at every divergence × threshold. Speculative methods run at every k asked for;
-fsd-chat's own (exact and FSD) with every draft-length policy asked for.
+`hf-assisted-default` (the same at transformers' own defaults, whatever k), FSD's `fuzzy` / `pure`
+rules at every divergence × threshold, and the `mixture` rule at every per-token KL budget of its
+own list (nats; it has no divergence, so it is not multiplied by the divergences). Speculative
+methods run at every k asked for; fsd-chat's own (exact and the lossy rules) with every
+draft-length policy asked for.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.errors import FsdChatError, SettingsError
 from fsd_chat.model_options import DTYPES, QUANTIZATIONS
 
-Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure"]
+Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure", "mixture"]
 BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
-FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure")
+FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
+"""The lossy rules a sweep can run (`--rules`); each draws one curve per divergence (if any) and k."""
+DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
+"""The rules whose threshold is a divergence bound, swept over `--divergences` × `--thresholds`."""
 
 T = TypeVar("T")
 
@@ -55,11 +60,12 @@ class Config:
     Attributes:
         setup: How the models are loaded.
         temperature: Sampling temperature (0 = greedy).
-        method: autoregressive, exact, hf-assisted, hf-assisted-default, fuzzy or pure.
+        method: autoregressive, exact, hf-assisted, hf-assisted-default, fuzzy, pure or mixture.
         draft_tokens: Draft length k (None for autoregressive and hf-assisted-default).
         divergence: D of the fuzzy test (fuzzy/pure only).
-        threshold: T in the divergence's units (fuzzy/pure only).
-        draft_policy: fsd-chat's draft-length policy (exact, fuzzy and pure; "fixed" otherwise).
+        threshold: T: in the divergence's units (fuzzy/pure), or the per-token KL budget in nats
+            (mixture; the log-probability regret budget when greedy). None for the baselines.
+        draft_policy: fsd-chat's draft-length policy (exact and the lossy rules; "fixed" otherwise).
     """
 
     setup: Setup
@@ -72,10 +78,13 @@ class Config:
 
     @property
     def label(self) -> str:
-        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4" or "exact k=8 cost"."""
+        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4", "mixture T=0.02 k=4" or
+        "exact k=8 cost"."""
         parts: list[str] = [self.method]
         if self.divergence is not None:
-            parts.append(f"{self.divergence} T={self.threshold:g}")
+            parts.append(self.divergence)
+        if self.threshold is not None:
+            parts.append(f"T={self.threshold:g}")
         if self.draft_tokens is not None:
             parts.append(f"k={self.draft_tokens}")
         if self.draft_policy != "fixed":
@@ -86,6 +95,17 @@ class Config:
     def group(self) -> tuple[Setup, float]:
         """Configurations of one group are compared with each other (same models, same sampling)."""
         return (self.setup, self.temperature)
+
+    @property
+    def curve(self) -> str | None:
+        """The trade-off curve this configuration lies on (its rule, divergence and k, through the
+        thresholds, and its draft-length policy), e.g. "fuzzy js k=4" or "mixture k=4 cost"; None for
+        the baselines."""
+        if self.method not in FSD_RULES:
+            return None
+        divergence = "" if self.divergence is None else f" {self.divergence}"
+        policy = "" if self.draft_policy == "fixed" else f" {self.draft_policy}"
+        return f"{self.method}{divergence} k={self.draft_tokens}{policy}"
 
 
 def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tuple[T, ...] = ()) -> list[T]:
@@ -136,6 +156,7 @@ class SweepSpec:
     rules: str
     draft_tokens: str
     draft_policies: str
+    mixture_thresholds: str
     temperatures: str
     baselines: str
     dtypes: str
@@ -154,6 +175,7 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
     divergences = parse_list(spec.divergences, "--divergences", str, DIVERGENCE_NAMES)
     rules = [] if spec.rules.strip() == "none" else parse_list(spec.rules, "--rules", str, FSD_RULES)
+    budgets = parse_list(spec.mixture_thresholds, "--mixture-thresholds", _threshold)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
     policies = parse_list(spec.draft_policies, "--draft-policies", str, DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
@@ -180,10 +202,13 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
                 for policy in policies:
                     if "exact" in baselines:
                         configs.append(Config(setup, temperature, "exact", k, draft_policy=policy))
-                    configs += [
-                        Config(setup, temperature, rule, k, divergence, threshold, policy)  # type: ignore[arg-type]
-                        for rule in rules
-                        for divergence in divergences
-                        for threshold in thresholds
-                    ]
+                    for rule in rules:
+                        if rule in DIVERGENCE_RULES:
+                            configs += [
+                                Config(setup, temperature, rule, k, divergence, threshold, policy)  # type: ignore[arg-type]
+                                for divergence in divergences
+                                for threshold in thresholds
+                            ]
+                        else:
+                            configs += [Config(setup, temperature, rule, k, None, t, policy) for t in budgets]  # type: ignore[arg-type]
     return setups, configs

@@ -10,9 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from fsd_chat.bench.metrics import Summary
-from fsd_chat.bench.plot import pareto_front, quality_axis, quality_value
+from fsd_chat.bench.plot import pareto_front, trade_off_points
 from fsd_chat.bench.report import HEADERS, table_rows
-from fsd_chat.bench.sweep import FSD_RULES
 
 BASELINE_GLYPHS = {"autoregressive": "A", "exact": "E", "hf-assisted": "H", "hf-assisted-default": "D"}
 WIDTH, HEIGHT = 56, 12
@@ -30,10 +29,12 @@ COLUMNS = tuple(
         "×exact",
         "×HF",
         "×HF-def",
+        "×exact work",
         "τ",
         "mean k",
         "accept",
         "fuzzy",
+        "cost/tok (±95%)",
         "ΔNLL (±95%)",
         "greedy agree",
         "accuracy",
@@ -57,37 +58,33 @@ def _scale(value: float, low: float, high: float, cells: int) -> int:
 
 
 def text_plot(summaries: list[Summary], title: str) -> Group:
-    """Quality (up = better) against tokens/s (right = faster) in characters: A, E, H for the
-    baselines, 1–9 for the FSD curves (legend below); Pareto-front points in bold."""
-    axis, higher = quality_axis(summaries)
-    points = [(s, q) for s in summaries if (q := quality_value(s, axis)) is not None]
+    """tokens/s (up = faster) against cost per token (right = costlier) in characters: A, E, H for
+    the baselines, 1–9 for the lossy rules' curves (legend below); Pareto-front points in bold."""
+    points = trade_off_points(summaries)
     series: dict[str, str] = {}
     grid = [[(" ", "")] * WIDTH for _ in range(HEIGHT)]
+    speeds = [speed for _, speed, _ in points]
+    costs = [cost for _, _, cost in points]
     if points:
-        xs = [s.tokens_per_second.median for s, _ in points]
-        ys = [q if higher else -q for _, q in points]
-        front = set(pareto_front(list(zip(xs, ys, strict=True)), True))
-        for i, (s, _) in enumerate(points):
-            c = s.config
-            if c.method in FSD_RULES:
-                name = f"{c.method} {c.divergence} k={c.draft_tokens}" + (
-                    "" if c.draft_policy == "fixed" else f" {c.draft_policy}"
-                )
-                glyph = series.setdefault(name, str(len(series) % 9 + 1))
+        front = set(pareto_front(list(zip(speeds, costs, strict=True)), False))
+        for i, (s, speed, cost) in enumerate(points):
+            if s.config.curve is not None:
+                glyph = series.setdefault(s.config.curve, str(len(series) % 9 + 1))
             else:
-                glyph = BASELINE_GLYPHS[c.method]
-            col = _scale(xs[i], min(xs), max(xs), WIDTH)
-            row = HEIGHT - 1 - _scale(ys[i], min(ys), max(ys), HEIGHT)
+                glyph = BASELINE_GLYPHS[s.config.method]
+            col = _scale(cost, min(costs), max(costs), WIDTH)
+            row = HEIGHT - 1 - _scale(speed, min(speeds), max(speeds), HEIGHT)
             grid[row][col] = (glyph, "bold reverse" if i in front else "")
     lines: list[Text] = [Text(title, style="bold")]
-    label = "accuracy" if axis == "accuracy" else "target NLL (↑ better)"
-    lines.append(Text(f"↑ {label}"))
+    if points:
+        lines.append(Text(f"↑ tokens/s ({min(speeds):.1f}–{max(speeds):.1f})"))
     for cells in grid:
         lines.append(Text("│").append_text(Text.assemble(*cells)))
     if points:
-        xs = [s.tokens_per_second.median for s, _ in points]
         lines.append(Text("└" + "─" * WIDTH))
-        lines.append(Text(f" {min(xs):.1f}".ljust(WIDTH - 12) + f"{max(xs):.1f} tok/s →"))
+        lines.append(
+            Text(f" {min(costs):.3f}".ljust(WIDTH - 24) + f"{max(costs):.3f} cost per token (nats) →")
+        )
     legend = "  ".join(
         [f"{g} {m}" for m, g in BASELINE_GLYPHS.items()] + [f"{g} {n}" for n, g in series.items()]
     )
