@@ -52,6 +52,16 @@ replaced by the blend (1 − λ)p + λq with the largest λ whose KL from p stay
 speculative sampling runs against that blend; so T is a hard budget, in nats, on every token's
 cost, and the dial reads in the same units as the cost figure.
 
+What T costs, in nats per token (sampling at temperature 1 · greedy), measured on the offline pair
+with k = 5 (README, "The divergences' scales"); under mixture every token costs at most T:
+
+| divergence | T 0.02 | T 0.05 | T 0.1 | T 0.2 | T 0.4 |
+|---|---|---|---|---|---|
+| js | 0.016 · 0.001 | 0.060 · 0.021 | 0.127 · 0.063 | 0.250 · 0.131 | 0.359 · 0.199 |
+| tv | 0.003 · 0.000 | 0.010 · 0.000 | 0.018 · 0.000 | 0.054 · 0.008 | 0.175 · 0.069 |
+| kl | 0.004 · 0.000 | 0.011 · 0.000 | 0.023 · 0.006 | 0.068 · 0.021 | 0.126 · 0.065 |
+| reverse-kl | 0.001 · 0.000 | 0.004 · 0.000 | 0.011 · 0.006 | 0.033 · 0.019 | 0.085 · 0.053 |
+
 The stats strip shows tokens/s, acceptance rate, mean accepted length τ (tokens per target
 forward pass), the share of fuzzy-accepted tokens and the cost per token over the last 16 steps,
 and a sparkline of tokens per step.
