@@ -28,11 +28,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from fsd_chat.chat import Message, fit_to_context, prompt_ids
-from fsd_chat.cli import main
 from fsd_chat.errors import ContextLengthError, IncompatibleModelsError
 from fsd_chat.models import ModelPair, check_compatible
 from fsd_chat.store import SessionStore
 from fsd_chat.text import to_json, visible
+from tests.test_cli_generate import run_cli as run
 from tests.test_transcript import session as saved_session
 
 CONSOLE_SCRIPT = str(Path(sys.executable).with_name("fsd-chat"))
@@ -256,16 +256,6 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     session = saved_session()
     SessionStore(tmp_path / "data" / "sessions.sqlite3").append_turns(session, session.turns)
     yield tmp_path
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

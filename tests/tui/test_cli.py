@@ -6,21 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from fsd_chat.cli import main
 from fsd_chat.config import config_dir, sessions_path
 from fsd_chat.store import SessionStore
+from tests.test_cli_generate import run_cli as run
 from tests.test_store import make_session
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """Run `fsd-chat ARGV`; (exit code, stdout, stderr)."""
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_history_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
