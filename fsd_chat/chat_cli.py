@@ -120,8 +120,10 @@ def chat(
     config = load_config()
     v = _with_config(ctx, dict(ctx.params), config.options)
     check_chat_options(v)
+    if resume is not None and not resume.strip():
+        raise ConfigError("--resume needs a session id or a prefix of one (fsd-chat history lists them)")
     store = SessionStore(sessions_path())
-    session = store.load(resume) if resume else None
+    session = store.load(resume) if resume is not None else None
     target_source = v["target"] or (session.models["target"] if session else None)
     draft_source = v["draft"] or (session.models["draft"] if session else None)
     if not target_source or not draft_source:
@@ -181,7 +183,8 @@ def chat(
 
 def history() -> None:
     """List the saved chat sessions, most recent first."""
-    summaries = SessionStore(sessions_path()).summaries()
+    # Listing reads: it must not create the database on a machine that never chatted.
+    summaries = SessionStore(sessions_path()).summaries() if sessions_path().exists() else []
     if not summaries:
         print("no saved sessions yet")
         return
@@ -200,6 +203,8 @@ def export(
     ] = None,
 ) -> None:
     """Write a saved session as a Markdown transcript."""
+    if not sessions_path().exists():  # reading must not create the database
+        raise ConfigError(f"no saved sessions yet ({sessions_path()} does not exist)")
     markdown = render_markdown(SessionStore(sessions_path()).load(session_id))
     written = export_transcript(markdown, output)
     if written:

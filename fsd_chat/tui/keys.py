@@ -7,6 +7,7 @@ a reply streams. The help screen and the README's key table are built from these
 from __future__ import annotations
 
 from textual.binding import Binding
+from textual.keys import Keys, _character_to_key
 
 from fsd_chat.config import ConfigError
 
@@ -83,16 +84,36 @@ DIAL_BINDINGS = [
 ALL_BINDINGS = APP_BINDINGS + PROMPT_BINDINGS + CHAT_BINDINGS + DIAL_BINDINGS
 
 
+MODIFIERS = frozenset({"ctrl", "shift", "alt", "meta", "super", "hyper"})
+KEY_NAMES = frozenset(
+    {key.value.rsplit("+", 1)[-1] for key in Keys} | {_character_to_key(chr(code)) for code in range(33, 127)}
+)
+"""The keys Textual can report: its named keys (up, f1, escape, ...) and printable characters."""
+
+
+def _known_key(key: str) -> bool:
+    *modifiers, name = key.split("+")
+    return name in KEY_NAMES and all(m in MODIFIERS for m in modifiers)
+
+
 def check_keymap(keymap: dict[str, str]) -> None:
-    """Reject a keymap naming a binding id that does not exist.
+    """Reject a keymap naming a binding id that does not exist, or a key Textual never reports
+    (a binding given one would silently stop working).
 
     Raises:
-        ConfigError: an unknown id (with the list of known ones).
+        ConfigError: an unknown id (with the list of known ones), or an unknown key name.
     """
     known = [b.id for b in ALL_BINDINGS if b.id]
     unknown = sorted(set(keymap) - set(known))
     if unknown:
         raise ConfigError(f"[keymap]: unknown binding id(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    for binding_id, keys in keymap.items():
+        bad = [key for key in keys.split(",") if not _known_key(key.strip())]
+        if bad:
+            raise ConfigError(
+                f"[keymap]: {binding_id} = {keys!r}: unknown key {bad[0]!r} "
+                "(keys look like ctrl+k, f5 or shift+up; several are separated by commas)"
+            )
 
 
 def key_rows(keymap: dict[str, str]) -> list[tuple[str, str, str]]:

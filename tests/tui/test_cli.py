@@ -14,6 +14,9 @@ from tests.test_store import make_session
 
 def test_history_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["history"], capsys) == (0, "no saved sessions yet\n", "")
+    code, _, err = run(["export", "abcd"], capsys)
+    assert code == 2 and err.startswith("fsd-chat: error: no saved sessions yet")
+    assert not sessions_path().exists()  # reading created nothing
     session = make_session("abcd1234")
     SessionStore(sessions_path()).append_turns(session, session.turns)
     code, out, _ = run(["history"], capsys)
@@ -39,6 +42,10 @@ def test_chat_errors_before_the_tui_starts(
     assert code == 2 and err.startswith("fsd-chat: error: no model pair: pass --target and --draft")
     code, _, err = run(["chat", "--resume", "nope"], capsys)
     assert code == 2 and "no saved session 'nope'" in err
+    code, _, err = run(["--resume", " ", "--target", str(target_dir), "--draft", str(target_dir)], capsys)
+    assert code == 2 and err == (
+        "fsd-chat: error: --resume needs a session id or a prefix of one (fsd-chat history lists them)\n"
+    )
 
 
 def test_config_fills_in_and_flags_override(
@@ -55,6 +62,10 @@ def test_config_fills_in_and_flags_override(
     (config_dir() / "config.toml").write_text('[keymap]\nstopp = "x"\n')
     code, _, err = run(["--target", str(target_dir), "--draft", str(target_dir)], capsys)
     assert code == 2 and "unknown binding id(s) stopp" in err
+    for keys in ("ctrl+shift+alt+banana", "", "f5,"):
+        (config_dir() / "config.toml").write_text(f'[keymap]\nhelp = "{keys}"\n')
+        code, _, err = run(["--target", str(target_dir), "--draft", str(target_dir)], capsys)
+        assert code == 2 and err.count("\n") == 1 and "[keymap]: help = " in err and "unknown key" in err
     (config_dir() / "config.toml").write_text("colour = 1\n")
     code, _, err = run(["history"], capsys)  # other commands do not read config.toml
     assert code == 0
