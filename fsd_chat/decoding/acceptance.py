@@ -165,41 +165,39 @@ def verify(
     q_x = q[positions, draft_ids]
     div = divergence(divergence_name, p_draft, q)
     relaxing = rule != "exact" and threshold > 0
-    zero = torch.zeros(k, device=p.device)
-    costs = zero
+    # The relaxed test of each rule (never passing under `exact` or at T = 0), and the cost of the
+    # token each position emits; both stay zero unless the rule relaxes.
+    relaxed = torch.zeros(k, dtype=torch.bool, device=p.device)
+    costs = torch.zeros(k, device=p.device)
     if sampling.greedy:
-        best = p_draft.max(-1).values
         exact = draft_ids == p_draft.argmax(-1)
-        # log p(argmax) − log p(x̃): +inf for a token the target's truncation removed.
-        regret = best.log() - p_x.log()
-        relaxed = torch.zeros_like(exact)
         if relaxing:
+            # log p(argmax) − log p(x̃): +inf for a token the target's truncation removed.
+            regret = p_draft.max(-1).values.log() - p_x.log()
             relaxed = (regret <= threshold) if rule == "mixture" else (div <= threshold) & (p_x > 0)
-        accept = {"exact": exact, "fuzzy": exact | relaxed, "pure": relaxed, "mixture": exact | relaxed}[rule]
-        # A rejected position emits the target's argmax (regret 0); an accepted one its own regret.
-        costs = torch.where(accept & (p_x > 0), regret, zero)
+            # A relaxed acceptance costs its regret; the exact test's token and a rejected
+            # position's correction are the target's argmax (regret 0).
+            costs = torch.where(relaxed, regret, costs)
         candidates = p.argmax(-1)
     else:
         u = torch.rand(k, generator=generator, device=p.device)
         # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
         exact = u * q_x <= p_x
-        accept = exact
         corrections = _corrections(p, q, rule)
-        if rule == "mixture" and relaxing:
+        if relaxing and rule == "mixture":
             lam, costs = mixture_weight(p_draft, q, threshold)
-            accept = u * q_x <= (1 - lam) * p_x + lam * q_x
+            # Exact sampling against (1 − λ)p + λq: it accepts whatever the exact test accepts.
+            relaxed = u * q_x <= (1 - lam) * p_x + lam * q_x
         elif relaxing:
             fuzzy = div <= threshold
             relaxed = fuzzy & (p_x > 0)
-            accept = relaxed if rule == "pure" else exact | relaxed
             # The law of a fuzzy position: q on the target's support, the rest of q's mass moved to
             # the correction law (the draft token is rejected exactly when it falls outside).
             on_support = torch.where(p_draft > 0, q, 0.0)
             law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections[:k]
-            costs = torch.where(fuzzy, kl(law, p_draft), zero)
-        elif rule == "pure":
-            accept = torch.zeros_like(exact)
+            costs = torch.where(fuzzy, kl(law, p_draft), costs)
         candidates = draw(corrections, sampling, generator)
+    accept = relaxed if rule == "pure" else exact | relaxed
     n = accept.long().cumprod(0).sum()
     # Only the correction at position n (or the bonus) is used; drawing all k + 1 keeps n on the
     # device. The other draws are independent of everything emitted, so the law is unchanged.

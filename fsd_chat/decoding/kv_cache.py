@@ -42,6 +42,9 @@ class CachedModel:
             (recurrent / linear-attention state, as in Mamba).
     """
 
+    compile_error: str | None = None
+    """Why compiled forward passes fell back to eager ones (only `CompiledModel` compiles)."""
+
     def __init__(self, model: PreTrainedModel, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -134,7 +137,6 @@ class CompiledModel(CachedModel):
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
         self.capacity = capacity
-        self.compile_error: str | None = None
         super().__init__(model, vocab_size)
         cuda = self.device.type == "cuda"
         self._compiled = torch.compile(model.forward, mode="reduce-overhead" if cuda else None, dynamic=False)

@@ -95,7 +95,7 @@ class SpeculativeDecoder:
     def compile_error(self) -> str | None:
         """Why the compiled draft fell back to eager forward passes (None: it did not, or no
         compilation was asked for)."""
-        return getattr(self.draft, "compile_error", None)
+        return self.draft.compile_error
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
