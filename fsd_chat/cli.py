@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, NoReturn
+from typing import NoReturn
 
 import typer
 from typer.exceptions import Abort, TyperException
 
-from fsd_chat import cli_options as o
+from fsd_chat import bench_command, chat_command, generate_command
 from fsd_chat.errors import FsdChatError
 from fsd_chat.text import one_line, require_utf8
 
@@ -37,82 +37,10 @@ def root() -> None:
     """
 
 
-def quiet_libraries() -> None:
-    """Silence transformers' progress bars and the advisory logs of transformers and bitsandbytes
-    (bitsandbytes' 8-bit matmul logs a warning on every call on the CPU)."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-
-
-@app.command()
-def generate(
-    prompt: Annotated[
-        str, typer.Argument(help="The prompt (a user turn for chat models); - reads it from standard input.")
-    ],
-    target: o.TargetOpt,
-    draft: o.DraftOpt,
-    threshold: o.ThresholdOpt = o.DEFAULT_THRESHOLD,
-    divergence: o.DivergenceOpt = o.DEFAULT_DIVERGENCE,
-    rule: o.RuleOpt = o.DEFAULT_RULE,
-    draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
-    draft_policy: o.DraftPolicyOpt = o.DEFAULT_DRAFT_POLICY,
-    compile_draft: o.CompileOpt = False,
-    temperature: o.TemperatureOpt = 0.0,
-    top_p: o.TopPOpt = 1.0,
-    top_k: o.TopKOpt = 0,
-    seed: o.SeedOpt = None,
-    max_new_tokens: o.MaxNewTokensOpt = 256,
-    quantize_target: o.QuantizeTargetOpt = "none",
-    quantize_draft: o.QuantizeDraftOpt = "none",
-    device: o.DeviceOpt = "auto",
-    dtype: o.DtypeOpt = "auto",
-    trust_remote_code: o.TrustRemoteCodeOpt = False,
-    threads: o.ThreadsOpt = None,
-    raw: Annotated[bool, typer.Option("--raw", help="Plain text prompt, no chat template.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="JSON Lines: one object per step, then a summary.")
-    ] = False,
-    autoregressive: Annotated[
-        bool, typer.Option("--autoregressive", help="Target-only decoding (the baseline).")
-    ] = False,
-) -> None:
-    """Stream one reply to PROMPT, coloured by token origin on a terminal."""
-    from fsd_chat.generate import prompt_text, run_generate
-
-    o.check_max_new_tokens(max_new_tokens)
-    settings = o.decoding_settings(rule, divergence, threshold, draft_tokens, draft_policy)
-    sampling = o.sampling_config(temperature, top_k, top_p, seed)
-    specs = o.pair_specs(target, draft, quantize_target, quantize_draft, device, dtype, trust_remote_code)
-    text = prompt_text(prompt, sys.stdin.buffer)
-    quiet_libraries()
-    run_generate(
-        text,
-        *specs,
-        settings=settings,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        raw=raw,
-        as_json=as_json,
-        autoregressive=autoregressive,
-        threads=threads,
-        compile_draft=compile_draft,
-    )
-
-
-# Commands defined in their own modules register below this line.
-from fsd_chat import chat_cli  # noqa: E402  (registered after `app` exists)
-
-app.command("chat")(chat_cli.chat)
-app.command("history")(chat_cli.history)
-app.command("export")(chat_cli.export)
-
-from fsd_chat.bench import command as bench_command  # noqa: E402
-
+app.command("generate")(generate_command.generate)
+app.command("chat")(chat_command.chat)
+app.command("history")(chat_command.history)
+app.command("export")(chat_command.export)
 app.command("bench")(bench_command.bench)
 
 

@@ -84,7 +84,7 @@ def user_themes_dir() -> Path:
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class UserConfig:
     """The settings of config.toml.
 
     Attributes:
@@ -98,7 +98,7 @@ class Config:
     path: Path | None = None
 
 
-def load_config(path: Path | None = None) -> Config:
+def load_config(path: Path | None = None) -> UserConfig:
     """Read config.toml (default: in `config_dir()`); a missing file is an empty config.
 
     Raises:
@@ -108,7 +108,7 @@ def load_config(path: Path | None = None) -> Config:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return Config(path=path)
+        return UserConfig(path=path)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
@@ -126,7 +126,7 @@ def load_config(path: Path | None = None) -> Config:
         # bool is an int in Python, but `threshold = true` is surely a mistake.
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise ConfigError(f"{path}: {key} = {value!r} has the wrong type")
-    return Config(options=data, keymap=keymap, path=path)
+    return UserConfig(options=data, keymap=keymap, path=path)
 
 
 def check_chat_options(values: dict[str, object]) -> None:

@@ -10,7 +10,7 @@ from typing import BinaryIO
 from rich.console import Console
 from rich.text import Text
 
-from fsd_chat.chat import Message, prompt_ids
+from fsd_chat.chat_template import Message, prompt_ids
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, Step
 from fsd_chat.models import LoadOptions, ModelSpec, load_pair
 from fsd_chat.text import TextError, decode_utf8, require_utf8, to_json, visible

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from fsd_chat.chat import Message, Role
+from fsd_chat.chat_template import Message, Role
 from fsd_chat.decoding.events import GenerationStats, Origin, Step
 from fsd_chat.errors import FsdChatError
 
@@ -30,7 +30,7 @@ def new_session_id() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
+class OriginRun:
     """Consecutive reply text of one origin, decoded under one setting of the controls."""
 
     text: str
@@ -55,7 +55,7 @@ class ReplyRecord:
         stop_reason: Why it ended (a `StopReason` value), or None while it streams.
     """
 
-    runs: list[Run] = field(default_factory=list)
+    runs: list[OriginRun] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     stop_reason: str | None = None
 
@@ -100,9 +100,9 @@ class ReplyBuilder:
         runs = self.record.runs
         rule, divergence, threshold = setting
         if runs and runs[-1].origin == origin and runs[-1].setting == setting:
-            runs[-1] = Run(runs[-1].text + text, origin, threshold, divergence, rule)
+            runs[-1] = OriginRun(runs[-1].text + text, origin, threshold, divergence, rule)
         else:
-            runs.append(Run(text, origin, threshold, divergence, rule))
+            runs.append(OriginRun(text, origin, threshold, divergence, rule))
 
 
 @dataclass(slots=True)
@@ -206,7 +206,7 @@ def _empty_reply(created: str) -> Turn:
 def reply_from_dict(data: dict[str, Any]) -> ReplyRecord:
     """A `ReplyRecord` from its `asdict` form."""
     runs = [
-        Run(r["text"], Origin(r["origin"]), float(r["threshold"]), r["divergence"], r["rule"])
+        OriginRun(r["text"], Origin(r["origin"]), float(r["threshold"]), r["divergence"], r["rule"])
         for r in data.get("runs", [])
     ]
     return ReplyRecord(runs=runs, stats=dict(data.get("stats", {})), stop_reason=data.get("stop_reason"))

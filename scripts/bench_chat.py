@@ -40,7 +40,9 @@ def generate_tps(pair: ModelPair, tokens: int) -> float:
     """Decode tokens/s of `fsd-chat generate`'s loop (its output written nowhere)."""
     decoder = pair.speculative(Controls(SETTINGS))
     totals = GenerationStats()
-    for step in decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=tokens, sampling=SamplingConfig()):
+    for step in decoder.generate(
+        pair.tokenizer(PROMPT).input_ids, max_new_tokens=tokens, sampling=SamplingConfig()
+    ):
         totals.add(step)
     assert totals.tokens == tokens, "the reply ended early: pick another prompt"
     return totals.tokens_per_second
@@ -51,7 +53,9 @@ async def chat_run(pair: ModelPair, tokens: int, turns: int, threads: int, folde
     resume = None
     if turns > 1:
         builder = ReplyBuilder()
-        steps = pair.speculative(Controls(SETTINGS)).generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=60)
+        steps = pair.speculative(Controls(SETTINGS)).generate(
+            pair.tokenizer(PROMPT).input_ids, max_new_tokens=60
+        )
         for step in steps:
             builder.add(step)
         # Empty texts for the prompt (a base model skips them), full replies on screen: the screen
@@ -91,7 +95,11 @@ async def chat_run(pair: ModelPair, tokens: int, turns: int, threads: int, folde
     # From the first update to the last: the steady work per update, drawing included (sending the
     # message, a one-off, is left out).
     per_update = (marks[-1] - marks[0]) / (len(marks) - 1)
-    return {"tokens_per_second": stats["tokens_per_second"], "updates": len(marks), "ui_ms_per_update": 1000 * per_update}
+    return {
+        "tokens_per_second": stats["tokens_per_second"],
+        "updates": len(marks),
+        "ui_ms_per_update": 1000 * per_update,
+    }
 
 
 def main() -> None:
@@ -103,7 +111,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=Path("bench-chat.json"))
     args = parser.parse_args()
-    pair = load_pair(ModelSpec(args.target), ModelSpec(args.draft), LoadOptions(device="cpu", dtype="float32"))
+    pair = load_pair(
+        ModelSpec(args.target), ModelSpec(args.draft), LoadOptions(device="cpu", dtype="float32")
+    )
     torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp())
     generate_tps(pair, 50)  # warm-up
@@ -128,9 +138,19 @@ def main() -> None:
                 "updates": statistics.median(r["updates"] for r in runs),
                 "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
             }
-            print(f"{tokens:4d} tokens, {turns:3d} turns on screen: UI {ms:5.2f} ms CPU per update", flush=True)
+            print(
+                f"{tokens:4d} tokens, {turns:3d} turns on screen: UI {ms:5.2f} ms CPU per update", flush=True
+            )
     report = {
-        "settings": {"tokens": args.tokens, "threads": args.threads, "rule": "fuzzy", "divergence": "js", "threshold": 0.05, "k": 5, "temperature": 0},
+        "settings": {
+            "tokens": args.tokens,
+            "threads": args.threads,
+            "rule": "fuzzy",
+            "divergence": "js",
+            "threshold": 0.05,
+            "k": 5,
+            "temperature": 0,
+        },
         "generate_tokens_per_second": gen,
         "chat_tokens_per_second": chat,
         "chat_over_generate": ratios,
@@ -138,7 +158,9 @@ def main() -> None:
         "per_update": per_update,
     }
     args.output.write_text(json.dumps(report, indent=2))
-    print(f"chat / generate, median of {args.repeats}: {report['chat_over_generate_median']:.2f}  ({args.output})")
+    print(
+        f"chat / generate, median of {args.repeats}: {report['chat_over_generate_median']:.2f}  ({args.output})"
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from fsd_chat.bench.curves import Verdict, compare_curves
 from fsd_chat.bench.meter import ForwardTally
 from fsd_chat.bench.methods import Generation, PairRunner
 from fsd_chat.bench.metrics import median_ci95, summarize
+from fsd_chat.bench.pipeline import write_outputs
 from fsd_chat.bench.prompts import (
     choice_correct,
     generic_correct,
@@ -28,9 +29,8 @@ from fsd_chat.bench.prompts import (
     number_correct,
 )
 from fsd_chat.bench.runner import Run, run_sweep
-from fsd_chat.bench.session import write_outputs
 from fsd_chat.bench.sweep import Config, Setup
-from fsd_chat.chat import Message, prompt_ids
+from fsd_chat.chat_template import Message, prompt_ids
 from fsd_chat.cli import main
 from fsd_chat.decoding import GenerationStats
 from fsd_chat.errors import FsdChatError

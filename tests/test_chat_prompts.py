@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from fsd_chat.chat import Message, fit_to_context, has_chat_template, prompt_ids
+from fsd_chat.chat_template import Message, fit_to_context, has_chat_template, prompt_ids
 from fsd_chat.errors import ContextLengthError
 from fsd_chat.models import ModelPair
 

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from fsd_chat.chat import Message, fit_to_context, prompt_ids
+from fsd_chat.chat_template import Message, fit_to_context, prompt_ids
 from fsd_chat.errors import ContextLengthError, IncompatibleModelsError
 from fsd_chat.models import ModelPair, check_compatible
 from fsd_chat.store import SessionStore

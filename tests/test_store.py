@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsd_chat.decoding.events import GenerationStats, Origin
-from fsd_chat.session import ReplyRecord, Run, Session, Turn
+from fsd_chat.session import OriginRun, ReplyRecord, Session, Turn
 from fsd_chat.session_writer import SessionWriter
 from fsd_chat.store import SCHEMA, SessionStore, SessionStoreError
 
@@ -20,8 +20,8 @@ def make_session(session_id: str = "abcd1234") -> Session:
     """A session with one exchange whose reply has two runs under two thresholds."""
     reply = ReplyRecord(
         runs=[
-            Run("Once", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy"),
-            Run(" there", Origin.DRAFT_FUZZY, 0.2, "js", "fuzzy"),
+            OriginRun("Once", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy"),
+            OriginRun(" there", Origin.DRAFT_FUZZY, 0.2, "js", "fuzzy"),
         ],
         stats={**GenerationStats().to_dict(), "tokens": 2, "thresholds": [0.1, 0.2]},
         stop_reason="stopped",
@@ -64,7 +64,7 @@ def test_writes_append_and_update_one_row(tmp_path: Path) -> None:
     assert store.append_turns(session, [question, answer]) == [2, 3]
     conn = sqlite3.connect(tmp_path / "s.sqlite3")
     rowids = conn.execute("SELECT rowid FROM turns ORDER BY position").fetchall()
-    answer.reply = ReplyRecord([Run("Yes", Origin.TARGET_BONUS, 0.1, "js", "fuzzy")], {}, "eos")
+    answer.reply = ReplyRecord([OriginRun("Yes", Origin.TARGET_BONUS, 0.1, "js", "fuzzy")], {}, "eos")
     store.update_turn(session.id, 3, Turn("assistant", "Yes", answer.created, answer.reply))
     # The earlier rows were not deleted and rewritten: same rows, same ids.
     assert conn.execute("SELECT rowid FROM turns ORDER BY position").fetchall() == rowids
@@ -179,7 +179,7 @@ def test_writer_waits_for_a_lock_and_retries_a_failed_save(tmp_path: Path) -> No
     assert len(errors) == 1 and "database is locked" in errors[0]
     assert writer.pending() == 2
     locker.execute("ROLLBACK")
-    second[1].reply = ReplyRecord([Run("Done", Origin.TARGET, 0.1, "js", "fuzzy")], {}, "eos")
+    second[1].reply = ReplyRecord([OriginRun("Done", Origin.TARGET, 0.1, "js", "fuzzy")], {}, "eos")
     writer.update_reply(session.id, second[1])  # the next save writes everything, in order
     assert recovered.wait(5)
     assert writer.close(5)

@@ -11,7 +11,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from fsd_chat.decoding.events import Origin
-from fsd_chat.session import ReplyRecord, Run, Session, Turn
+from fsd_chat.session import OriginRun, ReplyRecord, Session, Turn
 from fsd_chat.transcript import (
     TranscriptError,
     default_path,
@@ -26,10 +26,10 @@ def session() -> Session:
     """A session whose reply has every speculative origin, a T change and HTML-like text."""
     reply = ReplyRecord(
         runs=[
-            Run("Once <b>", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy"),
-            Run(" upon", Origin.DRAFT_FUZZY, 0.1, "js", "fuzzy"),
-            Run(" a\n\ntime", Origin.TARGET_RESAMPLED, 0.1, "js", "fuzzy"),
-            Run(" there", Origin.TARGET_BONUS, 0.14, "js", "fuzzy"),
+            OriginRun("Once <b>", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy"),
+            OriginRun(" upon", Origin.DRAFT_FUZZY, 0.1, "js", "fuzzy"),
+            OriginRun(" a\n\ntime", Origin.TARGET_RESAMPLED, 0.1, "js", "fuzzy"),
+            OriginRun(" there", Origin.TARGET_BONUS, 0.14, "js", "fuzzy"),
         ],
         stats={
             "tokens": 9,

@@ -6,5 +6,6 @@ run), `meter` (forward-pass counts and costs), `methods` (one generation per met
 (target NLL, accuracy, greedy agreement), `runner` (the interleaved sweep), `metrics` (per-config
 summaries, cost per token among them), `curves` (the rules' curves compared at matched cost),
 `report` (report.json / report.md), `plot` (tradeoff.png), `terminal` (table and plot on the
-terminal), `command` (the typer command) and `session` (one run: load, sweep, write, show).
+terminal) and `pipeline` (one run: load, sweep, write, show); the typer command is
+`fsd_chat.bench_command`.
 """

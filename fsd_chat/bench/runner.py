@@ -16,7 +16,7 @@ from fsd_chat.bench.methods import Generation, PairRunner
 from fsd_chat.bench.prompts import PromptSet
 from fsd_chat.bench.quality import target_nll
 from fsd_chat.bench.sweep import Config, Setup
-from fsd_chat.chat import Message, prompt_ids
+from fsd_chat.chat_template import Message, prompt_ids
 from fsd_chat.models import ModelPair
 
 WARMUP_TOKENS = 8

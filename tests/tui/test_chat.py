@@ -13,9 +13,9 @@ from fsd_chat.models import ModelPair
 from fsd_chat.session import ReplyRecord
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.screens.chat import ChatScreen
+from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
 from fsd_chat.tui.widgets.dial import THRESHOLD_STEP, ThresholdDial
 from fsd_chat.tui.widgets.prompt import PromptInput
-from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 
 PROMPT = "Once upon a time"

@@ -10,8 +10,8 @@ from textual.widgets import Markdown
 
 from fsd_chat.decoding.events import Origin
 from fsd_chat.models import ModelPair
-from fsd_chat.session import ReplyRecord, Run
-from fsd_chat.tui.widgets.reply import ReplyView
+from fsd_chat.session import OriginRun, ReplyRecord
+from fsd_chat.tui.widgets.conversation import ReplyView
 from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
 
 HOSTILE = "[@click=app.bell]x[/] [link=file:///etc]y[/link] [/]"
@@ -48,7 +48,7 @@ class ReplyHost(App[None]):
 
     def compose(self) -> ComposeResult:
         record = ReplyRecord(
-            runs=[Run("See [the docs](https://example.com/x).", Origin.TARGET, 0.0, "js", "fuzzy")]
+            runs=[OriginRun("See [the docs](https://example.com/x).", Origin.TARGET, 0.0, "js", "fuzzy")]
         )
         view = ReplyView(record)
         yield view

@@ -14,8 +14,8 @@ from fsd_chat.models import ModelPair
 from fsd_chat.session import ReplyBuilder, Session, Turn, now
 from fsd_chat.tui.screens.chat import SHOWN_TURNS, ChatScreen
 from fsd_chat.tui.screens.help import colours_content
+from fsd_chat.tui.widgets.conversation import LIVE_LIMIT, ReplyView
 from fsd_chat.tui.widgets.legend import Legend
-from fsd_chat.tui.widgets.reply import LIVE_LIMIT, ReplyView
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 
 PROMPT = "Once upon a time"

@@ -29,12 +29,12 @@ from textual.timer import Timer
 from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from fsd_chat.chat import Message, fit_to_context
+from fsd_chat.chat_template import Message, fit_to_context
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
-from fsd_chat.errorlog import log_exception, log_path
 from fsd_chat.errors import FsdChatError
+from fsd_chat.log import log_exception, log_path
 from fsd_chat.session import STOPPED, Session, Turn, new_session_id, now
 from fsd_chat.session_writer import SessionWriter
 from fsd_chat.store import BUSY_TIMEOUT, SessionStore
@@ -44,10 +44,10 @@ from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.stream import BatchPacer, StepBuffer
+from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
 from fsd_chat.tui.widgets.dial import ThresholdDial, dial_scale
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
-from fsd_chat.tui.widgets.reply import ReplyView, UserMessage
 from fsd_chat.tui.widgets.stats import StatsStrip
 
 GROUP = "generation"

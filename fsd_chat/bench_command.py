@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from fsd_chat import cli_options as o
+from fsd_chat.log import quiet_libraries
 
 SWEEP = "Sweep"
 
@@ -145,9 +146,8 @@ def bench(
 ) -> None:
     """Measure FSD's speed/quality trade-off against autoregressive decoding, exact speculative
     decoding and transformers' assisted generation, side by side in one run."""
-    from fsd_chat.bench.session import run_bench
+    from fsd_chat.bench.pipeline import run_bench
     from fsd_chat.bench.sweep import SweepSpec
-    from fsd_chat.cli import quiet_libraries
 
     preset = QUICK if quick else FULL
     spec = SweepSpec(

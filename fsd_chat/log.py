@@ -1,14 +1,26 @@
-"""Unexpected errors (bugs, not bad input) go to a log file in the data folder with their traceback,
+"""Logging set-up, a leaf module every command imports: the libraries' own logs are quietened, and
+unexpected errors (bugs, not bad input) go to a log file in the data folder with their traceback,
 so that the chat can show one line and stay usable while the details are kept."""
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from datetime import datetime
 from pathlib import Path
 
 from fsd_chat.config import data_dir
+
+
+def quiet_libraries() -> None:
+    """Silence transformers' progress bars and the advisory logs of transformers and bitsandbytes
+    (bitsandbytes' 8-bit matmul logs a warning on every call on the CPU)."""
+    from transformers.utils import logging as hf_logging  # heavy: imported when a command runs
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def log_path() -> Path:

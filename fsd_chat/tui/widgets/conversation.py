@@ -19,7 +19,7 @@ from textual.content import Content
 from textual.widgets import Markdown, Static
 
 from fsd_chat.decoding.events import Step
-from fsd_chat.session import STOPPED, ReplyBuilder, ReplyRecord, Run
+from fsd_chat.session import STOPPED, OriginRun, ReplyBuilder, ReplyRecord
 from fsd_chat.transcript import reply_summary
 from fsd_chat.tui.themes import origin_style
 
@@ -29,7 +29,7 @@ long paragraph; the line break this leaves while streaming is gone in the final 
 
 
 def provenance_content(
-    runs: Sequence[Run], previous: tuple[str, str, float] | None = None, stopped: bool = False
+    runs: Sequence[OriginRun], previous: tuple[str, str, float] | None = None, stopped: bool = False
 ) -> Content:
     """`runs`' text, each run in its origin's colour, with ⟨divergence T⟩ where the setting
     changed (from `previous`, the setting of the run before them), and a stop mark if `stopped`."""
@@ -107,11 +107,11 @@ class ReplyView(Vertical):
         self.live_chars = sum(len(run.text) for run in live)
         self.query_one(".provenance", Static).update(provenance_content(live, self._previous_setting()))
 
-    def _live_runs(self) -> list[Run]:
+    def _live_runs(self) -> list[OriginRun]:
         runs = self.record.runs[self._live_run :]
         if runs and self._live_offset:
             first = runs[0]
-            runs[0] = Run(
+            runs[0] = OriginRun(
                 first.text[self._live_offset :], first.origin, first.threshold, first.divergence, first.rule
             )
         return runs
@@ -125,14 +125,14 @@ class ReplyView(Vertical):
     def _freeze(self, cut: int) -> None:
         """Move the live tail's first `cut` characters to the frozen widget; the character at
         `cut` (the newline or space that ends them) is dropped, the widget boundary breaks there."""
-        frozen: list[Run] = []
+        frozen: list[OriginRun] = []
         previous = self._previous_setting()
         remaining = cut
         for run in self._live_runs():
             if remaining < len(run.text):
                 if remaining:
                     frozen.append(
-                        Run(run.text[:remaining], run.origin, run.threshold, run.divergence, run.rule)
+                        OriginRun(run.text[:remaining], run.origin, run.threshold, run.divergence, run.rule)
                     )
                 self._live_offset += remaining + 1
                 break

@@ -15,6 +15,7 @@ import typer
 from fsd_chat import cli_options as o
 from fsd_chat.config import ConfigError, check_chat_options, load_config, sessions_path, user_themes_dir
 from fsd_chat.errors import ModelLoadError
+from fsd_chat.log import quiet_libraries
 from fsd_chat.store import SessionStore
 from fsd_chat.text import one_line
 from fsd_chat.transcript import export_transcript, render_markdown
@@ -147,7 +148,6 @@ def chat(
         v["trust_remote_code"],
     )
 
-    from fsd_chat.cli import quiet_libraries
     from fsd_chat.tui.app import ChatOptions, FsdChatApp
     from fsd_chat.tui.keys import check_keymap
 
