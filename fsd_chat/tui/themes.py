@@ -6,6 +6,8 @@ from the active theme; Textual's own themes fall back to the default theme's ori
 
 from __future__ import annotations
 
+from typing import Any
+
 from textual.theme import Theme
 
 from fsd_chat.decoding.events import Origin
@@ -34,4 +36,6 @@ def default_variables() -> dict[str, str]:
 
 def to_textual(spec: ThemeSpec) -> Theme:
     """A Textual `Theme` from a parsed theme file."""
-    return Theme(name=spec.name, dark=spec.dark, variables=origin_variables(spec.origins), **spec.palette)
+    # Theme's colour fields are keyword arguments named as the file's [palette] keys (checked on load).
+    palette: dict[str, Any] = dict(spec.palette)
+    return Theme(name=spec.name, dark=spec.dark, variables=origin_variables(spec.origins), **palette)

@@ -60,7 +60,7 @@ async def test_a_long_reply_re_renders_only_its_last_line(pair: ModelPair, tmp_p
         assert len(text) > 800 and text.count("\n") >= 3, text
         # Batched: fewer updates than steps, and what is shown equals what the engine emitted.
         assert 1 < len(live) <= len(gate[0].steps)
-        shown = reply.query_one(".provenance", Static).content.plain  # type: ignore[attr-defined]
+        shown = reply.query_one(".provenance", Static).content.plain
         assert shown == text == reply.record.text
         # Each update re-assembled the live line only: never more than the longest paragraph,
         # far less than the reply.
@@ -87,9 +87,9 @@ async def test_a_hundred_turn_session_keeps_the_work_per_update_flat(pair: Model
         # Only the last turns are mounted (Textual lays out every mounted widget each frame).
         old = list(app.screen.query(ReplyView))
         assert len(old) == SHOWN_TURNS // 2 and not app.screen.query(Markdown)  # no Markdown built
-        before = [r.query_one(".provenance", Static).content for r in old]  # type: ignore[attr-defined]
+        before = [r.query_one(".provenance", Static).content for r in old]
         _, _, live, lengths = await stream_long_reply(pilot, gate)
-        after = [r.query_one(".provenance", Static).content for r in old]  # type: ignore[attr-defined]
+        after = [r.query_one(".provenance", Static).content for r in old]
         assert all(a is b for a, b in zip(after, before, strict=True))  # not re-rendered
         assert max(live) < lengths[-1] / 3
         # Every earlier turn is one press away.
@@ -103,7 +103,7 @@ async def test_a_hundred_turn_session_keeps_the_work_per_update_flat(pair: Model
 
 
 def test_the_legend_and_help_list_the_target_origin() -> None:
-    assert "■ target  " in Legend(autoregressive=False).content.plain  # type: ignore[attr-defined]
+    assert "■ target  " in Legend(autoregressive=False).content.plain
     assert "■ target " in colours_content().plain
     assert set(Origin) <= {o for o in Origin if o.value in colours_content().plain}
 

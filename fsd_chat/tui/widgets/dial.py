@@ -8,7 +8,9 @@ through the chat screen's actions, which update the shared `Controls`.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
+from textual.binding import BindingType
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
@@ -62,7 +64,7 @@ def bar(fraction: float, cells: int = BAR_CELLS) -> str:
 class ThresholdDial(Widget, can_focus=True):
     """A focusable float dial over [0, top of the divergence's range]."""
 
-    BINDINGS = DIAL_BINDINGS
+    BINDINGS: ClassVar[list[BindingType]] = [*DIAL_BINDINGS]
 
     settings: reactive[DecodingSettings] = reactive(DecodingSettings)
     autoregressive: reactive[bool] = reactive(False)

@@ -24,6 +24,6 @@ def legend_content(origins: tuple[Origin, ...]) -> Content:
 class Legend(Static):
     """One line naming the colour of each origin in use."""
 
-    def __init__(self, autoregressive: bool, **kwargs: object) -> None:
+    def __init__(self, autoregressive: bool, *, id: str | None = None) -> None:
         origins = (Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS
-        super().__init__(legend_content(origins), **kwargs)  # type: ignore[arg-type]
+        super().__init__(legend_content(origins), id=id)

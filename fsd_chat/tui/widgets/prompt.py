@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from textual.binding import BindingType
 from textual.message import Message
 from textual.widgets import TextArea
 
@@ -11,7 +14,7 @@ from fsd_chat.tui.keys import PROMPT_BINDINGS
 class PromptInput(TextArea):
     """A TextArea whose Enter key sends the text instead of breaking the line."""
 
-    BINDINGS = PROMPT_BINDINGS
+    BINDINGS: ClassVar[list[BindingType]] = [*PROMPT_BINDINGS]
 
     class Submitted(Message):
         """The user sent `text` (the widget keeps it until the chat takes it)."""

@@ -34,8 +34,8 @@ def cost_figure(cost_per_token: float) -> Content:
 class StatsStrip(Horizontal):
     """Live figures of the recent decoding steps."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
         self._steps: deque[Step] = deque(maxlen=SPARK_STEPS)
 
     def compose(self) -> ComposeResult:
