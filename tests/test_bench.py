@@ -216,7 +216,7 @@ def test_hf_assisted_and_exact_greedy_outputs_identical(pair: ModelPair) -> None
         outputs = {
             method: runner.run(
                 Configuration(setup, 0.0, method, 4), ids, max_new_tokens=40, seed=0, stop_strings=()
-            ).token_ids  # type: ignore[arg-type]
+            ).token_ids
             for method in ("exact", "hf-assisted")
         }
     finally:

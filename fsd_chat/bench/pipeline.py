@@ -89,7 +89,7 @@ def run_bench(
     for setup in setups:
         specs = pair_specs(
             target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
-        )  # type: ignore[arg-type]
+        )
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
         pairs[setup.label] = by_setup[setup] = pair

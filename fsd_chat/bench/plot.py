@@ -38,11 +38,11 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
     for s in summaries:
         groups[f"{s.config.setup.label} · temperature {s.config.temperature:g}"].append(s)
     fig, axes = plt.subplots(len(SPEEDS), len(groups), figsize=(6.4 * len(groups), 9.6), squeeze=False)
-    for (row, (ylabel, speed)), (column, (name, members)) in itertools.product(
+    for (row, (ylabel, speed_of)), (column, (name, members)) in itertools.product(
         enumerate(SPEEDS.items()), enumerate(groups.items())
     ):
         ax = axes[row][column]
-        points = trade_off_points(members, speed)
+        points = trade_off_points(members, speed_of)
         curves: dict[str, list[tuple[Summary, float, float]]] = defaultdict(list)
         for s, speed, cost in points:
             c = s.config

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsd_chat.decoding.events import GenerationStats
+from fsd_chat.model_options import Quantization
 
 Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure", "mixture"]
 BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
@@ -26,8 +27,8 @@ class Setup:
     """How the pair is loaded: compute dtype and bitsandbytes quantization of each model."""
 
     dtype: str
-    quantize_target: str = "none"
-    quantize_draft: str = "none"
+    quantize_target: Quantization = "none"
+    quantize_draft: Quantization = "none"
 
     @property
     def label(self) -> str:

@@ -26,13 +26,15 @@ from fsd_chat.errors import FsdChatError, SettingsError
 from fsd_chat.model_options import DTYPES, QUANTIZATIONS
 
 T = TypeVar("T")
+C = TypeVar("C", bound=str)
 
 
-def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tuple[T, ...] = ()) -> list[T]:
+def parse_list(text: str, option: str, convert: Callable[[str], T]) -> list[T]:
     """Comma-separated values of `option`, converted and de-duplicated in order.
 
     Raises:
-        FsdChatError: an empty list, a value `convert` rejects, or one not in `allowed`.
+        FsdChatError: an empty list, or a value `convert` rejects (with ValueError, or with
+            FsdChatError naming the value).
     """
     values: list[T] = []
     for raw in text.split(","):
@@ -43,15 +45,28 @@ def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tup
             raise FsdChatError(f"{option}: {exc}") from None
         except ValueError:
             raise FsdChatError(f"{option}: bad value {item!r} in {text!r}") from None
-        if allowed and value not in allowed:
-            raise FsdChatError(
-                f"{option}: unknown value {item!r}; choose from {', '.join(map(str, allowed))}"
-            )
         if value not in values:
             values.append(value)
     if not values:
         raise FsdChatError(f"{option}: empty list")
     return values
+
+
+def parse_choices(text: str, option: str, allowed: tuple[C, ...]) -> list[C]:
+    """Comma-separated names of `option`, each one of `allowed`, de-duplicated in order.
+
+    Raises:
+        FsdChatError: an empty list, or a name not in `allowed`.
+    """
+
+    def choose(item: str) -> C:
+        # The allowed value itself, not the text: it carries the choices' type.
+        for choice in allowed:
+            if choice == item:
+                return choice
+        raise FsdChatError(f"{option}: unknown value {item!r}; choose from {', '.join(allowed)}")
+
+    return parse_list(text, option, choose)
 
 
 def _threshold(text: str) -> float:
@@ -93,20 +108,20 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
         FsdChatError: any malformed or out-of-range list item.
     """
     thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
-    divergences = parse_list(spec.divergences, "--divergences", str, DIVERGENCE_NAMES)
-    rules = [] if spec.rules.strip() == "none" else parse_list(spec.rules, "--rules", str, FSD_RULES)
+    divergences = parse_choices(spec.divergences, "--divergences", DIVERGENCE_NAMES)
+    rules = [] if spec.rules.strip() == "none" else parse_choices(spec.rules, "--rules", FSD_RULES)
     budgets = parse_list(spec.mixture_thresholds, "--mixture-thresholds", _threshold)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
-    policies = parse_list(spec.draft_policies, "--draft-policies", str, DRAFT_POLICIES)
+    policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
     baselines = (
         []
         if spec.baselines.strip() in ("", "none")
-        else parse_list(spec.baselines, "--baselines", str, BASELINES)
+        else parse_choices(spec.baselines, "--baselines", BASELINES)
     )
-    dtypes = [auto_dtype if d == "auto" else d for d in parse_list(spec.dtypes, "--dtype", str, DTYPES)]
-    quant_t = parse_list(spec.quantize_target, "--quantize-target", str, QUANTIZATIONS)
-    quant_d = parse_list(spec.quantize_draft, "--quantize-draft", str, QUANTIZATIONS)
+    dtypes = [auto_dtype if d == "auto" else d for d in parse_choices(spec.dtypes, "--dtype", DTYPES)]
+    quant_t = parse_choices(spec.quantize_target, "--quantize-target", QUANTIZATIONS)
+    quant_d = parse_choices(spec.quantize_draft, "--quantize-draft", QUANTIZATIONS)
     setups = [Setup(d, qt, qd) for d in dtypes for qt in quant_t for qd in quant_d]
     configs: list[Configuration] = []
     for setup in setups:
@@ -125,12 +140,12 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
                     for rule in rules:
                         if rule in DIVERGENCE_RULES:
                             configs += [
-                                Configuration(setup, temperature, rule, k, divergence, threshold, policy)  # type: ignore[arg-type]
+                                Configuration(setup, temperature, rule, k, divergence, threshold, policy)
                                 for divergence in divergences
                                 for threshold in thresholds
                             ]
                         else:
                             configs += [
                                 Configuration(setup, temperature, rule, k, None, t, policy) for t in budgets
-                            ]  # type: ignore[arg-type]
+                            ]
     return setups, configs
