@@ -175,12 +175,13 @@ def test_report_is_rebuilt_from_its_json_without_torch(report: tuple[dict, Path]
         "report.write_markdown(Path(sys.argv[2]), results, title=sys.argv[3], plot_name='tradeoff.png')\n"
     )
     rebuilt = tmp_path / "report.md"
-    subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-c", script, str(out), str(rebuilt), title],
-        check=True,
         capture_output=True,
+        text=True,
         timeout=120,
     )
+    assert result.returncode == 0, result.stderr
     assert rebuilt.read_text(encoding="utf-8") == written
 
 

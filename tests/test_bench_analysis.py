@@ -5,15 +5,16 @@ and the analysis stages load neither torch nor transformers. No model is loaded 
 
 from __future__ import annotations
 
-import json
+import io
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from fsd_chat.bench import report
+from fsd_chat.bench import report, terminal
 from fsd_chat.bench.curves import Verdict, compare_curves
 from fsd_chat.bench.metrics import median_ci95, summarize
 from fsd_chat.bench.records import Configuration, ForwardTally, Generation, Measurement, Setup
@@ -101,15 +102,15 @@ def test_analysis_modules_load_neither_torch_nor_transformers() -> None:
         f"for name in {ANALYSIS_MODULES!r}: importlib.import_module('fsd_chat.bench.' + name)\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 
 def test_report_is_read_back_without_torch(tmp_path: Path) -> None:
     """report.json written from constructed measurements reads back into equal records, and a
-    process that cannot import torch or transformers rebuilds report.md and the table from it."""
+    process that cannot import torch or transformers rebuilds report.md and the terminal's tables
+    and plots from it."""
     runs = _speed_sweep() + _constructed_runs(
         lambda c, prompt: CURVE_SPEEDS[c] * FACTORS[prompt], CURVE_COSTS
     )
@@ -131,17 +132,21 @@ def test_report_is_read_back_without_torch(tmp_path: Path) -> None:
     assert report.read_json(tmp_path / "report.json") == written
 
     script = (
-        "import json, sys; from pathlib import Path\n"
+        "import sys; from pathlib import Path\n"
         "sys.modules['torch'] = sys.modules['transformers'] = None\n"
-        "from fsd_chat.bench import report\n"
+        "from rich.console import Console\n"
+        "from fsd_chat.bench import report, terminal\n"
         "results = report.read_json(Path(sys.argv[1]) / 'report.json')\n"
         "report.write_markdown(Path(sys.argv[1]) / 'rebuilt.md', results, title='t', plot_name=None)\n"
-        "print(json.dumps(report.table_rows(results.summaries)))\n"
+        "terminal.show(Console(width=200, color_system=None), results.summaries)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], check=True, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
     )
-    assert [tuple(row) for row in json.loads(result.stdout)] == report.table_rows(summaries)
+    assert result.returncode == 0, result.stderr
+    shown = io.StringIO()
+    terminal.show(Console(width=200, color_system=None, file=shown), summaries)
+    assert result.stdout == shown.getvalue()
     assert (tmp_path / "rebuilt.md").read_text() == (tmp_path / "report.md").read_text()
 
 
