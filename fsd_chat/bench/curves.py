@@ -31,20 +31,25 @@ import bisect
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from fsd_chat.bench.metrics import RunRate, Summary, median_ci95, run_rate, trial_key, work_rate
-from fsd_chat.bench.runner import Run
-from fsd_chat.bench.sweep import Config, Setup
+from fsd_chat.bench.records import Configuration, Measurement, Setup
 
 Trial = tuple[int, int]
 
-CLOCKS: dict[str, Callable[[list[Run]], RunRate]] = {
+CLOCKS: dict[str, Callable[[list[Measurement]], RunRate]] = {
     "wall clock": lambda _runs: run_rate,
     "forward work": work_rate,
 }
 """The clocks curves are compared on, by name: each makes a run's tokens/s from all the runs."""
+
+
+def _interval(bounds: list[float] | None) -> tuple[float, float] | None:
+    """A confidence interval from JSON's [low, high] list (None stays None)."""
+    return None if bounds is None else (bounds[0], bounds[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,29 @@ class Verdict:
             item["winner"] = comparison.winner
         return data
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
+        """The verdict back from its `to_dict` form, as report.json holds it (each comparison's
+        `winner` is derived again, not read).
+
+        Raises:
+            KeyError: a field is missing.
+            TypeError: a field has the wrong shape.
+        """
+        comparisons = [
+            Comparison(
+                **{f.name: item[f.name] for f in fields(Comparison) if f.name not in ("levels", "ci95")},
+                levels=[
+                    Level(level["cost"], level["ratio"], _interval(level["ci95"])) for level in item["levels"]
+                ],
+                ci95=_interval(item["ci95"]),
+            )
+            for item in data["comparisons"]
+        ]
+        return cls(
+            **{f.name: data[f.name] for f in fields(cls) if f.name != "comparisons"}, comparisons=comparisons
+        )
+
     def lines(self) -> list[str]:
         """The verdict in words, then one line per comparison (for report.md and the terminal)."""
         where = f"{self.setup} · temperature {self.temperature:g} · {self.clock}"
@@ -169,7 +197,9 @@ class _Curve:
         return (1 - w) * self.rates[j - 1][trial] + w * self.rates[j][trial]
 
 
-def _curves(members: list[Summary], runs_of: dict[Config, list[Run]], rate: RunRate) -> list[_Curve]:
+def _curves(
+    members: list[Summary], runs_of: dict[Configuration, list[Measurement]], rate: RunRate
+) -> list[_Curve]:
     """The group's curves (each with exact SD of its k as the cost-0 point), in configuration order.
 
     Points are ordered by cost; of points with equal cost only the first (smallest T, or exact SD)
@@ -226,10 +256,10 @@ def _compare(setup: str, temperature: float, clock: str, a: _Curve, b: _Curve) -
     )
 
 
-def compare_curves(summaries: list[Summary], runs: list[Run]) -> list[Verdict]:
+def compare_curves(summaries: list[Summary], runs: list[Measurement]) -> list[Verdict]:
     """One `Verdict` per (setup, temperature) group with two curves or more that share costs, and
     per clock of `CLOCKS`."""
-    runs_of: dict[Config, list[Run]] = defaultdict(list)
+    runs_of: dict[Configuration, list[Measurement]] = defaultdict(list)
     for run in runs:
         runs_of[run.config].append(run)
     groups: dict[tuple[Setup, float], list[Summary]] = defaultdict(list)

@@ -1,4 +1,4 @@
-"""Forward-pass counts and costs of a model, measured with torch forward hooks.
+"""Forward-pass counts and costs of a model, measured with torch forward hooks into a `ForwardTally`.
 
 The hooks see every call of the model's top-level module, whoever makes it (fsd-chat's decoders
 or transformers' `generate`), so every method is measured by the same clock. The first call of a
@@ -8,27 +8,11 @@ generation is its prompt prefill; it is counted but kept out of the per-forward 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-
-@dataclass(slots=True)
-class ForwardTally:
-    """Forward passes of one model during one generation.
-
-    Attributes:
-        calls: Forward passes, the prefill included.
-        seconds: Wall-clock seconds in all of them.
-        decode_calls: Forward passes after the first (the prefill).
-        decode_seconds: Seconds in those.
-    """
-
-    calls: int = 0
-    seconds: float = 0.0
-    decode_calls: int = 0
-    decode_seconds: float = 0.0
+from fsd_chat.bench.records import ForwardTally
 
 
 class ForwardMeter:

@@ -16,36 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-from fsd_chat.bench.meter import ForwardMeter, ForwardTally
-from fsd_chat.bench.sweep import FSD_RULES, Config
+from fsd_chat.bench.meter import ForwardMeter
+from fsd_chat.bench.records import FSD_RULES, Configuration, ForwardTally, Generation
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.autoregressive import eos_token_ids
 from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models import ModelPair
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """One measured generation.
-
-    Attributes:
-        token_ids: Generated token ids (EOS excluded).
-        seconds: Wall-clock seconds of the whole call (prefill included).
-        stats: fsd-chat's own step statistics (None for hf-assisted and hf-assisted-default).
-        target: The target's forward passes.
-        draft: The draft's forward passes.
-    """
-
-    token_ids: list[int]
-    seconds: float
-    stats: GenerationStats | None
-    target: ForwardTally
-    draft: ForwardTally
 
 
 @contextmanager
@@ -89,7 +69,7 @@ class PairRunner:
 
     def run(
         self,
-        config: Config,
+        config: Configuration,
         prompt_ids: list[int],
         *,
         max_new_tokens: int,
@@ -107,7 +87,7 @@ class PairRunner:
 
     def _run(
         self,
-        config: Config,
+        config: Configuration,
         prompt_ids: list[int],
         sampling: SamplingConfig,
         max_new_tokens: int,

@@ -1,4 +1,6 @@
-"""Per-configuration summaries of a sweep: speed, acceptance, forward costs, quality.
+"""Per-configuration summaries of a sweep: speed, acceptance, forward costs, quality; and the
+trade-off's points and Pareto front that the plot and the terminal draw. Torch-free: it reads
+`records` only.
 
 Terms follow the speculative-decoding literature (Leviathan et al. 2023; Holsman et al. 2025):
 acceptance rate = accepted / drafted tokens; mean accepted length τ = tokens per target forward.
@@ -29,15 +31,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
-from fsd_chat.bench.quality import greedy_agreement
-from fsd_chat.bench.runner import Run
-from fsd_chat.bench.sweep import Config
+from fsd_chat.bench.records import BASELINES, Configuration, Measurement, Method, Setup
 
-SPEEDUP_BASELINES = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
+SPEEDUP_BASELINES: tuple[Method, ...] = BASELINES
 """The methods every configuration's speed-up is paired against (when the sweep ran them)."""
+NLL_REFERENCES: tuple[Method, ...] = ("autoregressive", "exact")
+"""The methods target_nll_change is relative to, the first one the sweep ran."""
 
 Z95 = 1.959964
 """Two-sided 95% normal quantile (confidence intervals of means over prompts: NLL change, cost)."""
@@ -131,7 +134,7 @@ class Summary:
         quality: See `Quality`.
     """
 
-    config: Config
+    config: Configuration
     runs: int
     tokens: int
     tokens_per_second: Spread
@@ -170,6 +173,37 @@ class Summary:
             **data,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Summary:
+        """The summary back from its `to_dict` form, as report.json holds it (JSON's lists become
+        the intervals' tuples again; figures JSON could not hold, infinities and NaN, come back
+        None).
+
+        Raises:
+            KeyError: a field is missing.
+            TypeError: a field has the wrong shape.
+        """
+        setup = Setup(**{f.name: data[f.name] for f in fields(Setup)})
+        config = Configuration(
+            setup=setup, **{f.name: data[f.name] for f in fields(Configuration) if f.name != "setup"}
+        )
+        own = {f.name: data[f.name] for f in fields(cls) if f.name not in ("config", "tokens_per_second")}
+        return cls(
+            **own
+            | {
+                "config": config,
+                "tokens_per_second": Spread(**data["tokens_per_second_spread"]),
+                "speedup_ci95": _intervals(data["speedup_ci95"]),
+                "work_speedup_ci95": _intervals(data["work_speedup_ci95"]),
+                "quality": Quality(**data["quality"]),
+            }
+        )
+
+
+def _intervals(data: Mapping[str, list[float]]) -> dict[str, tuple[float, float]]:
+    """Confidence intervals by baseline, from JSON's [low, high] lists."""
+    return {method: (low, high) for method, (low, high) in data.items()}
+
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
@@ -180,12 +214,12 @@ def _mean_cost(seconds: Iterable[float], calls: Iterable[int]) -> float | None:
     return sum(seconds) / total_calls if total_calls else None
 
 
-def run_rate(run: Run) -> float:
+def run_rate(run: Measurement) -> float:
     """Generated tokens / wall-clock seconds of one run (0.0 for a run that took no time)."""
     return len(run.generation.token_ids) / run.generation.seconds if run.generation.seconds > 0 else 0.0
 
 
-def trial_key(run: Run) -> tuple[int, int]:
+def trial_key(run: Measurement) -> tuple[int, int]:
     """(prompt, repeat): runs of different configurations with the same key are paired (same
     prompt, same seed)."""
     return (run.prompt, run.repeat)
@@ -209,16 +243,16 @@ def per_prompt(pairs: Iterable[tuple[int, float]]) -> list[float]:
     return [statistics.fmean(v) for v in by_prompt.values()]
 
 
-def _cost_per_token(run: Run) -> float:
+def _cost_per_token(run: Measurement) -> float:
     """The run's cost per token (nats); 0 for hf-assisted, which is lossless (see `Quality`)."""
     return run.generation.stats.cost_per_token if run.generation.stats is not None else 0.0
 
 
-def _reference(config: Config, method: str) -> Config:
+def _reference(config: Configuration, method: Method) -> Configuration:
     """The baseline `method` that `config` is compared with (same group; same k, fixed, for SD
     baselines but hf-assisted-default, which drafts as transformers decides)."""
     k = None if method in ("autoregressive", "hf-assisted-default") else config.draft_tokens
-    return Config(config.setup, config.temperature, method, k)  # type: ignore[arg-type]
+    return Configuration(config.setup, config.temperature, method, k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +266,7 @@ class _Counts:
     fuzzy: int
 
     @classmethod
-    def of(cls, run: Run) -> _Counts:
+    def of(cls, run: Measurement) -> _Counts:
         g = run.generation
         if g.stats is None:
             return cls(
@@ -248,7 +282,7 @@ class _Counts:
         )
 
 
-def _limit(run: Run, counts: _Counts) -> float | None:
+def _limit(run: Measurement, counts: _Counts) -> float | None:
     """Zero-overhead tokens/s of one run: its forward counts × its mean forward costs."""
     g = run.generation
     seconds = 0.0
@@ -258,11 +292,11 @@ def _limit(run: Run, counts: _Counts) -> float | None:
     return len(g.token_ids) / seconds if seconds > 0 else None
 
 
-RunRate = Callable[[Run], float]
+RunRate = Callable[[Measurement], float]
 """A clock: tokens/s of one run."""
 
 
-def work_rate(runs: list[Run]) -> RunRate:
+def work_rate(runs: list[Measurement]) -> RunRate:
     """The forward-work clock of a set of runs: tokens / (target forwards × t_target + draft
     forwards × t_draft), with t the median over the runs of the same setup, temperature and k of
     each run's mean per-forward decode seconds (see the module docstring)."""
@@ -277,7 +311,7 @@ def work_rate(runs: list[Run]) -> RunRate:
         for key, pair in per_forward.items()
     }
 
-    def rate(run: Run) -> float:
+    def rate(run: Measurement) -> float:
         counts = _Counts.of(run)
         t_target, t_draft = medians[(*run.config.group, run.config.draft_tokens)]
         seconds = counts.target * t_target + counts.draft * t_draft
@@ -287,7 +321,7 @@ def work_rate(runs: list[Run]) -> RunRate:
 
 
 def _nll_change(
-    runs: list[Run], reference: list[Run], nll: float | None
+    runs: list[Measurement], reference: list[Measurement], nll: float | None
 ) -> tuple[float | None, float | None]:
     ref_tokens = sum(len(r.generation.token_ids) for r in reference)
     if nll is None or not ref_tokens:
@@ -307,13 +341,29 @@ def _nll_change(
     return (nll - ref_nll) / ref_nll, None if half is None else half / ref_nll
 
 
-def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]) -> Quality:
+def greedy_agreement(reply_ids: list[int], reference_ids: list[int]) -> float:
+    """The share of a reply equal to the target's greedy reply before the first differing token:
+    common prefix length / the longer reply's length (1.0 when both are empty). After one differing
+    token the two continue different contexts, so later coincidences say nothing."""
+    longest = max(len(reply_ids), len(reference_ids))
+    if longest == 0:
+        return 1.0
+    prefix = next(
+        (i for i, (a, b) in enumerate(zip(reply_ids, reference_ids, strict=False)) if a != b),
+        min(len(reply_ids), len(reference_ids)),
+    )
+    return prefix / longest
+
+
+def _quality(
+    config: Configuration, runs: list[Measurement], by_config: dict[Configuration, list[Measurement]]
+) -> Quality:
     tokens = sum(len(r.generation.token_ids) for r in runs)
     nll = sum(r.nll for r in runs) / tokens if tokens else None
     reference = next(
         (
             method
-            for method in ("autoregressive", "exact")
+            for method in NLL_REFERENCES
             if by_config.get(_reference(config, method)) and _reference(config, method) != config
         ),
         None,
@@ -321,7 +371,7 @@ def _quality(config: Config, runs: list[Run], by_config: dict[Config, list[Run]]
     change = ci = None
     if reference is not None:
         change, ci = _nll_change(runs, by_config[_reference(config, reference)], nll)
-    elif config.method in ("autoregressive", "exact"):
+    elif config.method in NLL_REFERENCES:
         change = 0.0
     checked = [r.correct for r in runs if r.correct is not None]
     agreement = None
@@ -363,7 +413,10 @@ def median_ci95(values: list[float]) -> tuple[float, float] | None:
 
 
 def _speedups(
-    config: Config, runs: list[Run], by_config: dict[Config, list[Run]], rate: RunRate
+    config: Configuration,
+    runs: list[Measurement],
+    by_config: dict[Configuration, list[Measurement]],
+    rate: RunRate,
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
     """Paired median tokens/s ratio on the clock `rate` against each baseline, with intervals."""
     speedups: dict[str, float] = {}
@@ -381,9 +434,9 @@ def _speedups(
     return speedups, intervals
 
 
-def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
+def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Summary]:
     """One `Summary` per configuration that has at least one run, in the configurations' order."""
-    by_config: dict[Config, list[Run]] = defaultdict(list)
+    by_config: dict[Configuration, list[Measurement]] = defaultdict(list)
     for run in runs:
         by_config[run.config].append(run)
     work = work_rate(runs)
@@ -442,3 +495,29 @@ def summarize(configs: list[Config], runs: list[Run]) -> list[Summary]:
             )
         )
     return summaries
+
+
+Speed = Callable[[Summary], float | None]
+"""A summary's speed on some axis (None: it has none there)."""
+
+
+def trade_off_points(
+    summaries: list[Summary], speed: Speed = lambda s: s.tokens_per_second.median
+) -> list[tuple[Summary, float, float]]:
+    """(summary, speed, cost per token) of every summary whose speed and cost are known."""
+    return [
+        (s, v, s.quality.cost_per_token)
+        for s in summaries
+        if s.quality.cost_per_token is not None and (v := speed(s)) is not None
+    ]
+
+
+def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[int]:
+    """Indices of the points (speed, quality) no other point beats on both, fastest first."""
+    order = sorted(range(len(points)), key=lambda i: -points[i][0])
+    front: list[int] = []
+    for i in order:
+        quality = points[i][1] if higher_is_better else -points[i][1]
+        if not front or quality > (points[front[-1]][1] if higher_is_better else -points[front[-1]][1]):
+            front.append(i)
+    return front

@@ -20,10 +20,12 @@ from rich.text import Text
 
 from fsd_chat.bench import plot, report, terminal
 from fsd_chat.bench.curves import compare_curves
+from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.bench.runner import Run, SweepResult, run_sweep
-from fsd_chat.bench.sweep import Config, Setup, SweepSpec, build_sweep
+from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
+from fsd_chat.bench.runner import run_sweep
+from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.cli_options import check_max_new_tokens, pair_specs
 from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.errors import FsdChatError
@@ -87,7 +89,7 @@ def run_bench(
     for setup in setups:
         specs = pair_specs(
             target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
-        )  # type: ignore[arg-type]
+        )
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
         pairs[setup.label] = by_setup[setup] = pair
@@ -103,7 +105,7 @@ def run_bench(
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("warming up", total=runs_total)
 
-        def advance(config: Config, phase: str) -> None:
+        def advance(config: Configuration, phase: str) -> None:
             progress.update(
                 task,
                 advance=1,
@@ -158,8 +160,8 @@ def check_writable(output: Path) -> None:
 def write_outputs(
     output: Path,
     *,
-    runs: list[Run],
-    configs: list[Config],
+    runs: list[Measurement],
+    configs: list[Configuration],
     pairs: dict[str, ModelPair],
     sweep: dict[str, object],
     interrupted: bool,
@@ -175,7 +177,7 @@ def write_outputs(
     """
     summaries = summarize(configs, runs)
     verdicts = compare_curves(summaries, runs)
-    environment = report.environment(pairs)
+    results = report.Report(environment(pairs), sweep, interrupted, summaries, verdicts)
     plot_name = "tradeoff.png" if summaries else None
     console = Console(highlight=False)
     if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows
@@ -188,25 +190,10 @@ def write_outputs(
     for verdict in verdicts:
         console.print(Text("\n".join(verdict.lines())))
     try:
-        report.write_json(
-            output / "report.json",
-            environment=environment,
-            sweep=sweep,
-            summaries=summaries,
-            verdicts=verdicts,
-            interrupted=interrupted,
-        )
+        report.write_json(output / "report.json", results)
         if plot_name:
             plot.write_plot(output / plot_name, summaries, title=title)
-        report.write_markdown(
-            output / "report.md",
-            title=title,
-            environment=environment,
-            summaries=summaries,
-            verdicts=verdicts,
-            interrupted=interrupted,
-            plot_name=plot_name,
-        )
+        report.write_markdown(output / "report.md", results, title=title, plot_name=plot_name)
     except OSError as exc:
         raise FsdChatError(
             f"cannot write {exc.filename or output}: {exc.strerror or exc} (the table above has the results)"

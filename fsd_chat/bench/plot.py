@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import textwrap
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -22,38 +21,15 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on a terminal machine
 import matplotlib.pyplot as plt
 
-from fsd_chat.bench.metrics import Summary
+from fsd_chat.bench.metrics import Speed, Summary, pareto_front, trade_off_points
 
 BASELINE_MARKERS = {"autoregressive": "s", "exact": "D", "hf-assisted": "^", "hf-assisted-default": "v"}
 
-Speed = Callable[[Summary], float | None]
 SPEEDS: dict[str, Speed] = {
     "tokens/s (median over prompts)": lambda s: s.tokens_per_second.median,
     "×exact SD, forward-work clock (paired median)": lambda s: s.work_speedup.get("exact"),
 }
 """The rows of the plot: axis label → a summary's speed (None: not on this row)."""
-
-
-def trade_off_points(
-    summaries: list[Summary], speed: Speed = lambda s: s.tokens_per_second.median
-) -> list[tuple[Summary, float, float]]:
-    """(summary, speed, cost per token) of every summary whose speed and cost are known."""
-    return [
-        (s, v, s.quality.cost_per_token)
-        for s in summaries
-        if s.quality.cost_per_token is not None and (v := speed(s)) is not None
-    ]
-
-
-def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[int]:
-    """Indices of the points (speed, quality) no other point beats on both, fastest first."""
-    order = sorted(range(len(points)), key=lambda i: -points[i][0])
-    front: list[int] = []
-    for i in order:
-        quality = points[i][1] if higher_is_better else -points[i][1]
-        if not front or quality > (points[front[-1]][1] if higher_is_better else -points[front[-1]][1]):
-            front.append(i)
-    return front
 
 
 def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
@@ -62,11 +38,11 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
     for s in summaries:
         groups[f"{s.config.setup.label} · temperature {s.config.temperature:g}"].append(s)
     fig, axes = plt.subplots(len(SPEEDS), len(groups), figsize=(6.4 * len(groups), 9.6), squeeze=False)
-    for (row, (ylabel, speed)), (column, (name, members)) in itertools.product(
+    for (row, (ylabel, speed_of)), (column, (name, members)) in itertools.product(
         enumerate(SPEEDS.items()), enumerate(groups.items())
     ):
         ax = axes[row][column]
-        points = trade_off_points(members, speed)
+        points = trade_off_points(members, speed_of)
         curves: dict[str, list[tuple[Summary, float, float]]] = defaultdict(list)
         for s, speed, cost in points:
             c = s.config

@@ -1,13 +1,10 @@
-"""Quality of a generated reply, relative to the target model.
+"""The quality score that needs the target model: a reply's target negative log-likelihood.
 
-- Target negative log-likelihood (nats per generated token): one forward pass of the scoring
-  target over prompt + reply, `log_softmax` and `gather` at the generated tokens, under the target's
-  raw distribution (temperature 1, full vocabulary). Lower is better; exact speculative decoding
-  matches autoregressive decoding in distribution, so a rise measures what FSD's fuzzy acceptances
-  cost.
-- Greedy agreement: the share of the reply that matches the target's greedy reply before the first
-  differing token (after one differing token the two continue different contexts, so later
-  coincidences say nothing): common prefix length / the longer reply's length.
+One forward pass of the scoring target over prompt + reply, `log_softmax` and `gather` at the
+generated tokens, under the target's raw distribution (temperature 1, full vocabulary). Lower is
+better; exact speculative decoding matches autoregressive decoding in distribution, so a rise
+measures what FSD's fuzzy acceptances cost. Scores computed from token ids alone (greedy
+agreement) are in `metrics`.
 """
 
 from __future__ import annotations
@@ -31,15 +28,3 @@ def target_nll(model: PreTrainedModel, vocab_size: int, prompt_ids: list[int], r
     logits = model(input_ids=ids[:, :-1], logits_to_keep=n, use_cache=False).logits[0, -n:, :vocab_size]
     log_probs = logits.float().log_softmax(-1)
     return float(-log_probs.gather(-1, ids[0, -n:, None]).sum())
-
-
-def greedy_agreement(reply_ids: list[int], reference_ids: list[int]) -> float:
-    """Common prefix length of the two replies / the longer one's length (1.0 when both are empty)."""
-    longest = max(len(reply_ids), len(reference_ids))
-    if longest == 0:
-        return 1.0
-    prefix = next(
-        (i for i, (a, b) in enumerate(zip(reply_ids, reference_ids, strict=False)) if a != b),
-        min(len(reply_ids), len(reference_ids)),
-    )
-    return prefix / longest

@@ -1,20 +1,16 @@
-"""report.json (machine-readable) and report.md (for people), and the table rows both share with the
-terminal."""
+"""report.json (machine-readable, and read back by `read_json`) and report.md (for people), and the
+table rows both share with the terminal. Torch-free: a report.json is summarised again without
+loading torch or transformers.
+"""
 
 from __future__ import annotations
 
-import os
-import platform
-import sys
-from datetime import UTC, datetime
-from importlib import metadata
+import json
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from fsd_chat.bench.curves import Verdict
 from fsd_chat.bench.metrics import SPEEDUP_BASELINES, Quality, Summary
-from fsd_chat.models import ModelPair
 from fsd_chat.text import to_json
 
 HEADERS = (
@@ -46,62 +42,60 @@ HEADERS = (
 )
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What report.json holds.
+
+    Attributes:
+        environment: Versions, device, threads and the loaded setups (`environment.environment`).
+        sweep: What was asked for: prompts, counts, seed and the sweep's lists as given.
+        interrupted: Whether Ctrl-C cut the sweep short.
+        summaries: One per configuration measured (report.json's `configs`).
+        verdicts: Per (setup, temperature) and clock, the lossy rules' curves compared at matched
+            cost (report.json's `curves`).
+    """
+
+    environment: dict[str, object]
+    sweep: dict[str, object]
+    interrupted: bool
+    summaries: list[Summary]
+    verdicts: list[Verdict]
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def write_json(path: Path, report: Report) -> None:
+    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs` and
+    `curves`.
 
-
-def environment(pairs: dict[str, ModelPair]) -> dict[str, object]:
-    """Versions, device, threads and the loaded setups (keyed by setup label)."""
-    devices = {str(p.device) for p in pairs.values()}
-    cuda = [torch.cuda.get_device_name(torch.device(d)) for d in devices if d.startswith("cuda")]
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "packages": {name: _version(name) for name in ("fsd-chat", "torch", "transformers", "bitsandbytes")},
-        "device": sorted(devices),
-        "device_name": cuda or [_cpu_name()],
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "setups": {label: pair.describe() for label, pair in pairs.items()},
-        "scorer": next(iter(pairs.values())).describe() if pairs else None,
-        "argv": sys.argv,
-        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+    Raises:
+        OSError: the file cannot be written.
+    """
+    data = {
+        "environment": report.environment,
+        "sweep": report.sweep,
+        "interrupted": report.interrupted,
+        "configs": [s.to_dict() for s in report.summaries],
+        "curves": [v.to_dict() for v in report.verdicts],
     }
+    path.write_text(to_json(data, indent=2) + "\n", encoding="utf-8")
 
 
-def write_json(
-    path: Path,
-    *,
-    environment: dict[str, object],
-    sweep: dict[str, object],
-    summaries: list[Summary],
-    verdicts: list[Verdict],
-    interrupted: bool,
-) -> None:
-    """Write report.json: `environment`, `sweep` (what was asked), `interrupted`, `configs`, and
-    `curves`: per (setup, temperature), the lossy rules' curves compared at matched cost."""
-    report = {
-        "environment": environment,
-        "sweep": sweep,
-        "interrupted": interrupted,
-        "configs": [s.to_dict() for s in summaries],
-        "curves": [v.to_dict() for v in verdicts],
-    }
-    path.write_text(to_json(report, indent=2) + "\n", encoding="utf-8")
+def read_json(path: Path) -> Report:
+    """Read back a report.json that `write_json` wrote, so that its table, markdown and plot can be
+    made again without measuring.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON (`json.JSONDecodeError`) or not UTF-8 (`UnicodeDecodeError`).
+        KeyError, TypeError: it lacks a field of the report, or a field has the wrong shape.
+    """
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return Report(
+        environment=data["environment"],
+        sweep=data["sweep"],
+        interrupted=data["interrupted"],
+        summaries=[Summary.from_dict(item) for item in data["configs"]],
+        verdicts=[Verdict.from_dict(item) for item in data["curves"]],
+    )
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:
@@ -172,18 +166,14 @@ def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
     return rows
 
 
-def write_markdown(
-    path: Path,
-    *,
-    title: str,
-    environment: dict[str, object],
-    summaries: list[Summary],
-    verdicts: list[Verdict],
-    interrupted: bool,
-    plot_name: str | None,
-) -> None:
+def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | None) -> None:
     """Write report.md: what ran where, the table, the column legend, the curves compared at
-    matched cost, and the plot."""
+    matched cost, and the plot (the image `plot_name` beside it, if any).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    environment = report.environment
     packages = environment["packages"]
     assert isinstance(packages, dict)
     lines = [
@@ -194,10 +184,10 @@ def write_markdown(
         f"- versions: {', '.join(f'{k} {v}' for k, v in packages.items() if v)}",
         f"- quality scored by: {environment['scorer']}",
     ]
-    if interrupted:
+    if report.interrupted:
         lines.append("- **interrupted**: the sweep was stopped early; these are the runs measured so far")
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(summaries)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(report.summaries)]
     lines += [
         "",
         "tok/s: generated tokens / wall-clock seconds of the whole call, over prompts. ×AR, ×exact, ×HF, "
@@ -218,7 +208,7 @@ def write_markdown(
         "rollback, detokenisation, framework). report.json has every figure, with fsd-chat's own "
         "overhead_share (other_seconds / decode seconds).",
     ]
-    if verdicts:
+    if report.verdicts:
         lines += [
             "",
             "## Curves at matched cost",
@@ -228,7 +218,7 @@ def write_markdown(
             "the ratio's geometric mean over the levels, then its median over prompts with a "
             "distribution-free 95% interval (fsd_chat/bench/curves.py).",
         ]
-        for verdict in verdicts:
+        for verdict in report.verdicts:
             lines += ["", *verdict.lines()]
     if plot_name:
         lines += ["", f"![tokens/s against cost per token]({plot_name})"]

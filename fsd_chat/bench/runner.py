@@ -10,55 +10,23 @@ A KeyboardInterrupt ends the sweep early and keeps what was measured.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from fsd_chat.bench.methods import Generation, PairRunner
+from fsd_chat.bench.methods import PairRunner
 from fsd_chat.bench.prompts import PromptSet
 from fsd_chat.bench.quality import target_nll
-from fsd_chat.bench.sweep import Config, Setup
+from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
 from fsd_chat.chat_template import Message, prompt_ids
 from fsd_chat.models import ModelPair
 
 WARMUP_TOKENS = 8
 
-OnRun = Callable[[Config, str], None]
+OnRun = Callable[[Configuration, str], None]
 """Called after every generation with its configuration and "warm-up" or "measure"."""
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One measured generation and its quality.
-
-    Attributes:
-        config: The configuration.
-        prompt: Index of the prompt in the set.
-        repeat: Repeat number (0-based).
-        prompt_ids: The prompt's token ids.
-        generation: Tokens, time and forward passes.
-        nll: Summed target negative log-likelihood of the reply (nats).
-        correct: Whether the reply's answer is right (None when the set has no answers).
-    """
-
-    config: Config
-    prompt: int
-    repeat: int
-    prompt_ids: list[int]
-    generation: Generation
-    nll: float
-    correct: bool | None
-
-
-@dataclass(frozen=True, slots=True)
-class SweepResult:
-    """All runs, and whether Ctrl-C cut the sweep short."""
-
-    runs: list[Run]
-    interrupted: bool
 
 
 def run_sweep(
     pairs: dict[Setup, ModelPair],
-    configs: list[Config],
+    configs: list[Configuration],
     prompt_set: PromptSet,
     *,
     max_new_tokens: int,
@@ -77,7 +45,7 @@ def run_sweep(
     scorer = next(iter(pairs.values()))
     runners = {setup: PairRunner(pair) for setup, pair in pairs.items()}
     ids = [prompt_ids(scorer.tokenizer, [Message("user", item.text)]) for item in prompt_set.items]
-    runs: list[Run] = []
+    runs: list[Measurement] = []
     try:
         for config in configs:
             runners[config.setup].run(
@@ -101,7 +69,7 @@ def run_sweep(
                         text = scorer.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                         correct = prompt_set.checker(text, item.answer)
                     nll = target_nll(scorer.target, scorer.vocab_size, ids[index], generation.token_ids)
-                    runs.append(Run(config, index, repeat, ids[index], generation, nll, correct))
+                    runs.append(Measurement(config, index, repeat, ids[index], generation, nll, correct))
                     notify(config, "measure")
                 trial += 1
     except KeyboardInterrupt:

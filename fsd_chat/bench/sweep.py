@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
+from fsd_chat.bench.records import BASELINES, DIVERGENCE_RULES, FSD_RULES, Configuration, Setup
 from fsd_chat.decoding.settings import (
     DIVERGENCE_NAMES,
     DRAFT_POLICIES,
@@ -24,95 +25,16 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.errors import FsdChatError, SettingsError
 from fsd_chat.model_options import DTYPES, QUANTIZATIONS
 
-Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure", "mixture"]
-BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
-FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
-"""The lossy rules a sweep can run (`--rules`); each draws one curve per divergence (if any) and k."""
-DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
-"""The rules whose threshold is a divergence bound, swept over `--divergences` × `--thresholds`."""
-
 T = TypeVar("T")
+C = TypeVar("C", bound=str)
 
 
-@dataclass(frozen=True, slots=True)
-class Setup:
-    """How the pair is loaded: compute dtype and bitsandbytes quantization of each model."""
-
-    dtype: str
-    quantize_target: str = "none"
-    quantize_draft: str = "none"
-
-    @property
-    def label(self) -> str:
-        """Short label, e.g. "float32" or "bfloat16 · target 4bit"."""
-        parts = [self.dtype]
-        if self.quantize_target != "none":
-            parts.append(f"target {self.quantize_target}")
-        if self.quantize_draft != "none":
-            parts.append(f"draft {self.quantize_draft}")
-        return " · ".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    """One measured configuration.
-
-    Attributes:
-        setup: How the models are loaded.
-        temperature: Sampling temperature (0 = greedy).
-        method: autoregressive, exact, hf-assisted, hf-assisted-default, fuzzy, pure or mixture.
-        draft_tokens: Draft length k (None for autoregressive and hf-assisted-default).
-        divergence: D of the fuzzy test (fuzzy/pure only).
-        threshold: T: in the divergence's units (fuzzy/pure), or the per-token KL budget in nats
-            (mixture; the log-probability regret budget when greedy). None for the baselines.
-        draft_policy: fsd-chat's draft-length policy (exact and the lossy rules; "fixed" otherwise).
-    """
-
-    setup: Setup
-    temperature: float
-    method: Method
-    draft_tokens: int | None = None
-    divergence: str | None = None
-    threshold: float | None = None
-    draft_policy: str = "fixed"
-
-    @property
-    def label(self) -> str:
-        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4", "mixture T=0.02 k=4" or
-        "exact k=8 cost"."""
-        parts: list[str] = [self.method]
-        if self.divergence is not None:
-            parts.append(self.divergence)
-        if self.threshold is not None:
-            parts.append(f"T={self.threshold:g}")
-        if self.draft_tokens is not None:
-            parts.append(f"k={self.draft_tokens}")
-        if self.draft_policy != "fixed":
-            parts.append(self.draft_policy)
-        return " ".join(parts)
-
-    @property
-    def group(self) -> tuple[Setup, float]:
-        """Configurations of one group are compared with each other (same models, same sampling)."""
-        return (self.setup, self.temperature)
-
-    @property
-    def curve(self) -> str | None:
-        """The trade-off curve this configuration lies on (its rule, divergence and k, through the
-        thresholds, and its draft-length policy), e.g. "fuzzy js k=4" or "mixture k=4 cost"; None for
-        the baselines."""
-        if self.method not in FSD_RULES:
-            return None
-        divergence = "" if self.divergence is None else f" {self.divergence}"
-        policy = "" if self.draft_policy == "fixed" else f" {self.draft_policy}"
-        return f"{self.method}{divergence} k={self.draft_tokens}{policy}"
-
-
-def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tuple[T, ...] = ()) -> list[T]:
+def parse_list(text: str, option: str, convert: Callable[[str], T]) -> list[T]:
     """Comma-separated values of `option`, converted and de-duplicated in order.
 
     Raises:
-        FsdChatError: an empty list, a value `convert` rejects, or one not in `allowed`.
+        FsdChatError: an empty list, or a value `convert` rejects (with ValueError, or with
+            FsdChatError naming the value).
     """
     values: list[T] = []
     for raw in text.split(","):
@@ -123,15 +45,28 @@ def parse_list(text: str, option: str, convert: Callable[[str], T], allowed: tup
             raise FsdChatError(f"{option}: {exc}") from None
         except ValueError:
             raise FsdChatError(f"{option}: bad value {item!r} in {text!r}") from None
-        if allowed and value not in allowed:
-            raise FsdChatError(
-                f"{option}: unknown value {item!r}; choose from {', '.join(map(str, allowed))}"
-            )
         if value not in values:
             values.append(value)
     if not values:
         raise FsdChatError(f"{option}: empty list")
     return values
+
+
+def parse_choices(text: str, option: str, allowed: tuple[C, ...]) -> list[C]:
+    """Comma-separated names of `option`, each one of `allowed`, de-duplicated in order.
+
+    Raises:
+        FsdChatError: an empty list, or a name not in `allowed`.
+    """
+
+    def choose(item: str) -> C:
+        # The allowed value itself, not the text: it carries the choices' type.
+        for choice in allowed:
+            if choice == item:
+                return choice
+        raise FsdChatError(f"{option}: unknown value {item!r}; choose from {', '.join(allowed)}")
+
+    return parse_list(text, option, choose)
 
 
 def _threshold(text: str) -> float:
@@ -164,7 +99,7 @@ class SweepSpec:
     quantize_draft: str
 
 
-def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[Config]]:
+def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[Configuration]]:
     """Parse the lists and expand them into setups and configurations (in a fixed order).
 
     `auto_dtype` is what dtype "auto" means on the device (so that reports name the real dtype).
@@ -173,42 +108,44 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
         FsdChatError: any malformed or out-of-range list item.
     """
     thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
-    divergences = parse_list(spec.divergences, "--divergences", str, DIVERGENCE_NAMES)
-    rules = [] if spec.rules.strip() == "none" else parse_list(spec.rules, "--rules", str, FSD_RULES)
+    divergences = parse_choices(spec.divergences, "--divergences", DIVERGENCE_NAMES)
+    rules = [] if spec.rules.strip() == "none" else parse_choices(spec.rules, "--rules", FSD_RULES)
     budgets = parse_list(spec.mixture_thresholds, "--mixture-thresholds", _threshold)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
-    policies = parse_list(spec.draft_policies, "--draft-policies", str, DRAFT_POLICIES)
+    policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
     baselines = (
         []
         if spec.baselines.strip() in ("", "none")
-        else parse_list(spec.baselines, "--baselines", str, BASELINES)
+        else parse_choices(spec.baselines, "--baselines", BASELINES)
     )
-    dtypes = [auto_dtype if d == "auto" else d for d in parse_list(spec.dtypes, "--dtype", str, DTYPES)]
-    quant_t = parse_list(spec.quantize_target, "--quantize-target", str, QUANTIZATIONS)
-    quant_d = parse_list(spec.quantize_draft, "--quantize-draft", str, QUANTIZATIONS)
+    dtypes = [auto_dtype if d == "auto" else d for d in parse_choices(spec.dtypes, "--dtype", DTYPES)]
+    quant_t = parse_choices(spec.quantize_target, "--quantize-target", QUANTIZATIONS)
+    quant_d = parse_choices(spec.quantize_draft, "--quantize-draft", QUANTIZATIONS)
     setups = [Setup(d, qt, qd) for d in dtypes for qt in quant_t for qd in quant_d]
-    configs: list[Config] = []
+    configs: list[Configuration] = []
     for setup in setups:
         for temperature in temperatures:
             configs += [
-                Config(setup, temperature, m)
+                Configuration(setup, temperature, m)
                 for m in ("autoregressive", "hf-assisted-default")
                 if m in baselines
             ]
             for k in ks:
                 if "hf-assisted" in baselines:
-                    configs.append(Config(setup, temperature, "hf-assisted", k))
+                    configs.append(Configuration(setup, temperature, "hf-assisted", k))
                 for policy in policies:
                     if "exact" in baselines:
-                        configs.append(Config(setup, temperature, "exact", k, draft_policy=policy))
+                        configs.append(Configuration(setup, temperature, "exact", k, draft_policy=policy))
                     for rule in rules:
                         if rule in DIVERGENCE_RULES:
                             configs += [
-                                Config(setup, temperature, rule, k, divergence, threshold, policy)  # type: ignore[arg-type]
+                                Configuration(setup, temperature, rule, k, divergence, threshold, policy)
                                 for divergence in divergences
                                 for threshold in thresholds
                             ]
                         else:
-                            configs += [Config(setup, temperature, rule, k, None, t, policy) for t in budgets]  # type: ignore[arg-type]
+                            configs += [
+                                Configuration(setup, temperature, rule, k, None, t, policy) for t in budgets
+                            ]
     return setups, configs

@@ -9,8 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fsd_chat.bench.metrics import Summary
-from fsd_chat.bench.plot import pareto_front, trade_off_points
+from fsd_chat.bench.metrics import Summary, pareto_front, trade_off_points
 from fsd_chat.bench.report import HEADERS, table_rows
 
 BASELINE_GLYPHS = {"autoregressive": "A", "exact": "E", "hf-assisted": "H", "hf-assisted-default": "D"}

@@ -1,0 +1,163 @@
+"""What a sweep runs and what it measures, as plain records: the methods, a setup (how the pair is
+loaded), a configuration (one method at one setting), a measurement (one timed generation and its
+quality) and the sweep's result.
+
+Torch-free (the standard library and fsd-chat's step statistics only), so that the stages that
+analyse measurements (metrics, curves, report, plot, terminal) load without torch or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fsd_chat.decoding.events import GenerationStats
+from fsd_chat.model_options import Quantization
+
+Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure", "mixture"]
+BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
+FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
+"""The lossy rules a sweep can run (`--rules`); each draws one curve per divergence (if any) and k."""
+DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
+"""The rules whose threshold is a divergence bound, swept over `--divergences` × `--thresholds`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """How the pair is loaded: compute dtype and bitsandbytes quantization of each model."""
+
+    dtype: str
+    quantize_target: Quantization = "none"
+    quantize_draft: Quantization = "none"
+
+    @property
+    def label(self) -> str:
+        """Short label, e.g. "float32" or "bfloat16 · target 4bit"."""
+        parts = [self.dtype]
+        if self.quantize_target != "none":
+            parts.append(f"target {self.quantize_target}")
+        if self.quantize_draft != "none":
+            parts.append(f"draft {self.quantize_draft}")
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Configuration:
+    """One measured configuration.
+
+    Attributes:
+        setup: How the models are loaded.
+        temperature: Sampling temperature (0 = greedy).
+        method: autoregressive, exact, hf-assisted, hf-assisted-default, fuzzy, pure or mixture.
+        draft_tokens: Draft length k (None for autoregressive and hf-assisted-default).
+        divergence: D of the fuzzy test (fuzzy/pure only).
+        threshold: T: in the divergence's units (fuzzy/pure), or the per-token KL budget in nats
+            (mixture; the log-probability regret budget when greedy). None for the baselines.
+        draft_policy: fsd-chat's draft-length policy (exact and the lossy rules; "fixed" otherwise).
+    """
+
+    setup: Setup
+    temperature: float
+    method: Method
+    draft_tokens: int | None = None
+    divergence: str | None = None
+    threshold: float | None = None
+    draft_policy: str = "fixed"
+
+    @property
+    def label(self) -> str:
+        """Short label of the method part, e.g. "fuzzy js T=0.2 k=4", "mixture T=0.02 k=4" or
+        "exact k=8 cost"."""
+        parts: list[str] = [self.method]
+        if self.divergence is not None:
+            parts.append(self.divergence)
+        if self.threshold is not None:
+            parts.append(f"T={self.threshold:g}")
+        if self.draft_tokens is not None:
+            parts.append(f"k={self.draft_tokens}")
+        if self.draft_policy != "fixed":
+            parts.append(self.draft_policy)
+        return " ".join(parts)
+
+    @property
+    def group(self) -> tuple[Setup, float]:
+        """Configurations of one group are compared with each other (same models, same sampling)."""
+        return (self.setup, self.temperature)
+
+    @property
+    def curve(self) -> str | None:
+        """The trade-off curve this configuration lies on (its rule, divergence and k, through the
+        thresholds, and its draft-length policy), e.g. "fuzzy js k=4" or "mixture k=4 cost"; None for
+        the baselines."""
+        if self.method not in FSD_RULES:
+            return None
+        divergence = "" if self.divergence is None else f" {self.divergence}"
+        policy = "" if self.draft_policy == "fixed" else f" {self.draft_policy}"
+        return f"{self.method}{divergence} k={self.draft_tokens}{policy}"
+
+
+@dataclass(slots=True)
+class ForwardTally:
+    """Forward passes of one model during one generation (filled in by `meter.ForwardMeter`).
+
+    Attributes:
+        calls: Forward passes, the prefill included.
+        seconds: Wall-clock seconds in all of them.
+        decode_calls: Forward passes after the first (the prefill).
+        decode_seconds: Seconds in those.
+    """
+
+    calls: int = 0
+    seconds: float = 0.0
+    decode_calls: int = 0
+    decode_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One timed generation.
+
+    Attributes:
+        token_ids: Generated token ids (EOS excluded).
+        seconds: Wall-clock seconds of the whole call (prefill included).
+        stats: fsd-chat's own step statistics (None for hf-assisted and hf-assisted-default).
+        target: The target's forward passes.
+        draft: The draft's forward passes.
+    """
+
+    token_ids: list[int]
+    seconds: float
+    stats: GenerationStats | None
+    target: ForwardTally
+    draft: ForwardTally
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One measured generation and its quality.
+
+    Attributes:
+        config: The configuration.
+        prompt: Index of the prompt in the set.
+        repeat: Repeat number (0-based).
+        prompt_ids: The prompt's token ids.
+        generation: Tokens, time and forward passes.
+        nll: Summed target negative log-likelihood of the reply (nats).
+        correct: Whether the reply's answer is right (None when the set has no answers).
+    """
+
+    config: Configuration
+    prompt: int
+    repeat: int
+    prompt_ids: list[int]
+    generation: Generation
+    nll: float
+    correct: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """All measurements, and whether Ctrl-C cut the sweep short."""
+
+    runs: list[Measurement]
+    interrupted: bool

@@ -1,0 +1,211 @@
+"""The bench's analysis on constructed measurements whose speeds and costs are known: paired
+speed-ups and their intervals, curves compared at matched cost, report.json written and read back;
+and the analysis stages load neither torch nor transformers. No model is loaded here.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from fsd_chat.bench import report, terminal
+from fsd_chat.bench.curves import Verdict, compare_curves
+from fsd_chat.bench.metrics import median_ci95, summarize
+from fsd_chat.bench.records import Configuration, ForwardTally, Generation, Measurement, Setup
+from fsd_chat.decoding.events import GenerationStats
+
+ANALYSIS_MODULES = ("records", "sweep", "prompts", "metrics", "curves", "report", "plot", "terminal")
+"""The bench modules that must load without torch or transformers."""
+HEAVY = ("torch", "transformers")
+
+SETUP = Setup("float32")
+AUTOREGRESSIVE = Configuration(SETUP, 0.0, "autoregressive")
+EXACT = Configuration(SETUP, 0.0, "exact", 4)
+FUZZY = Configuration(SETUP, 0.0, "fuzzy", 4, "js", 0.2)
+AR_SECONDS = [1.0 + 0.5 * prompt for prompt in range(9)]
+"""Autoregressive seconds per prompt: prompts differ, so only a paired ratio is constant."""
+EXACT_OVER_AR = [1.5, 2.0, 2.5, 1.8, 2.2, 3.3, 1.0, 1.6, 2.4]
+"""Exact SD's tokens/s over autoregressive decoding's, per prompt; sorted: 1.0 1.5 1.6 1.8 2.0 2.2 2.4
+2.5 3.3, so the median is 2.0 (the mean is not) and its 95% interval, order statistics 2 and 8 of 9,
+is 1.5–2.5."""
+FUZZY_OVER_EXACT = 1.25
+"""Fuzzy SD's tokens/s over exact SD's, on every prompt."""
+
+
+CURVE_EXACT = Configuration(SETUP, 1.0, "exact", 5)
+A1, A2 = (
+    Configuration(SETUP, 1.0, "mixture", 5, None, 0.1),
+    Configuration(SETUP, 1.0, "mixture", 5, None, 0.3),
+)
+B1, B2 = Configuration(SETUP, 1.0, "fuzzy", 5, "js", 0.05), Configuration(SETUP, 1.0, "fuzzy", 5, "js", 0.2)
+CURVE_COSTS = {CURVE_EXACT: 0.0, A1: 0.1, A2: 0.3, B1: 0.05, B2: 0.2}
+"""Two curves from exact SD at k = 5, sampling: mixture at 2 budgets, fuzzy js at 2 thresholds."""
+CURVE_SPEEDS = {CURVE_EXACT: 100.0, A1: 150.0, A2: 180.0, B1: 110.0, B2: 160.0}
+FACTORS = [1.0, 0.5, 2.0, 1.5, 0.8, 1.2, 0.9]
+"""Per-prompt speed factors: a slow prompt is slow for every configuration."""
+
+
+def _measurement(
+    config: Configuration, prompt: int, seconds: float, target_forwards: int, draft_forwards: int
+) -> Measurement:
+    """10 tokens in `seconds`, with the forward counts given; every target forward costs 10 ms and
+    every draft forward 1 ms on the forward-work clock."""
+    stats = GenerationStats(
+        tokens=10, target_forwards=target_forwards, draft_forwards=draft_forwards, drafted=draft_forwards
+    )
+    target = ForwardTally(target_forwards + 1, 0.0, 10, 0.1)
+    draft = ForwardTally(draft_forwards + 1, 0.0, 10, 0.01) if draft_forwards else ForwardTally()
+    generation = Generation(list(range(10)), seconds, stats, target, draft)
+    return Measurement(config, prompt, 0, [1], generation, 20.0, None)
+
+
+def _speed_sweep() -> list[Measurement]:
+    """Autoregressive decoding (10 target forwards), exact SD (4 target, 12 draft) and fuzzy SD
+    (3 target, 12 draft) on 9 prompts, at the speeds of `EXACT_OVER_AR` and `FUZZY_OVER_EXACT`."""
+    runs = []
+    for prompt, (seconds, ratio) in enumerate(zip(AR_SECONDS, EXACT_OVER_AR, strict=True)):
+        runs += [
+            _measurement(AUTOREGRESSIVE, prompt, seconds, 10, 0),
+            _measurement(EXACT, prompt, seconds / ratio, 4, 12),
+            _measurement(FUZZY, prompt, seconds / ratio / FUZZY_OVER_EXACT, 3, 12),
+        ]
+    return runs
+
+
+def test_speedups_are_paired_medians_with_their_intervals() -> None:
+    autoregressive, exact, fuzzy = summarize([AUTOREGRESSIVE, EXACT, FUZZY], _speed_sweep())
+    assert exact.speedup["autoregressive"] == pytest.approx(2.0)
+    assert exact.speedup_ci95["autoregressive"] == pytest.approx((1.5, 2.5))
+    assert fuzzy.speedup["exact"] == pytest.approx(FUZZY_OVER_EXACT)
+    assert fuzzy.speedup_ci95["exact"] == pytest.approx((FUZZY_OVER_EXACT, FUZZY_OVER_EXACT))
+    assert fuzzy.speedup["autoregressive"] == pytest.approx(2.0 * FUZZY_OVER_EXACT)
+    assert fuzzy.speedup_ci95["autoregressive"] == pytest.approx(
+        (1.5 * FUZZY_OVER_EXACT, 2.5 * FUZZY_OVER_EXACT)
+    )
+    assert "exact" not in autoregressive.speedup  # autoregressive decoding has no k to pair with
+    # Forward work: 10 tokens / (target forwards × 10 ms + draft forwards × 1 ms), whatever the wall clock.
+    assert exact.work_speedup["autoregressive"] == pytest.approx(0.1 / 0.052)
+    assert fuzzy.work_speedup["exact"] == pytest.approx(0.052 / 0.042)
+    assert fuzzy.work_speedup_ci95["exact"] == pytest.approx((0.052 / 0.042, 0.052 / 0.042))
+    assert exact.mean_accepted_length == pytest.approx(2.5)
+
+
+def test_analysis_modules_load_neither_torch_nor_transformers() -> None:
+    script = (
+        "import importlib, sys\n"
+        f"for name in {ANALYSIS_MODULES!r}: importlib.import_module('fsd_chat.bench.' + name)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_report_is_read_back_without_torch(tmp_path: Path) -> None:
+    """report.json written from constructed measurements reads back into equal records, and a
+    process that cannot import torch or transformers rebuilds report.md and the terminal's tables
+    and plots from it."""
+    runs = _speed_sweep() + _constructed_runs(
+        lambda c, prompt: CURVE_SPEEDS[c] * FACTORS[prompt], CURVE_COSTS
+    )
+    summaries = summarize([AUTOREGRESSIVE, EXACT, FUZZY, *CURVE_COSTS], runs)
+    verdicts = compare_curves(summaries, runs)
+    # Every kind of figure is there to be read back: intervals, work speed-ups, curves.
+    assert summaries[2].work_speedup_ci95 and verdicts[0].comparisons[0].ci95 is not None
+    environment: dict[str, object] = {
+        "packages": {"torch": "2", "transformers": None},
+        "device": ["cpu"],
+        "device_name": ["a CPU"],
+        "torch_threads": 1,
+        "cpu_count": 2,
+        "scorer": "stories260K",
+    }
+    written = report.Report(environment, {"prompts": "x", "seed": 0}, False, summaries, verdicts)
+    report.write_json(tmp_path / "report.json", written)
+    report.write_markdown(tmp_path / "report.md", written, title="t", plot_name=None)
+    assert report.read_json(tmp_path / "report.json") == written
+
+    script = (
+        "import sys; from pathlib import Path\n"
+        "sys.modules['torch'] = sys.modules['transformers'] = None\n"
+        "from rich.console import Console\n"
+        "from fsd_chat.bench import report, terminal\n"
+        "results = report.read_json(Path(sys.argv[1]) / 'report.json')\n"
+        "report.write_markdown(Path(sys.argv[1]) / 'rebuilt.md', results, title='t', plot_name=None)\n"
+        "terminal.show(Console(width=200, color_system=None), results.summaries)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    shown = io.StringIO()
+    terminal.show(Console(width=200, color_system=None, file=shown), summaries)
+    assert result.stdout == shown.getvalue()
+    assert (tmp_path / "rebuilt.md").read_text() == (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    # Order statistics of the 95% CI of a median, as tabulated (binomial coverage): coverage
+    # 99.2% at n = 8, 96.1% at n = 9, 95.9% at n = 20; none exists below n = 6.
+    [(5, None), (6, (1, 6)), (8, (1, 8)), (9, (2, 8)), (20, (6, 15))],
+)
+def test_median_confidence_interval(n: int, expected: tuple[int, int] | None) -> None:
+    assert median_ci95([float(v) for v in range(n, 0, -1)]) == expected
+
+
+def _constructed_runs(
+    speed: Callable[[Configuration, int], float], costs: dict[Configuration, float]
+) -> list[Measurement]:
+    """Runs of 7 prompts with known speed and cost: `speed(config, prompt)` tokens/s, 10 tokens,
+    cost per token `costs[config]`."""
+    runs = []
+    for prompt in range(7):
+        for config, cost in costs.items():
+            stats = GenerationStats(tokens=10, cost=10 * cost, target_forwards=4)
+            generation = Generation(
+                [0] * 10, 10 / speed(config, prompt), stats, ForwardTally(), ForwardTally()
+            )
+            runs.append(Measurement(config, prompt, 0, [1], generation, 20.0, None))
+    return runs
+
+
+def test_curves_are_compared_at_matched_cost_from_the_data() -> None:
+    configs = list(CURVE_COSTS)
+    speeds, factors = CURVE_SPEEDS, FACTORS
+
+    def verdict_of(speed: Callable[[Configuration, int], float]) -> Verdict:
+        runs = _constructed_runs(speed, CURVE_COSTS)
+        # The constructed runs time no forward passes, so only the wall clock has anything to compare.
+        (verdict,) = compare_curves(summarize(configs, runs), runs)
+        assert verdict.clock == "wall clock"
+        return verdict
+
+    verdict = verdict_of(lambda c, prompt: speeds[c] * factors[prompt])
+    (comparison,) = verdict.comparisons
+    assert (comparison.a, comparison.b) == ("mixture k=5", "fuzzy js k=5")
+    # Common costs up to 0.2 (fuzzy's end): 0.05, 0.1, 0.2. mixture: 100 + 500·c up to 0.1, then
+    # 150 + 150·(c − 0.1); fuzzy: 100 + 200·c up to 0.05, then 110 + (50 / 0.15)·(c − 0.05).
+    expected = [125 / 110, 150 / (110 + 50 / 3), 165 / 160]
+    assert [level.cost for level in comparison.levels] == pytest.approx([0.05, 0.1, 0.2])
+    assert [level.ratio for level in comparison.levels] == pytest.approx(expected)
+    geometric_mean = (expected[0] * expected[1] * expected[2]) ** (1 / 3)
+    assert comparison.ratio == pytest.approx(geometric_mean) and comparison.prompts == 7
+    # Paired by prompt: the prompts' factors cancel, so every prompt has the same ratio.
+    assert comparison.ci95 == pytest.approx((geometric_mean, geometric_mean))
+    assert verdict.leader == "mixture k=5" and verdict.dominates and comparison.winner == "mixture k=5"
+
+    # The same costs with fuzzy faster: the verdict follows the data.
+    slow_mixture = speeds | {A1: 105.0, A2: 120.0}
+    verdict = verdict_of(lambda c, prompt: slow_mixture[c] * factors[prompt])
+    assert verdict.leader == "fuzzy js k=5" and verdict.comparisons[0].b == "mixture k=5"
+
+    # mixture faster on some prompts, slower on others: a leader by the median, but no dominance.
+    verdict = verdict_of(lambda c, prompt: speeds[c] * (0.7 if c.method == "mixture" and prompt % 2 else 1.0))
+    assert verdict.leader == "mixture k=5" and not verdict.dominates and verdict.comparisons[0].winner is None
