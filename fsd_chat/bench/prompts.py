@@ -230,12 +230,13 @@ def _mt_bench(data_dir: Path) -> PromptSet:
 def _jsonl_file(path: Path) -> PromptSet:
     items = []
     for number, row in enumerate(_jsonl_rows(path), 1):
-        if not isinstance(row.get("prompt"), str):
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str):
             raise FsdChatError(f"{path}: row {number} has no string `prompt` field")
         # JSON can spell a lone surrogate ("\\udcff"), which no tokenizer can encode.
-        require_utf8(row["prompt"], f"{path}: the prompt of row {number}")
+        require_utf8(prompt, f"{path}: the prompt of row {number}")
         answer = row.get("answer")
-        items.append(PromptItem(row["prompt"], None if answer is None else str(answer)))  # type: ignore[arg-type]
+        items.append(PromptItem(prompt, None if answer is None else str(answer)))
     has_answers = any(item.answer is not None for item in items)
     return PromptSet(str(path), tuple(items), (), generic_correct if has_answers else None)
 

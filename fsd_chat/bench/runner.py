@@ -67,6 +67,7 @@ def run_sweep(
                     correct = None
                     if prompt_set.checker is not None and item.answer is not None:
                         text = scorer.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+                        assert isinstance(text, str)  # a list only for batched input
                         correct = prompt_set.checker(text, item.answer)
                     nll = target_nll(scorer.target, scorer.vocab_size, ids[index], generation.token_ids)
                     runs.append(Measurement(config, index, repeat, ids[index], generation, nll, correct))
