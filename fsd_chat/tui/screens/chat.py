@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 from textual import work
 from textual.app import ComposeResult
@@ -31,7 +29,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat_template import Message, fit_to_context
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.log import log_exception, log_path
@@ -57,23 +55,6 @@ SHOWN_TURNS = 10
 """Turns kept on screen (up to twice as many before the oldest are put away)."""
 SAVE_INTERVAL = 1.0
 """Seconds between two saves of a streaming reply: what a kill -9 can lose at most."""
-
-
-class Decoder(Protocol):
-    """What the chat needs of a decoder (`SpeculativeDecoder`, `AutoregressiveDecoder`)."""
-
-    context: int | None
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-        stop_strings: tuple[str, ...] = (),
-    ) -> Iterator[Step]:
-        """Yield one `Step` per decoding step."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +314,7 @@ class ChatScreen(Screen[None]):
             reply.show_markdown()
         turn.content = reply.record.text
         self.writer.update_reply(self.session.id, turn)
-        compile_error = getattr(self.setup.decoder, "compile_error", None)
+        compile_error = self.setup.decoder.compile_error
         if compile_error and not self._compile_error_shown:
             self._compile_error_shown = True
             self.notify(
