@@ -1,4 +1,5 @@
-"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility.
+"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility; and
+the decoders over a loaded pair (`ModelPair.decoder` makes the speculative or target-only choice).
 
 Sources may be Hugging Face Hub ids (downloaded by transformers) or local directories. Every failure
 becomes a `ModelLoadError` / `IncompatibleModelsError` with a one-line message.

@@ -1,9 +1,13 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
 A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass; the worker buffers them (`StepBuffer`) and the UI shows them in batches,
-about 30 a second at most, in the streaming `ReplyView`. Keys change the shared `Controls`, which the decoder reads at the
-start of every step.
+target forward pass, and the worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the
+UI only when the buffer was empty. The UI takes everything buffered as one batch when its
+`BatchPacer` allows: about 30 batches a second at most, fewer when drawing is costly. A batch goes
+to the streaming `ReplyView`, which adds its steps to the reply and re-renders only its live tail
+(the text after its last finished line), and to the stats strip, which refreshes once. The reply
+is rendered whole once, when it ends. Keys change the shared `Controls`, which the decoder reads at
+the start of every step.
 
 Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
 together with the reply it asks for (stored as `streaming`), so the stored session always
@@ -268,7 +272,8 @@ class ChatScreen(Screen[None]):
             self._batch_timer = self.set_timer(wait, self._show_steps)
 
     def _show_steps(self, ended: bool = False) -> None:
-        """Append the buffered steps to the streaming reply; finish the reply when it ended."""
+        """Show the buffered steps as one batch in the streaming reply and the stats; finish the
+        reply when it ended, else save it if `SAVE_INTERVAL` has passed."""
         self._batch_timer = None
         if self.streaming is None:
             return
