@@ -233,7 +233,8 @@ def target_step(
     rule: str,
     prefill_seconds: float,
 ) -> Step:
-    """One target forward pass over the last token; emits one token of origin `target`."""
+    """One target forward pass over the last token, emitting one token of origin `target`: every
+    step of `AutoregressiveDecoder`, and a speculative step whose draft policy drafts nothing."""
     logits = target.forward(reply.seq, reply.length, keep=1)
     token = int(draw(probabilities(logits[-1], sampling), sampling, generator))
     reply.seq[0, reply.length] = token
