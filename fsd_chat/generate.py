@@ -82,11 +82,7 @@ def run_generate(
     if pair.device.type == "cpu":
         apply_threads(threads)
     controls = Controls(settings)
-    decoder = (
-        pair.autoregressive(controls)
-        if autoregressive
-        else pair.speculative(controls, compile_draft=compile_draft)
-    )
+    decoder = pair.decoder(controls, autoregressive=autoregressive, compile_draft=compile_draft)
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()
@@ -130,9 +126,8 @@ def run_generate(
                 f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token[/dim]",
                 highlight=False,
             )
-    compile_error = getattr(decoder, "compile_error", None)
-    if compile_error:
+    if decoder.compile_error:
         sys.stderr.write(
-            f"fsd-chat: --compile fell back to eager draft forward passes: {visible(compile_error)}\n"
+            f"fsd-chat: --compile fell back to eager draft forward passes: {visible(decoder.compile_error)}\n"
         )
     return totals

@@ -1,4 +1,5 @@
-"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility.
+"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility; and
+the decoders over a loaded pair (`ModelPair.decoder` makes the speculative or target-only choice).
 
 Sources may be Hugging Face Hub ids (downloaded by transformers) or local directories. Every failure
 becomes a `ModelLoadError` / `IncompatibleModelsError` with a one-line message.
@@ -30,6 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
 from fsd_chat.model_options import (
@@ -71,6 +73,32 @@ class ModelPair:
             f"target {self.target_spec.name} ({self.target_spec.quantization}) · "
             f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
         )
+
+    def decoder(
+        self,
+        controls: Controls,
+        *,
+        autoregressive: bool = False,
+        time_phases: bool = False,
+        compile_draft: bool = False,
+    ) -> Decoder:
+        """The decoder a command asked for over this pair, driven by `controls`.
+
+        Args:
+            controls: Live settings and stop requests, shared with the caller.
+            autoregressive: Target-only decoding (`AutoregressiveDecoder`) instead of speculative
+                decoding (`SpeculativeDecoder`).
+            time_phases: Synchronise the device at each phase, for exact phase times (benchmarks;
+                see `SpeculativeDecoder`).
+            compile_draft: Compile the draft's one-token forward passes (see `SpeculativeDecoder`);
+                target-only decoding runs no draft, and ignores it.
+
+        Raises:
+            UnsupportedCacheError: a model's KV cache cannot be rolled back.
+        """
+        if autoregressive:
+            return self.autoregressive(controls, time_phases=time_phases)
+        return self.speculative(controls, time_phases=time_phases, compile_draft=compile_draft)
 
     def speculative(
         self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from fsd_chat.decoding import Controls, DecodingSettings
+from fsd_chat.decoding import AutoregressiveDecoder, Controls, Decoder, DecodingSettings, SpeculativeDecoder
+from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.errors import ContextLengthError, IncompatibleModelsError, ModelLoadError
-from fsd_chat.models import LoadOptions, ModelSpec, load_pair
+from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from tests.decoding_helpers import collect
 from tests.tiny_models import save_tiny_model
 
@@ -36,6 +37,29 @@ def test_prompt_longer_than_the_context_is_refused(pair) -> None:
     decoder = pair.speculative(Controls())
     with pytest.raises(ContextLengthError, match="context window is 512 tokens"):
         next(decoder.generate([1] * 600, max_new_tokens=10))
+
+
+def test_decoder_is_the_one_asked_for_with_its_options(pair: ModelPair) -> None:
+    prompt = pair.tokenizer("Once upon a time").input_ids
+    controls = Controls(DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=3))
+    target_only = pair.decoder(controls, autoregressive=True, time_phases=True, compile_draft=True)
+    assert isinstance(target_only, AutoregressiveDecoder) and isinstance(target_only, Decoder)
+    assert target_only.controls is controls and target_only.time_phases
+    assert target_only.compile_error is None  # no draft: compile_draft has nothing to compile
+    run = collect(target_only.generate(prompt, max_new_tokens=8))
+    assert {s.stats.rule for s in run.steps} == {"autoregressive"} and run.stats.drafted == 0
+
+    speculative = pair.decoder(controls, time_phases=True)
+    assert isinstance(speculative, SpeculativeDecoder) and isinstance(speculative, Decoder)
+    assert speculative.controls is controls and speculative.time_phases
+    assert speculative.costs == pair.device_costs  # the pair's costs, measured once for all its decoders
+    assert not isinstance(speculative.draft, CompiledModel)
+    run = collect(speculative.generate(prompt, max_new_tokens=8))
+    assert {s.stats.rule for s in run.steps} == {"fuzzy"} and run.stats.drafted > 0
+
+    compiled = pair.decoder(controls, compile_draft=True)
+    assert isinstance(compiled, SpeculativeDecoder) and isinstance(compiled.draft, CompiledModel)
+    assert not compiled.time_phases
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(target_dir: Path, draft_dir: Path) -> None:

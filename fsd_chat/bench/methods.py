@@ -22,8 +22,8 @@ import torch
 from fsd_chat.bench.meter import ForwardMeter
 from fsd_chat.bench.records import FSD_RULES, Configuration, ForwardTally, Generation
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
-from fsd_chat.decoding.autoregressive import eos_token_ids
 from fsd_chat.decoding.kv_cache import context_length
+from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models import ModelPair
 
@@ -109,11 +109,9 @@ class PairRunner:
                 draft_policy=config.draft_policy,  # type: ignore[arg-type]
             )
         )
-        decoder = (
-            # Exact phase times on CUDA: the report splits draft, target and other seconds.
-            self.pair.autoregressive(controls, time_phases=True)
-            if config.method == "autoregressive"
-            else self.pair.speculative(controls, time_phases=True)
+        # Exact phase times on CUDA: the report splits draft, target and other seconds.
+        decoder = self.pair.decoder(
+            controls, autoregressive=config.method == "autoregressive", time_phases=True
         )
         stats = GenerationStats()
         ids: list[int] = []

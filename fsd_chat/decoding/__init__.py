@@ -1,7 +1,8 @@
 """The decoding core: pure torch + transformers, no UI imports.
 
-Public entry points: `SpeculativeDecoder`, `AutoregressiveDecoder` (both yield `Step` events),
-`Controls` (thread-safe live settings), `DecodingSettings` and `SamplingConfig`.
+Public entry points: `SpeculativeDecoder`, `AutoregressiveDecoder` (both yield `Step` events and
+satisfy the `Decoder` protocol), `Controls` (thread-safe live settings), `DecodingSettings` and
+`SamplingConfig`.
 
 Names are imported on first use (PEP 562), so that torch-free modules of this package — the
 settings the command line parses — load without torch.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 _HOMES = {
     "AutoregressiveDecoder": "autoregressive",
     "Controls": "controls",
+    "Decoder": "protocol",
     "DecodingSettings": "settings",
     "GenerationStats": "events",
     "Origin": "events",
@@ -29,6 +31,7 @@ _HOMES = {
 __all__ = [
     "AutoregressiveDecoder",
     "Controls",
+    "Decoder",
     "DecodingSettings",
     "GenerationStats",
     "Origin",
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
     from fsd_chat.decoding.controls import Controls
     from fsd_chat.decoding.events import GenerationStats, Origin, Step, StepStats, StopReason, Token
+    from fsd_chat.decoding.protocol import Decoder
     from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
     from fsd_chat.decoding.speculative import SpeculativeDecoder
 

@@ -155,8 +155,11 @@ def verify(
         generator: Source of the uniform draws u_i and of the correction draw.
 
     Returns:
-        The `Verdict`. Nothing is read back from the device before the single transfer at the end
-        (one host synchronisation per block).
+        The `Verdict`, read back from the device in one transfer at the end: the call's only host
+        synchronisation. Nothing before it reads a device value (n stays on the device, and
+        `torch.multinomial` has checked its input with device-side asserts since torch 2.5).
+        Counted on the CPU, reads from torch's C++ code included, by `tests/test_host_syncs.py`,
+        and on a GPU by `make gpu-check`.
     """
     k = draft_ids.shape[0]
     positions = torch.arange(k, device=p.device)

@@ -7,65 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.events import Origin, Step, StepStats
+from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
 from fsd_chat.decoding.memory import frees_memory_on_oom
-from fsd_chat.decoding.reply import Reply, begin
-from fsd_chat.decoding.sampling import draw, probabilities
-from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
-from fsd_chat.decoding.timing import PhaseClock
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:
-    """Token ids that end a reply: the tokenizer's EOS and each model's generation-config EOS."""
-    ids: set[int] = set()
-    candidates: list[object] = [tokenizer.eos_token_id]
-    candidates += [getattr(m.generation_config, "eos_token_id", None) for m in models]
-    for value in candidates:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
-
-
-def target_step(
-    target: CachedModel,
-    reply: Reply,
-    *,
-    sampling: SamplingConfig,
-    generator: torch.Generator,
-    clock: PhaseClock,
-    settings: DecodingSettings,
-    rule: str,
-    prefill_seconds: float,
-) -> Step:
-    """One target forward pass over the last token; emits one token of origin `target`."""
-    logits = target.forward(reply.seq, reply.length, keep=1)
-    token = int(draw(probabilities(logits[-1], sampling), sampling, generator))
-    reply.seq[0, reply.length] = token
-    target_seconds = clock.lap()
-    stats = StepStats(
-        drafted=0,
-        accepted_exact=0,
-        accepted_fuzzy=0,
-        emitted=1,
-        target_forwards=1,
-        draft_forwards=0,
-        draft_seconds=0.0,
-        target_seconds=target_seconds,
-        other_seconds=0.0,
-        threshold=settings.threshold,
-        divergence=settings.divergence,
-        rule=rule,
-        draft_tokens=0,
-        prefill_seconds=prefill_seconds,
-    )
-    return reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock)
+from fsd_chat.decoding.reply import begin, eos_token_ids, target_step
+from fsd_chat.decoding.settings import SamplingConfig
 
 
 class AutoregressiveDecoder:
@@ -74,7 +23,8 @@ class AutoregressiveDecoder:
     Args:
         target: The target model.
         tokenizer: Its tokenizer.
-        controls: Live controls (only the stop request matters here).
+        controls: Live controls: the stop request ends a reply; the settings are only recorded in
+            each step's stats.
         vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
         time_phases: Synchronise the device at each phase (see `SpeculativeDecoder`).
     """
@@ -101,6 +51,11 @@ class AutoregressiveDecoder:
     def cached_models(self) -> tuple[CachedModel, ...]:
         """The models whose KV caches this decoder fills."""
         return (self.target,)
+
+    @property
+    def compile_error(self) -> str | None:
+        """Always None: target-only decoding compiles nothing (see `Decoder.compile_error`)."""
+        return None
 
     @frees_memory_on_oom
     def generate(

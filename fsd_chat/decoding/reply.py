@@ -1,5 +1,7 @@
-"""State of one reply shared by both decoders: the token buffer, detokenisation, and the rules
-that end a reply (EOS, max_new_tokens, stop strings, a full context window, a stop request)."""
+"""What both decoders share: the state of one reply (the token buffer, detokenisation, and the rules
+that end a reply: EOS, max_new_tokens, stop strings, a full context window, a stop request), its
+start (`begin`: the prompt's prefill), the tokens that end it (`eos_token_ids`), and the step that
+emits one token from the target alone (`target_step`)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.kv_cache import CachedModel
-from fsd_chat.decoding.sampling import seeded_generator
-from fsd_chat.decoding.settings import SamplingConfig
+from fsd_chat.decoding.sampling import draw, probabilities, seeded_generator
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.errors import ContextLengthError, SettingsError
 
@@ -205,3 +207,52 @@ def begin(
         if reply.length > 1:
             model.forward(reply.seq, reply.length - 1, keep=1)
     return Start(reply, seeded_generator(sampling, device), clock, clock.lap())
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:
+    """Token ids that end a reply: the tokenizer's EOS and each model's generation-config EOS."""
+    ids: set[int] = set()
+    candidates: list[object] = [tokenizer.eos_token_id]
+    candidates += [getattr(m.generation_config, "eos_token_id", None) for m in models]
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def target_step(
+    target: CachedModel,
+    reply: Reply,
+    *,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    clock: PhaseClock,
+    settings: DecodingSettings,
+    rule: str,
+    prefill_seconds: float,
+) -> Step:
+    """One target forward pass over the last token, emitting one token of origin `target`: every
+    step of `AutoregressiveDecoder`, and a speculative step whose draft policy drafts nothing."""
+    logits = target.forward(reply.seq, reply.length, keep=1)
+    token = int(draw(probabilities(logits[-1], sampling), sampling, generator))
+    reply.seq[0, reply.length] = token
+    target_seconds = clock.lap()
+    stats = StepStats(
+        drafted=0,
+        accepted_exact=0,
+        accepted_fuzzy=0,
+        emitted=1,
+        target_forwards=1,
+        draft_forwards=0,
+        draft_seconds=0.0,
+        target_seconds=target_seconds,
+        other_seconds=0.0,
+        threshold=settings.threshold,
+        divergence=settings.divergence,
+        rule=rule,
+        draft_tokens=0,
+        prefill_seconds=prefill_seconds,
+    )
+    return reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock)

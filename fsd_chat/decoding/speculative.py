@@ -24,13 +24,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.acceptance import verify
-from fsd_chat.decoding.autoregressive import eos_token_ids, target_step
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, Next, make_policy, measure_costs
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
 from fsd_chat.decoding.memory import frees_memory_on_oom
-from fsd_chat.decoding.reply import Reply, begin
+from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, target_step
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock

@@ -20,6 +20,7 @@ from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
 from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
@@ -30,7 +31,7 @@ from fsd_chat.themes import DEFAULT_THEME, load_themes
 from fsd_chat.threads import apply_threads
 from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
 from fsd_chat.tui.messages import LoadProgress
-from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup, Decoder
+from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup
 from fsd_chat.tui.screens.loading import LoadingScreen
 from fsd_chat.tui.themes import default_variables, to_textual
 
@@ -80,18 +81,14 @@ class ChatOptions:
     compile_draft: bool = False
 
 
-def autoregressive_decoder(pair: ModelPair, controls: Controls) -> Decoder:
-    """A target-only decoder over the pair."""
-    return pair.autoregressive(controls)
-
-
 class FsdChatApp(App[None]):
     """The fsd-chat TUI.
 
     Args:
         options: The command line's choices.
         loader: Loads the model pair, reporting progress (default: `load_pair` with the options).
-        decoder_factory: Builds the decoder over the loaded pair.
+        decoder_factory: Builds the decoder over the loaded pair (default: `ModelPair.decoder`, with
+            the options' `autoregressive` and `compile_draft`).
     """
 
     CSS_PATH = "app.tcss"
@@ -108,9 +105,7 @@ class FsdChatApp(App[None]):
         super().__init__()
         self.options = options
         self.loader = loader or self._load_pair
-        self.decoder_factory = decoder_factory or (
-            autoregressive_decoder if options.autoregressive else self._speculative_decoder
-        )
+        self.decoder_factory = decoder_factory or self._decoder
         self.controls = Controls(options.settings)
         self.theme_errors: list[str] = []
         self.tracebacks: list[str] = []
@@ -133,8 +128,9 @@ class FsdChatApp(App[None]):
             one_line(message), title=one_line(title), severity=severity, timeout=timeout, markup=False
         )
 
-    def _speculative_decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
-        return pair.speculative(controls, compile_draft=self.options.compile_draft)
+    def _decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
+        o = self.options
+        return pair.decoder(controls, autoregressive=o.autoregressive, compile_draft=o.compile_draft)
 
     def _load_pair(self, progress: Progress) -> ModelPair:
         from fsd_chat.models import load_pair

@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from textual.pilot import Pilot
 
 from fsd_chat.config import sessions_path
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
+from fsd_chat.decoding import Controls, Decoder, DecodingSettings, SamplingConfig, Step
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
-from fsd_chat.tui.screens.chat import Decoder
 from tests.conftest import DRAFT_DIR, TARGET_DIR
-from tests.tui.helpers import SIZE, wait_for_chat
+from tests.tui.helpers import SIZE, WrappedDecoder, wait_for_chat
 
 PROMPT = "Once upon a time"
 STEP_SECONDS = 0.05
@@ -28,12 +27,8 @@ SETTINGS = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.1, draft_
 MAX_NEW_TOKENS = 400
 
 
-class PacedDecoder:
+class PacedDecoder(WrappedDecoder):
     """The real speculative decoder, waiting `STEP_SECONDS` before each step."""
-
-    def __init__(self, inner: Decoder) -> None:
-        self.inner = inner
-        self.context = inner.context
 
     def generate(
         self,
@@ -44,7 +39,7 @@ class PacedDecoder:
         stop_strings: tuple[str, ...] = (),
     ) -> Iterator[Step]:
         """The inner decoder's steps, one every `STEP_SECONDS` at most."""
-        for step in self.inner.generate(
+        for step in super().generate(
             prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
         ):
             time.sleep(STEP_SECONDS)

@@ -1,4 +1,5 @@
-"""Helpers for driving the real app: a decoder that waits between steps, and polling."""
+"""Helpers for driving the real app: decoders that wrap the real one (e.g. waiting between steps),
+and polling."""
 
 from __future__ import annotations
 
@@ -10,16 +11,42 @@ from pathlib import Path
 
 from textual.pilot import Pilot
 
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
+from fsd_chat.decoding import Controls, Decoder, DecodingSettings, SamplingConfig, Step
 from fsd_chat.models import ModelPair
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
-from fsd_chat.tui.screens.chat import Decoder
 
 SIZE = (110, 32)
 
 
-class GatedDecoder:
+class WrappedDecoder:
+    """A `Decoder` that passes everything through to `inner`; subclasses change `generate`."""
+
+    def __init__(self, inner: Decoder) -> None:
+        self.inner = inner
+
+    @property
+    def context(self) -> int | None:
+        return self.inner.context
+
+    @property
+    def compile_error(self) -> str | None:
+        return self.inner.compile_error
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        stop_strings: tuple[str, ...] = (),
+    ) -> Iterator[Step]:
+        return self.inner.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
+        )
+
+
+class GatedDecoder(WrappedDecoder):
     """The real speculative decoder, made to wait for `allow()` before each step.
 
     Every step the real decoder yields is recorded in `steps` (in the worker thread) so tests can
@@ -27,9 +54,8 @@ class GatedDecoder:
     """
 
     def __init__(self, inner: Decoder, *, fixed_clock: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.fixed_clock = fixed_clock
-        self.context = inner.context
         self.steps: list[Step] = []
         self._permits = threading.Semaphore(0)
 
@@ -47,7 +73,7 @@ class GatedDecoder:
         stop_strings: tuple[str, ...] = (),
     ) -> Iterator[Step]:
         """The inner generator, one permit per step (10 s at most, so a broken test cannot hang)."""
-        steps = self.inner.generate(
+        steps = super().generate(
             prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
         )
         while self._permits.acquire(timeout=10):

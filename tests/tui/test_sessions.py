@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 from fsd_chat.decoding.events import Step, StopReason
+from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.session import ReplyRecord, Session, Turn
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
-from fsd_chat.tui.screens.chat import ChatScreen, Decoder
+from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.dial import ThresholdDial
 from fsd_chat.tui.widgets.prompt import PromptInput
-from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
+from tests.tui.helpers import SIZE, GatedDecoder, WrappedDecoder, make_app, wait_for, wait_for_chat
 
 # Like the Llama 2 and Gemma templates: roles must alternate, and no system turn is accepted.
 STRICT_TEMPLATE = (
@@ -183,20 +184,26 @@ async def test_resuming_a_malformed_session_repairs_it(pair: ModelPair, tmp_path
     assert session.turns[1].reply == ReplyRecord(stop_reason="stopped")
 
 
-class FailingOnceDecoder:
+class FailingOnceDecoder(WrappedDecoder):
     """The real decoder, made to fail once before its first step. The fault is injected: no real
     decoder can be made to fail on demand here (on a GPU this is where a CUDA error would surface)."""
 
-    def __init__(self, inner: Decoder) -> None:
-        self.inner = inner
-        self.context = inner.context
-        self.failed = False
+    failed = False
 
-    def generate(self, prompt_ids: list[int], **kwargs: object) -> Iterator[Step]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        stop_strings: tuple[str, ...] = (),
+    ) -> Iterator[Step]:
         if not self.failed:
             self.failed = True
             raise RuntimeError("the device went away")
-        yield from self.inner.generate(prompt_ids, **kwargs)  # type: ignore[arg-type]
+        yield from super().generate(
+            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
+        )
 
 
 async def test_a_decoding_failure_ends_the_reply_and_keeps_the_message(

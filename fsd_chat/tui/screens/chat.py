@@ -1,9 +1,13 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
 A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass; the worker buffers them (`StepBuffer`) and the UI shows them in batches,
-about 30 a second at most, in the streaming `ReplyView`. Keys change the shared `Controls`, which the decoder reads at the
-start of every step.
+target forward pass, and the worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the
+UI only when the buffer was empty. The UI takes everything buffered as one batch when its
+`BatchPacer` allows: about 30 batches a second at most, fewer when drawing is costly. A batch goes
+to the streaming `ReplyView`, which adds its steps to the reply and re-renders only its live tail
+(the text after its last finished line), and to the stats strip, which refreshes once. The reply
+is rendered whole once, when it ends. Keys change the shared `Controls`, which the decoder reads at
+the start of every step.
 
 Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
 together with the reply it asks for (stored as `streaming`), so the stored session always
@@ -15,10 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 from textual import work
 from textual.app import ComposeResult
@@ -31,7 +33,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from fsd_chat.chat_template import Message, fit_to_context
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.log import log_exception, log_path
@@ -57,23 +59,6 @@ SHOWN_TURNS = 10
 """Turns kept on screen (up to twice as many before the oldest are put away)."""
 SAVE_INTERVAL = 1.0
 """Seconds between two saves of a streaming reply: what a kill -9 can lose at most."""
-
-
-class Decoder(Protocol):
-    """What the chat needs of a decoder (`SpeculativeDecoder`, `AutoregressiveDecoder`)."""
-
-    context: int | None
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-        stop_strings: tuple[str, ...] = (),
-    ) -> Iterator[Step]:
-        """Yield one `Step` per decoding step."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +272,8 @@ class ChatScreen(Screen[None]):
             self._batch_timer = self.set_timer(wait, self._show_steps)
 
     def _show_steps(self, ended: bool = False) -> None:
-        """Append the buffered steps to the streaming reply; finish the reply when it ended."""
+        """Show the buffered steps as one batch in the streaming reply and the stats; finish the
+        reply when it ended, else save it if `SAVE_INTERVAL` has passed."""
         self._batch_timer = None
         if self.streaming is None:
             return
@@ -333,7 +319,7 @@ class ChatScreen(Screen[None]):
             reply.show_markdown()
         turn.content = reply.record.text
         self.writer.update_reply(self.session.id, turn)
-        compile_error = getattr(self.setup.decoder, "compile_error", None)
+        compile_error = self.setup.decoder.compile_error
         if compile_error and not self._compile_error_shown:
             self._compile_error_shown = True
             self.notify(
