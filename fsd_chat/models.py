@@ -31,6 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
+from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
@@ -42,7 +43,7 @@ from fsd_chat.model_options import (
     check_quantization,
 )
 
-Progress = Callable[[str], None]
+Progress = Callable[[str], object]
 
 
 @dataclass(slots=True)
@@ -252,7 +253,8 @@ def _load_model(
     dtype = resolve_dtype(options.dtype, device)
     quantization = _quantization_config(spec, dtype, device)
     try:
-        model, report = AutoModelForCausalLM.from_pretrained(
+        # With output_loading_info the result is (model, report), which transformers' types do not say.
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             source,
             config=config,
             dtype=dtype,
@@ -274,6 +276,7 @@ def _load_model(
         raise _out_of_memory(spec, exc) from None
     except (OSError, ValueError, RuntimeError, ImportError, TypeError) as exc:
         raise _load_failure(spec, exc) from exc
+    model, report = loaded
     _check_load_report(spec, source, report)
     model.eval()
     if quantization is not None:
@@ -342,7 +345,7 @@ def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
     # Some bitsandbytes kernels accept the weights at load time and fail only on the first
     # forward pass (e.g. the CPU 4-bit kernel needs layer widths divisible by 32): fail here,
     # with a clear message, rather than mid-reply.
-    token = torch.zeros((1, 1), dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    token = torch.zeros((1, 1), dtype=torch.long, device=input_device(model))
     try:
         with torch.inference_mode():
             model(input_ids=token, use_cache=False)

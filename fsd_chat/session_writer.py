@@ -48,8 +48,8 @@ class SessionWriter:
         self,
         store: SessionStore,
         *,
-        on_error: Callable[[str], None],
-        on_recovered: Callable[[], None] = lambda: None,
+        on_error: Callable[[str], object],
+        on_recovered: Callable[[], object] = lambda: None,
     ) -> None:
         self.store = store
         self._on_error = on_error

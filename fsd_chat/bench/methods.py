@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class PairRunner:
             controls, autoregressive=config.method == "autoregressive", time_phases=True
         )
         stats = GenerationStats()
-        ids: list[int] = []
+        ids = []
         clock = PhaseClock(self.pair.device)
         for step in decoder.generate(
             prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
@@ -136,7 +137,7 @@ class PairRunner:
             max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))
         input_ids = torch.tensor([prompt_ids], device=pair.device)
         if sampling.greedy:
-            options: dict[str, object] = {"do_sample": False}
+            options: dict[str, Any] = {"do_sample": False}
         else:
             # top_k=0 switches off transformers' default top-k of 50: fsd-chat samples the full vocabulary.
             options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
@@ -144,7 +145,8 @@ class PairRunner:
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
         with assistant_settings(pair, k), torch.inference_mode():
-            out = pair.target.generate(
+            # Causal LMs mix in GenerationMixin; PreTrainedModel's type does not declare `generate`.
+            out = pair.target.generate(  # type: ignore[operator]
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 assistant_model=pair.draft,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from fsd_chat.decoding.kv_cache import input_device
+
 
 @torch.inference_mode()
 def target_nll(model: PreTrainedModel, vocab_size: int, prompt_ids: list[int], reply_ids: list[int]) -> float:
@@ -21,8 +23,7 @@ def target_nll(model: PreTrainedModel, vocab_size: int, prompt_ids: list[int], r
     """
     if not reply_ids:
         return 0.0
-    device = model.get_input_embeddings().weight.device
-    ids = torch.tensor([prompt_ids + reply_ids], device=device)
+    ids = torch.tensor([prompt_ids + reply_ids], device=input_device(model))
     n = len(reply_ids)
     # Positions len(prompt)-1 .. end-1 predict the reply tokens: keep only those logits.
     logits = model(input_ids=ids[:, :-1], logits_to_keep=n, use_cache=False).logits[0, -n:, :vocab_size]

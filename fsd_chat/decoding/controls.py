@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from typing import Any
 
 from fsd_chat.decoding.settings import DecodingSettings
 
@@ -25,7 +26,7 @@ class Controls:
         with self._lock:
             return self._settings
 
-    def update(self, **changes: object) -> DecodingSettings:
+    def update(self, **changes: Any) -> DecodingSettings:
         """Change some settings (fields of `DecodingSettings`); returns the new settings.
 
         Raises:

@@ -32,7 +32,9 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        text = self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        assert isinstance(text, str)  # a list only for batched input
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it adds."""

@@ -27,6 +27,14 @@ def context_length(model: PreTrainedModel) -> int | None:
     return None
 
 
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where `model`'s input ids go: the device of its input embeddings (with `device_map="auto"`
+    its other layers may sit on other devices)."""
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)  # typed as a Module attribute, which may be a Module
+    return weight.device
+
+
 class CachedModel:
     """One model and the KV cache of the sequence it has seen.
 
@@ -48,7 +56,7 @@ class CachedModel:
     def __init__(self, model: PreTrainedModel, vocab_size: int) -> None:
         self.model = model
         self.vocab_size = vocab_size
-        self.device = model.get_input_embeddings().weight.device
+        self.device = input_device(model)
         self.cache: Cache = self._new_cache()
         self.seen = 0
         self._check_rollback()
@@ -179,6 +187,7 @@ class CompiledModel(CachedModel):
 
     def _move_to(self, length: int) -> None:
         for layer in self.cache.layers:
+            assert isinstance(layer, StaticLayer)  # _check_rollback refused any other kind
             if layer.is_initialized:
                 # In place: CUDA graphs captured the tensor's address.
                 layer.cumulative_length.fill_(length)

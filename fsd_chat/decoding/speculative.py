@@ -182,7 +182,7 @@ class SpeculativeDecoder:
     ) -> Step:
         start = reply.length
         seq = reply.seq
-        q_rows = []
+        q_rows: list[torch.Tensor] = []
         for draft_forwards in range(1, limit + 1):
             logits = self.draft.forward(seq, start + draft_forwards - 1, keep=1)
             q = probabilities(logits[-1], sampling)

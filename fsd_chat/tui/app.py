@@ -12,9 +12,11 @@ import signal
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from textual import work
 from textual.app import App, SystemCommand
+from textual.binding import BindingType
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
@@ -93,7 +95,7 @@ class FsdChatApp(App[None]):
 
     CSS_PATH = "app.tcss"
     TITLE = "fsd-chat"
-    BINDINGS = APP_BINDINGS
+    BINDINGS: ClassVar[list[BindingType]] = [*APP_BINDINGS]
 
     def __init__(
         self,
@@ -199,7 +201,9 @@ class FsdChatApp(App[None]):
         if event.worker.group != "load" or not isinstance(self.screen, LoadingScreen):
             return
         if event.state == WorkerState.SUCCESS:
-            self.switch_screen(ChatScreen(self._setup(event.worker.result)))
+            pair = event.worker.result
+            assert isinstance(pair, ModelPair)  # the "load" group's one worker is `_load`
+            self.switch_screen(ChatScreen(self._setup(pair)))
         elif event.state == WorkerState.ERROR:
             error = event.worker.error
             message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"

@@ -21,9 +21,11 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 from textual import work
 from textual.app import ComposeResult
+from textual.binding import BindingType
 from textual.containers import Horizontal, VerticalScroll
 from textual.content import Content
 from textual.screen import Screen
@@ -99,7 +101,7 @@ class ChatSetup:
 class ChatScreen(Screen[None]):
     """The main screen."""
 
-    BINDINGS = CHAT_BINDINGS
+    BINDINGS: ClassVar[list[BindingType]] = [*CHAT_BINDINGS]
 
     def __init__(self, setup: ChatSetup) -> None:
         super().__init__()
