@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fsd_chat.bench.meter import ForwardMeter
-from fsd_chat.bench.records import FSD_RULES, Configuration, ForwardTally, Generation
+from fsd_chat.bench.records import RULE_OF, Configuration, ForwardTally, Generation
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.reply import eos_token_ids
@@ -103,11 +103,11 @@ class PairRunner:
         defaults = DecodingSettings()
         controls = Controls(
             DecodingSettings(
-                rule=config.method if config.method in FSD_RULES else "exact",  # type: ignore[arg-type]
-                divergence=config.divergence or defaults.divergence,  # type: ignore[arg-type]
+                rule=RULE_OF.get(config.method, "exact"),  # the autoregressive decoder has none
+                divergence=config.divergence or defaults.divergence,
                 threshold=config.threshold or 0.0,
                 draft_tokens=config.draft_tokens or defaults.draft_tokens,
-                draft_policy=config.draft_policy,  # type: ignore[arg-type]
+                draft_policy=config.draft_policy,
             )
         )
         # Exact phase times on CUDA: the report splits draft, target and other seconds.

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsd_chat.decoding.events import GenerationStats
+from fsd_chat.decoding.settings import DivergenceName, DraftPolicyName, Rule
 from fsd_chat.model_options import Quantization
 
 Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure", "mixture"]
 BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
 FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
+RULE_OF: dict[Method, Rule] = {"exact": "exact", "fuzzy": "fuzzy", "pure": "pure", "mixture": "mixture"}
+"""The acceptance rule of each method that runs fsd-chat's speculative decoder."""
 """The lossy rules a sweep can run (`--rules`); each draws one curve per divergence (if any) and k."""
 DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
 """The rules whose threshold is a divergence bound, swept over `--divergences` × `--thresholds`."""
@@ -60,9 +63,9 @@ class Configuration:
     temperature: float
     method: Method
     draft_tokens: int | None = None
-    divergence: str | None = None
+    divergence: DivergenceName | None = None
     threshold: float | None = None
-    draft_policy: str = "fixed"
+    draft_policy: DraftPolicyName = "fixed"
 
     @property
     def label(self) -> str:

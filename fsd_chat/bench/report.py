@@ -174,12 +174,12 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
         OSError: the file cannot be written.
     """
     environment = report.environment
-    packages = environment["packages"]
-    assert isinstance(packages, dict)
+    packages, devices, names = environment["packages"], environment["device"], environment["device_name"]
+    assert isinstance(packages, dict) and isinstance(devices, list) and isinstance(names, list)
     lines = [
         f"# {title}",
         "",
-        f"- device: {', '.join(map(str, environment['device']))} ({', '.join(map(str, environment['device_name']))}), "  # type: ignore[call-overload]
+        f"- device: {', '.join(map(str, devices))} ({', '.join(map(str, names))}), "
         f"{environment['torch_threads']} torch threads, {environment['cpu_count']} CPUs",
         f"- versions: {', '.join(f'{k} {v}' for k, v in packages.items() if v)}",
         f"- quality scored by: {environment['scorer']}",
