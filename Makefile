@@ -33,6 +33,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check fsd_chat tests
 	$(BIN)/ruff format --check fsd_chat tests
+	$(BIN)/lint-imports
 
 gpu-check: setup
 	$(BIN)/python -m fsd_chat.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \
