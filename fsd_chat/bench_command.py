@@ -63,14 +63,16 @@ QUICK = Preset(
 )
 
 
-def _opt(flag: str, help_text: str, panel: str = SWEEP, **extra: object) -> typer.models.OptionInfo:
-    return typer.Option(flag, help=help_text, rich_help_panel=panel, **extra)  # type: ignore[arg-type]
+def _opt(flag: str, help_text: str, envvar: str | None = None) -> typer.models.OptionInfo:
+    # bench's own options, which neither generate nor chat takes; the shared ones are in `o`.
+    info: typer.models.OptionInfo = typer.Option(flag, help=help_text, rich_help_panel=SWEEP, envvar=envvar)
+    return info
 
 
 PRESET = " Default: the preset's."
 TARGET = o.TARGET.replace(required=True)
 DRAFT = o.DRAFT.replace(required=True)
-MAX_NEW_TOKENS = o.MAX_NEW_TOKENS.replace(default=None, optional=True, help=o.MAX_NEW_TOKENS.help + PRESET)
+MAX_NEW_TOKENS = o.MAX_NEW_TOKENS.replace(default=None, help=o.MAX_NEW_TOKENS.help + PRESET)
 THRESHOLDS = o.THRESHOLD.replace(default=None).listed("--thresholds")
 DIVERGENCES = o.DIVERGENCE.replace(default=None).listed("--divergences")
 DRAFT_TOKENS = o.DRAFT_TOKENS.replace(default=None).listed()

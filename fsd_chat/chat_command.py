@@ -20,7 +20,7 @@ from fsd_chat.store import SessionStore
 from fsd_chat.text import one_line
 from fsd_chat.transcript import export_transcript, render_markdown
 
-SYSTEM = o.Option("system", ("--system",), str, None, "System prompt (first turn).", o.CHAT, optional=True)
+SYSTEM = o.Option("system", ("--system",), str, None, "System prompt (first turn).", o.CHAT)
 THEME = o.Option(
     "theme",
     ("--theme",),
@@ -28,7 +28,6 @@ THEME = o.Option(
     None,
     "fsd-dark, fsd-light, fsd-okabe-ito or a user theme.",
     o.CHAT,
-    optional=True,
 )
 TRANSCRIPTS_DIR = o.Option(
     "transcripts_dir",
@@ -37,13 +36,10 @@ TRANSCRIPTS_DIR = o.Option(
     None,
     "Folder the export dialog suggests (default: the current directory).",
     o.CHAT,
-    optional=True,
 )
 CONFIG_OPTIONS: tuple[o.Option[Any], ...] = (
-    o.TARGET.replace(
-        help=o.TARGET.help + " Default: config.toml's, or the resumed session's.", optional=True
-    ),
-    o.DRAFT.replace(optional=True),
+    o.TARGET.replace(help=o.TARGET.help + " Default: config.toml's, or the resumed session's."),
+    o.DRAFT,
     *o.REPLY_OPTIONS,
     SYSTEM,
     THEME,

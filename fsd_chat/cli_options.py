@@ -72,8 +72,8 @@ class Option(Generic[T]):
         check: Validates a value of `kind`, from a flag and from config.toml alike, and returns it;
             raises an `FsdChatError` (one line, exit 2). None: any value of the type is accepted.
         choices: The values it takes, when they are few; shown in the help.
-        optional: None is a value (the option has no default of its own, e.g. `--seed`).
-        required: The flag must be given.
+        required: The flag must be given. Otherwise a default of None makes None a value (the
+            option has no default of its own, e.g. `--seed`).
     """
 
     name: str
@@ -84,11 +84,10 @@ class Option(Generic[T]):
     panel: str | None = None
     check: Callable[[T], T] | None = None
     choices: tuple[str, ...] = ()
-    optional: bool = False
     required: bool = False
 
     def validate(self, value: T | None) -> T | None:
-        """`value` once checked (None, when optional, is not checked).
+        """`value` once checked (None, the value of an option without a default, is not checked).
 
         Raises:
             FsdChatError: the check's error.
@@ -106,7 +105,7 @@ class Option(Generic[T]):
             callback=self.validate,
             show_default=self.default is not None,
         )
-        annotation = self.kind | None if self.optional else self.kind
+        annotation = self.kind | None if self.default is None and not self.required else self.kind
         return inspect.Parameter(
             self.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation
         )
@@ -117,7 +116,7 @@ class Option(Generic[T]):
         return cast(T, values[self.name])
 
     def get(self, values: Mapping[str, object]) -> T | None:
-        """This option's value in a command's `values`, or None (an optional option not given)."""
+        """This option's value in a command's `values`, or None (an option without a default, not given)."""
         return cast(T | None, values[self.name])
 
     def from_config(self, value: object, where: str) -> T | None:
@@ -153,7 +152,6 @@ class Option(Generic[T]):
             None if self.default is None else str(self.default),
             f"{self.help} Comma-separated{values}: each is measured.",
             self.panel,
-            optional=self.default is None,
         )
 
 
@@ -197,15 +195,6 @@ def check_max_new_tokens(value: int) -> int:
     return value
 
 
-def _checked(check: Callable[[str], None]) -> Callable[[str], str]:
-    # The model options' checks live beside the model options (torch-free) and return nothing.
-    def checked(value: str) -> str:
-        check(value)
-        return value
-
-    return checked
-
-
 _DEFAULTS = DecodingSettings()
 _SAMPLING = SamplingConfig()
 
@@ -220,7 +209,7 @@ QUANTIZE_TARGET = Option(
     "none",
     "bitsandbytes quantization of the target.",
     MODELS,
-    _checked(check_quantization),
+    check_quantization,
     QUANTIZATIONS,
 )
 QUANTIZE_DRAFT = QUANTIZE_TARGET.replace(
@@ -233,7 +222,7 @@ DEVICE = Option(
     "auto",
     "auto (CUDA when available), cpu, cuda or cuda:N.",
     MODELS,
-    _checked(check_device_name),
+    check_device_name,
 )
 DTYPE = Option(
     "dtype",
@@ -242,7 +231,7 @@ DTYPE = Option(
     "auto",
     "auto (bf16/fp16 on CUDA, float32 on CPU), float32, bfloat16 or float16.",
     MODELS,
-    _checked(check_dtype_name),
+    check_dtype_name,
     DTYPES,
 )
 THREADS = Option(
@@ -252,7 +241,6 @@ THREADS = Option(
     None,
     "torch CPU threads (default: the cores idle at the start, one fewer in the chat).",
     MODELS,
-    optional=True,
 )
 TRUST_REMOTE_CODE = Option(
     "trust_remote_code",
@@ -332,7 +320,7 @@ TOP_P = Option("top_p", ("--top-p",), float, _SAMPLING.top_p, "Nucleus sampling 
 TOP_K = Option(
     "top_k", ("--top-k",), int, _SAMPLING.top_k, "Keep the k most likely tokens (0 = off).", SAMPLING
 )
-SEED = Option("seed", ("--seed",), int, None, "Random seed.", SAMPLING, optional=True)
+SEED = Option("seed", ("--seed",), int, None, "Random seed.", SAMPLING)
 MAX_NEW_TOKENS = Option(
     "max_new_tokens",
     ("--max-new-tokens",),
