@@ -67,7 +67,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_import_contracts_are_kept() -> None:
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert " 0 broken" in result.stdout
 
 
 def test_an_import_going_up_breaks_the_contracts(tmp_path: Path) -> None:

@@ -73,7 +73,10 @@ def test_config_fills_in_and_flags_override(
     assert code == 0
 
 
-@pytest.mark.parametrize("command", [[], *([name] for name in typer.main.get_command(app).commands)])  # type: ignore[attr-defined]
+COMMANDS: list[str] = list(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)], ids=["fsd-chat", *COMMANDS])
 def test_short_help_on_every_command(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run([*command, "-h"], capsys)
     assert (code, err) == (0, "") and f"Usage: fsd-chat {' '.join(command)}".rstrip() in out
