@@ -34,6 +34,7 @@ lint: setup
 	$(BIN)/ruff check fsd_chat tests
 	$(BIN)/ruff format --check fsd_chat tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 gpu-check: setup
 	$(BIN)/python -m fsd_chat.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \

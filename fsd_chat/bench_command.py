@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -42,8 +42,8 @@ FULL = Preset(
     divergences="js,kl,tv",
     rules="fuzzy",
     mixture_thresholds="0.01,0.02,0.05,0.1,0.2",
-    draft_tokens=str(o.DEFAULT_K),
-    draft_policies=o.DEFAULT_DRAFT_POLICY,
+    draft_tokens=str(o.DRAFT_TOKENS.default),
+    draft_policies=str(o.DRAFT_POLICY.default),
     repeats=1,
     threads=None,
 )
@@ -56,20 +56,50 @@ QUICK = Preset(
     divergences="js,tv",
     rules="fuzzy",
     mixture_thresholds="0.01,0.02,0.05,0.1",
-    draft_tokens=str(o.DEFAULT_K),
-    draft_policies=o.DEFAULT_DRAFT_POLICY,
+    draft_tokens=str(o.DRAFT_TOKENS.default),
+    draft_policies=str(o.DRAFT_POLICY.default),
     repeats=1,
     threads=1,
 )
 
 
-def _opt(flag: str, help_text: str, panel: str = SWEEP, **extra: object) -> typer.models.OptionInfo:
-    return typer.Option(flag, help=help_text, rich_help_panel=panel, **extra)  # type: ignore[arg-type]
+def _opt(flag: str, help_text: str, envvar: str | None = None) -> typer.models.OptionInfo:
+    # bench's own options, which neither generate nor chat takes; the shared ones are in `o`.
+    info: typer.models.OptionInfo = typer.Option(flag, help=help_text, rich_help_panel=SWEEP, envvar=envvar)
+    return info
 
 
+PRESET = " Default: the preset's."
+TARGET = o.TARGET.replace(required=True)
+DRAFT = o.DRAFT.replace(required=True)
+MAX_NEW_TOKENS = o.MAX_NEW_TOKENS.replace(default=None, help=o.MAX_NEW_TOKENS.help + PRESET)
+THRESHOLDS = o.THRESHOLD.replace(default=None).listed("--thresholds")
+DIVERGENCES = o.DIVERGENCE.replace(default=None).listed("--divergences")
+DRAFT_TOKENS = o.DRAFT_TOKENS.replace(default=None).listed()
+DRAFT_POLICIES = o.DRAFT_POLICY.replace(default=None).listed("--draft-policies")
+TEMPERATURES = o.TEMPERATURE.listed()
+DTYPES = o.DTYPE.listed()
+QUANTIZE_TARGET = o.QUANTIZE_TARGET.listed()
+QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
+
+
+@o.takes(
+    TARGET,
+    DRAFT,
+    MAX_NEW_TOKENS,
+    THRESHOLDS,
+    DIVERGENCES,
+    DRAFT_TOKENS,
+    DRAFT_POLICIES,
+    TEMPERATURES,
+    QUANTIZE_TARGET,
+    QUANTIZE_DRAFT,
+    o.DEVICE,
+    DTYPES,
+    o.THREADS,
+    o.TRUST_REMOTE_CODE,
+)
 def bench(
-    target: o.TargetOpt,
-    draft: o.DraftOpt,
     prompts: Annotated[
         str,
         _opt(
@@ -81,15 +111,6 @@ def bench(
         Path, _opt("--data-dir", "Directory of the built-in prompt sets' data.", envvar="FSD_CHAT_DATA")
     ] = Path("../shared/data"),
     limit: Annotated[int | None, _opt("--limit", "Number of prompts (from the start of the set).")] = None,
-    max_new_tokens: Annotated[
-        int | None, _opt("--max-new-tokens", "Cap on generated tokens per reply.")
-    ] = None,
-    thresholds: Annotated[
-        str | None, _opt("--thresholds", "FSD thresholds T, comma-separated (divergence units).")
-    ] = None,
-    divergences: Annotated[
-        str | None, _opt("--divergences", "Divergences: kl, reverse-kl, js, tv (comma-separated).")
-    ] = None,
     rules: Annotated[
         str | None, _opt("--rules", "Lossy rules: fuzzy, pure, mixture (comma-separated, or none).")
     ] = None,
@@ -100,14 +121,6 @@ def bench(
             "mixture rule's per-token KL budgets T, nats (greedy: regret), comma-separated.",
         ),
     ] = None,
-    draft_tokens: Annotated[str | None, _opt("--draft-tokens", "Draft lengths k (comma-separated).")] = None,
-    draft_policies: Annotated[
-        str | None,
-        _opt(
-            "--draft-policies", "fsd-chat's draft-length policies: fixed, adaptive, cost (comma-separated)."
-        ),
-    ] = None,
-    temperature: Annotated[str, _opt("--temperature", "Temperatures, comma-separated (0 = greedy).")] = "0",
     seed: Annotated[int, _opt("--seed", "Base seed: prompt i is decoded with seed + i by every method.")] = 0,
     baselines: Annotated[
         str,
@@ -121,28 +134,7 @@ def bench(
     output: Annotated[
         Path, _opt("--output", "Directory for report.json, report.md and tradeoff.png.")
     ] = Path("bench-out"),
-    quantize_target: Annotated[
-        str,
-        _opt(
-            "--quantize-target",
-            "bitsandbytes quantization of the target: none, 8bit, 4bit (comma-separated).",
-            o.MODELS,
-        ),
-    ] = "none",
-    quantize_draft: Annotated[
-        str,
-        _opt(
-            "--quantize-draft",
-            "bitsandbytes quantization of the draft: none, 8bit, 4bit (comma-separated).",
-            o.MODELS,
-        ),
-    ] = "none",
-    device: o.DeviceOpt = "auto",
-    dtype: Annotated[
-        str, _opt("--dtype", "Dtypes: auto, float32, bfloat16, float16 (comma-separated).", o.MODELS)
-    ] = "auto",
-    threads: o.ThreadsOpt = None,
-    trust_remote_code: o.TrustRemoteCodeOpt = False,
+    **values: Any,
 ) -> None:
     """Measure FSD's speed/quality trade-off against autoregressive decoding, exact speculative
     decoding and transformers' assisted generation, side by side in one run."""
@@ -150,6 +142,9 @@ def bench(
     from fsd_chat.bench.sweep import SweepSpec
 
     preset = QUICK if quick else FULL
+    thresholds, divergences = THRESHOLDS.get(values), DIVERGENCES.get(values)
+    draft_tokens, draft_policies = DRAFT_TOKENS.get(values), DRAFT_POLICIES.get(values)
+    max_new_tokens, threads = MAX_NEW_TOKENS.get(values), o.THREADS.get(values)
     spec = SweepSpec(
         thresholds=thresholds if thresholds is not None else preset.thresholds,
         divergences=divergences if divergences is not None else preset.divergences,
@@ -159,16 +154,16 @@ def bench(
         else preset.mixture_thresholds,
         draft_tokens=draft_tokens if draft_tokens is not None else preset.draft_tokens,
         draft_policies=draft_policies if draft_policies is not None else preset.draft_policies,
-        temperatures=temperature,
+        temperatures=TEMPERATURES.of(values),
         baselines=baselines,
-        dtypes=dtype,
-        quantize_target=quantize_target,
-        quantize_draft=quantize_draft,
+        dtypes=DTYPES.of(values),
+        quantize_target=QUANTIZE_TARGET.of(values),
+        quantize_draft=QUANTIZE_DRAFT.of(values),
     )
     quiet_libraries()
     status = run_bench(
-        target=target,
-        draft=draft,
+        target=TARGET.of(values),
+        draft=DRAFT.of(values),
         prompts=prompts,
         data_dir=data_dir,
         limit=limit if limit is not None else preset.limit,
@@ -177,9 +172,9 @@ def bench(
         seed=seed,
         repeats=repeats if repeats is not None else preset.repeats,
         output=output,
-        device=device,
+        device=o.DEVICE.of(values),
         threads=threads if threads is not None else preset.threads,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=o.TRUST_REMOTE_CODE.of(values),
     )
     if status:
         raise typer.Exit(status)

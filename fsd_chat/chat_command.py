@@ -13,66 +13,44 @@ from typing import Annotated, Any
 import typer
 
 from fsd_chat import cli_options as o
-from fsd_chat.config import ConfigError, check_chat_options, load_config, sessions_path, user_themes_dir
+from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
 from fsd_chat.errors import ModelLoadError
 from fsd_chat.log import quiet_libraries
 from fsd_chat.store import SessionStore
 from fsd_chat.text import one_line
 from fsd_chat.transcript import export_transcript, render_markdown
 
-CHAT = "Chat"
-
-SystemOpt = Annotated[
-    str | None, typer.Option("--system", help="System prompt (first turn).", rich_help_panel=CHAT)
-]
-ThemeOpt = Annotated[
-    str | None,
-    typer.Option("--theme", help="fsd-dark, fsd-light, fsd-okabe-ito or a user theme.", rich_help_panel=CHAT),
-]
-TranscriptsDirOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--transcripts-dir",
-        help="Folder the export dialog suggests (default: the current directory).",
-        rich_help_panel=CHAT,
-    ),
-]
-ResumeOpt = Annotated[
-    str | None,
-    typer.Option("--resume", help="Continue a saved session (its id or a prefix).", rich_help_panel=CHAT),
-]
-RawOpt = Annotated[
-    bool, typer.Option("--raw", help="Plain-text turns, no chat template.", rich_help_panel=CHAT)
-]
-AutoregressiveOpt = Annotated[
-    bool, typer.Option("--autoregressive", help="Target-only decoding (no draft).", rich_help_panel=CHAT)
-]
-DebugOpt = Annotated[
-    bool,
-    typer.Option(
-        "--debug",
-        help="After the chat ends, print the tracebacks of unexpected errors (always logged to "
-        "fsd-chat.log in the data folder).",
-        rich_help_panel=CHAT,
-    ),
-]
-OptionalTargetOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--target",
-        help="Target model: a Hugging Face Hub id or a local directory (default: from config.toml, or "
-        "the resumed session's).",
-        rich_help_panel=o.MODELS,
-    ),
-]
-OptionalDraftOpt = Annotated[
-    str | None,
-    typer.Option("--draft", help="Draft model sharing the target's tokenizer.", rich_help_panel=o.MODELS),
-]
+SYSTEM = o.Option("system", ("--system",), str, None, "System prompt (first turn).", o.CHAT)
+THEME = o.Option(
+    "theme",
+    ("--theme",),
+    str,
+    None,
+    "fsd-dark, fsd-light, fsd-okabe-ito or a user theme.",
+    o.CHAT,
+)
+TRANSCRIPTS_DIR = o.Option(
+    "transcripts_dir",
+    ("--transcripts-dir",),
+    str,
+    None,
+    "Folder the export dialog suggests (default: the current directory).",
+    o.CHAT,
+)
+CONFIG_OPTIONS: tuple[o.Option[Any], ...] = (
+    o.TARGET.replace(help=o.TARGET.help + " Default: config.toml's, or the resumed session's."),
+    o.DRAFT,
+    *o.REPLY_OPTIONS,
+    SYSTEM,
+    THEME,
+    TRANSCRIPTS_DIR,
+)
+"""The chat's options that config.toml may set (the other two, --resume and --debug, are per run)."""
 
 
-def _with_config(ctx: typer.Context, values: dict[str, Any], config: dict[str, object]) -> dict[str, Any]:
-    """Option values with config.toml filling in every option not given on the command line."""
+def with_config(ctx: typer.Context, values: dict[str, Any], config: dict[str, object]) -> dict[str, Any]:
+    """Option values with config.toml's (checked) filling in every option not given on the command
+    line."""
     merged = dict(values)
     for name, value in config.items():
         source = ctx.get_parameter_source(name)
@@ -88,71 +66,52 @@ def _check_local(source: str) -> None:
         raise ModelLoadError(f"model path not found: {source}")
 
 
+@o.takes(*CONFIG_OPTIONS)
 def chat(
     ctx: typer.Context,
-    target: OptionalTargetOpt = None,
-    draft: OptionalDraftOpt = None,
-    threshold: o.ThresholdOpt = o.DEFAULT_THRESHOLD,
-    divergence: o.DivergenceOpt = o.DEFAULT_DIVERGENCE,
-    rule: o.RuleOpt = o.DEFAULT_RULE,
-    draft_tokens: o.DraftTokensOpt = o.DEFAULT_K,
-    draft_policy: o.DraftPolicyOpt = o.DEFAULT_DRAFT_POLICY,
-    compile_draft: o.CompileOpt = False,
-    temperature: o.TemperatureOpt = 0.0,
-    top_p: o.TopPOpt = 1.0,
-    top_k: o.TopKOpt = 0,
-    seed: o.SeedOpt = None,
-    max_new_tokens: o.MaxNewTokensOpt = 256,
-    quantize_target: o.QuantizeTargetOpt = "none",
-    quantize_draft: o.QuantizeDraftOpt = "none",
-    device: o.DeviceOpt = "auto",
-    dtype: o.DtypeOpt = "auto",
-    trust_remote_code: o.TrustRemoteCodeOpt = False,
-    threads: o.ThreadsOpt = None,
-    raw: RawOpt = False,
-    autoregressive: AutoregressiveOpt = False,
-    system: SystemOpt = None,
-    theme: ThemeOpt = None,
-    transcripts_dir: TranscriptsDirOpt = None,
-    resume: ResumeOpt = None,
-    debug: DebugOpt = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume", help="Continue a saved session (its id or a prefix).", rich_help_panel=o.CHAT
+        ),
+    ] = None,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="After the chat ends, print the tracebacks of unexpected errors (always logged to "
+            "fsd-chat.log in the data folder).",
+            rich_help_panel=o.CHAT,
+        ),
+    ] = False,
+    **values: Any,
 ) -> None:
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
     config = load_config()
-    v = _with_config(ctx, dict(ctx.params), config.options)
-    check_chat_options(v)
+    v = with_config(ctx, values, o.config_values(config, CONFIG_OPTIONS))
     if resume is not None and not resume.strip():
         raise ConfigError("--resume needs a session id or a prefix of one (fsd-chat history lists them)")
     store = SessionStore(sessions_path())
     session = store.load(resume) if resume is not None else None
-    target_source = v["target"] or (session.models["target"] if session else None)
-    draft_source = v["draft"] or (session.models["draft"] if session else None)
+    target_source = o.TARGET.get(v) or (session.models["target"] if session else None)
+    draft_source = o.DRAFT.get(v) or (session.models["draft"] if session else None)
     if not target_source or not draft_source:
         raise ConfigError(
             "no model pair: pass --target and --draft (or set target and draft in "
             f"{config.path}, or --resume a session)"
         )
-    settings = o.decoding_settings(
-        v["rule"], v["divergence"], float(v["threshold"]), v["draft_tokens"], v["draft_policy"]
-    )
-    sampling = o.sampling_config(float(v["temperature"]), v["top_k"], float(v["top_p"]), v["seed"])
+    settings = o.decoding_settings(v)
+    sampling = o.sampling_config(v)
     for source in (target_source, draft_source):
         _check_local(source)
-    specs = o.pair_specs(
-        target_source,
-        draft_source,
-        v["quantize_target"],
-        v["quantize_draft"],
-        v["device"],
-        v["dtype"],
-        v["trust_remote_code"],
-    )
+    specs = o.model_specs(target_source, draft_source, v)
 
     from fsd_chat.tui.app import ChatOptions, FsdChatApp
     from fsd_chat.tui.keys import check_keymap
 
     check_keymap(config.keymap)
     quiet_libraries()
+    system = SYSTEM.get(v)
     options = ChatOptions(
         target=specs[0],
         draft=specs[1],
@@ -160,17 +119,17 @@ def chat(
         store=store,
         settings=settings,
         sampling=sampling,
-        max_new_tokens=v["max_new_tokens"],
-        raw=v["raw"],
-        autoregressive=v["autoregressive"],
-        system=v["system"] if v["system"] is not None else (session.system if session else None),
-        theme=v["theme"],
-        transcripts_dir=Path(v["transcripts_dir"] or Path.cwd()).expanduser(),
+        max_new_tokens=o.MAX_NEW_TOKENS.of(v),
+        raw=o.RAW.of(v),
+        autoregressive=o.AUTOREGRESSIVE.of(v),
+        system=system if system is not None else (session.system if session else None),
+        theme=THEME.get(v),
+        transcripts_dir=Path(TRANSCRIPTS_DIR.get(v) or Path.cwd()).expanduser(),
         resume=session,
         keymap=config.keymap,
         user_themes_dir=user_themes_dir(),
-        threads=v["threads"],
-        compile_draft=v["compile_draft"],
+        threads=o.THREADS.get(v),
+        compile_draft=o.COMPILE_DRAFT.of(v),
     )
     app = FsdChatApp(options)
     app.run()

@@ -23,6 +23,8 @@ app = typer.Typer(
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Inherited by every command's context: -h is --help everywhere.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 EXIT_BAD_INPUT = 2

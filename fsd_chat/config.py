@@ -2,8 +2,8 @@
 
 Folders come from platformdirs (`~/.config/fsd-chat`, `~/.local/share/fsd-chat` on Linux);
 `FSD_CHAT_CONFIG_DIR` / `FSD_CHAT_DATA_DIR` override them (tests point them at temporary folders).
-The file holds defaults for the `fsd-chat chat` options (named as the options, with underscores)
-and a `[keymap]` table of binding id -> keys::
+The file holds defaults for the `fsd-chat chat` options (named as the options, with underscores;
+checked like the flags, see `fsd_chat.cli_options`) and a `[keymap]` table of binding id -> keys::
 
     target = "HuggingFaceTB/SmolLM2-1.7B-Instruct"
     draft = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -22,41 +22,11 @@ from pathlib import Path
 
 import platformdirs
 
-from fsd_chat.cli_options import check_max_new_tokens
 from fsd_chat.errors import FsdChatError
-from fsd_chat.model_options import check_device_name, check_dtype_name, check_quantization
 
 APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
 ENV_DATA_DIR = "FSD_CHAT_DATA_DIR"
-
-OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
-    "target": str,
-    "draft": str,
-    "quantize_target": str,
-    "quantize_draft": str,
-    "device": str,
-    "dtype": str,
-    "trust_remote_code": bool,
-    "threshold": (int, float),
-    "divergence": str,
-    "rule": str,
-    "draft_tokens": int,
-    "draft_policy": str,
-    "compile_draft": bool,
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": int,
-    "seed": int,
-    "max_new_tokens": int,
-    "raw": bool,
-    "autoregressive": bool,
-    "system": str,
-    "theme": str,
-    "transcripts_dir": str,
-    "threads": int,
-}
-"""Settings `config.toml` may hold, with their TOML types (the chat command's option names)."""
 
 
 class ConfigError(FsdChatError):
@@ -88,7 +58,7 @@ class UserConfig:
     """The settings of config.toml.
 
     Attributes:
-        options: Defaults for the chat command's options, by option name.
+        options: Defaults for the chat command's options, by option name, as the file has them.
         keymap: Binding id -> comma-separated keys (Textual's `App.set_keymap` format).
         path: The file they came from (it may not exist).
     """
@@ -99,10 +69,11 @@ class UserConfig:
 
 
 def load_config(path: Path | None = None) -> UserConfig:
-    """Read config.toml (default: in `config_dir()`); a missing file is an empty config.
+    """Read config.toml (default: in `config_dir()`); a missing file is an empty config. The options'
+    names and values are checked by the command that reads them (`fsd_chat.cli_options.config_values`).
 
     Raises:
-        ConfigError: invalid TOML, an unknown setting, or a value of the wrong type.
+        ConfigError: invalid TOML, or a malformed [keymap].
     """
     path = path or config_dir() / "config.toml"
     try:
@@ -116,32 +87,4 @@ def load_config(path: Path | None = None) -> UserConfig:
     keymap = data.pop("keymap", {})
     if not isinstance(keymap, dict) or not all(isinstance(v, str) for v in keymap.values()):
         raise ConfigError(f'{path}: [keymap] maps binding ids to key strings, e.g. stop = "escape"')
-    unknown = sorted(set(data) - set(OPTION_TYPES))
-    if unknown:
-        raise ConfigError(
-            f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTION_TYPES))}"
-        )
-    for key, value in data.items():
-        expected = OPTION_TYPES[key]
-        # bool is an int in Python, but `threshold = true` is surely a mistake.
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise ConfigError(f"{path}: {key} = {value!r} has the wrong type")
     return UserConfig(options=data, keymap=keymap, path=path)
-
-
-def check_chat_options(values: dict[str, object]) -> None:
-    """Check the chat's model and length options, from the command line or config.toml, before the
-    screen opens (typer checks flags, but config.toml's values arrive unchecked; the decoding and
-    sampling settings check themselves when built).
-
-    Raises:
-        ModelLoadError: an unknown device, dtype or quantization.
-        SettingsError: max_new_tokens out of range.
-    """
-    check_device_name(str(values["device"]))
-    check_dtype_name(str(values["dtype"]))
-    check_quantization(str(values["quantize_target"]))
-    check_quantization(str(values["quantize_draft"]))
-    max_new_tokens = values["max_new_tokens"]
-    assert isinstance(max_new_tokens, int)  # typer and load_config both check the type
-    check_max_new_tokens(max_new_tokens)

@@ -16,34 +16,39 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
-def check_device_name(device: str) -> None:
-    """Check the spelling of a `--device` value (whether the device exists is checked at load).
+def check_device_name(device: str) -> str:
+    """Check the spelling of a `--device` value (whether the device exists is checked at load);
+    returns it (the converter of `--device`, flag or config.toml).
 
     Raises:
         ModelLoadError: anything but auto, cpu, cuda or cuda:N.
     """
     if not _DEVICE.fullmatch(device):
         raise ModelLoadError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    return device
 
 
-def check_dtype_name(dtype: str) -> None:
-    """Check a `--dtype` value.
+def check_dtype_name(dtype: str) -> str:
+    """Check a `--dtype` value; returns it.
 
     Raises:
         ModelLoadError: not one of DTYPES.
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    return dtype
 
 
-def check_quantization(quantization: str) -> None:
-    """Check a `--quantize-target` / `--quantize-draft` value.
+def check_quantization(quantization: str) -> Quantization:
+    """Check a `--quantize-target` / `--quantize-draft` value; returns it.
 
     Raises:
         ModelLoadError: not one of QUANTIZATIONS.
     """
-    if quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}")
+    for known in QUANTIZATIONS:
+        if quantization == known:
+            return known
+    raise ModelLoadError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}")
 
 
 @dataclass(frozen=True, slots=True)

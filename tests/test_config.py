@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import typer
 
+from fsd_chat.chat_command import CONFIG_OPTIONS, with_config
+from fsd_chat.cli import app
+from fsd_chat.cli_options import config_values
 from fsd_chat.config import ConfigError, config_dir, data_dir, load_config, sessions_path
 from fsd_chat.tui.keys import check_keymap, key_rows
 
@@ -37,9 +41,18 @@ def test_options_and_keymap(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("threshold = ", "invalid TOML"),
-        ("thresold = 0.1", "unknown setting\\(s\\) thresold"),
+        ("thresold = 0.1", "unknown setting\\(s\\) thresold; known: autoregressive, compile_draft, device"),
+        ("resume = 'abcd'", "unknown setting\\(s\\) resume"),  # per run, not a default
         ('threshold = "high"', "threshold = 'high' has the wrong type"),
         ("draft_tokens = true", "draft_tokens = True has the wrong type"),
+        ("raw = 1", "raw = 1 has the wrong type"),
+        ('dtype = "float64"', "config.toml: unknown dtype 'float64'; use auto, float32, bfloat16, float16"),
+        (
+            'divergence = "hellinger"',
+            "config.toml: unknown divergence 'hellinger'; use kl, reverse-kl, js, tv",
+        ),
+        ('device = "mps"', "config.toml: unsupported device 'mps'"),
+        ("max_new_tokens = 0", "config.toml: --max-new-tokens must be in 1..10,000,000, got 0"),
         ("[keymap]\nstop = 3", "\\[keymap\\] maps binding ids to key strings"),
     ],
 )
@@ -47,7 +60,41 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
     path = tmp_path / "config.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        load_config(path)
+        config_values(load_config(path), CONFIG_OPTIONS)
+
+
+def test_config_values_are_converted_like_flags(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('threshold = 1\ntemperature = 0\nraw = true\nseed = 7\ntranscripts_dir = "~/t"\n')
+    values = config_values(load_config(path), CONFIG_OPTIONS)
+    assert values == {"threshold": 1.0, "temperature": 0.0, "raw": True, "seed": 7, "transcripts_dir": "~/t"}
+    assert isinstance(values["threshold"], float)
+
+
+def chat_values(args: list[str], config: str, tmp_path: Path) -> dict[str, object]:
+    """The chat's settings from `args` (parsed by the real command) and config.toml's `config`."""
+    path = tmp_path / "config.toml"
+    path.write_text(config)
+    command = typer.main.get_command(app).commands["chat"]  # type: ignore[attr-defined]
+    ctx = command.make_context("chat", args)
+    return with_config(ctx, ctx.params, config_values(load_config(path), CONFIG_OPTIONS))
+
+
+def test_a_flag_turns_a_config_default_off_for_one_run(tmp_path: Path) -> None:
+    config = 'raw = true\nautoregressive = true\ntrust_remote_code = true\ncompile_draft = true\ndtype = "float16"\n'
+    switches = ("raw", "autoregressive", "trust_remote_code", "compile_draft")
+    values = chat_values([], config, tmp_path)
+    assert [values[name] for name in switches] == [True] * 4 and values["dtype"] == "float16"
+    off = ["--no-raw", "--no-autoregressive", "--no-trust-remote-code", "--no-compile", "--dtype", "auto"]
+    values = chat_values(off, config, tmp_path)
+    assert [values[name] for name in switches] == [False] * 4 and values["dtype"] == "auto"
+    assert chat_values(["--raw"], "raw = false\n", tmp_path)["raw"] is True
+
+
+def test_config_keys_are_the_chat_options() -> None:
+    command = typer.main.get_command(app).commands["chat"]  # type: ignore[attr-defined]
+    flags = {param.name for param in command.params}
+    assert {option.name for option in CONFIG_OPTIONS} == flags - {"resume", "debug"}
 
 
 def test_unknown_binding_id_is_rejected() -> None:

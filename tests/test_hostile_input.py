@@ -211,6 +211,9 @@ CASES = [
         config="max_new_tokens = 10000000000\n",
     ),
     Case("chat-config-infinite-T", ["chat", *PAIR], "threshold must be a finite", config="threshold = inf\n"),
+    Case("chat-config-float64", ["chat", *PAIR], "unknown dtype 'float64'", config='dtype = "float64"\n'),
+    Case("chat-config-bad-rule", ["chat", *PAIR], "unknown rule 'lossy'", config='rule = "lossy"\n'),
+    Case("chat-config-wrong-type", ["chat", *PAIR], "raw = 'yes' has the wrong type", config='raw = "yes"\n'),
     # 7. bench checks its output before measuring
     Case(
         "bench-report-is-a-folder",

@@ -21,6 +21,8 @@ DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "adaptive", "cost")
 DEFAULT_DRAFT_TOKENS = 5
 """Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
 pair (README, "Choosing the defaults"); k = 3..6 lie within each other's confidence intervals."""
+DEFAULT_MAX_NEW_TOKENS = 256
+"""Cap on new tokens per reply (tokens) unless asked otherwise: generate's and the chat's default."""
 
 DEFAULT_THRESHOLD = 0.05
 """Default T (js, nats): the smallest threshold with a measurable speed-up over exact SD on the

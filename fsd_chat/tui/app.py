@@ -23,7 +23,7 @@ from textual.worker import Worker, WorkerState
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
+from fsd_chat.decoding.settings import DEFAULT_MAX_NEW_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
 from fsd_chat.session import Session, new_session_id, now
@@ -70,7 +70,7 @@ class ChatOptions:
     load: LoadOptions = field(default_factory=LoadOptions)
     settings: DecodingSettings = field(default_factory=DecodingSettings)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     raw: bool = False
     autoregressive: bool = False
     system: str | None = None

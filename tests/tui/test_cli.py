@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import typer
 
+from fsd_chat.cli import app
 from fsd_chat.config import config_dir, sessions_path
 from fsd_chat.store import SessionStore
 from tests.test_cli_generate import run_cli as run
@@ -69,3 +71,37 @@ def test_config_fills_in_and_flags_override(
     (config_dir() / "config.toml").write_text("colour = 1\n")
     code, _, err = run(["history"], capsys)  # other commands do not read config.toml
     assert code == 0
+
+
+COMMANDS: list[str] = list(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in COMMANDS)], ids=["fsd-chat", *COMMANDS])
+def test_short_help_on_every_command(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run([*command, "-h"], capsys)
+    assert (code, err) == (0, "") and f"Usage: fsd-chat {' '.join(command)}".rstrip() in out
+    assert run([*command, "--help"], capsys) == (0, out, "")
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag", "message"),
+    [
+        (
+            'dtype = "float64"',
+            ["--dtype", "float64"],
+            "unknown dtype 'float64'; use auto, float32, bfloat16, float16",
+        ),
+        ('rule = "lossy"', ["--rule", "lossy"], "unknown rule 'lossy'; use exact, fuzzy, pure, mixture"),
+        ("max_new_tokens = 0", ["--max-new-tokens", "0"], "--max-new-tokens must be in 1..10,000,000, got 0"),
+    ],
+)
+def test_a_bad_config_value_fails_like_the_flag(
+    target_dir: Path, setting: str, flag: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pair = ["--target", str(target_dir), "--draft", str(target_dir)]
+    code, _, err = run([*pair, *flag], capsys)
+    assert code == 2 and err == f"fsd-chat: error: {message}\n"
+    config_dir().mkdir(parents=True)
+    (config_dir() / "config.toml").write_text(setting + "\n")
+    code, _, err = run(pair, capsys)  # before the screen opens: run() would not return otherwise
+    assert code == 2 and err == f"fsd-chat: error: {config_dir() / 'config.toml'}: {message}\n"
