@@ -362,8 +362,9 @@ async def test_the_dial_shows_the_settings_in_force(
 async def test_the_dial_bar_spans_the_range_in_eighths(dial: tuple[ThresholdDial, Pilot[None]]) -> None:
     full = await dial_line(dial, DecodingSettings(divergence="tv", threshold=1.0))
     assert full == f"T 1.00 ▕{'█' * BAR_CELLS}▏ tv · fuzzy · k 5"
-    # 0.05 of tv's range is 4 eighths of a cell: half a cell.
+    # 0.05 of tv's range is 4 eighths of a cell: half a cell; 0.07 is 5.6, rounded to 6 eighths.
     assert (await dial_line(dial, DecodingSettings(divergence="tv", threshold=0.05))).startswith("T 0.05 ▕▌ ")
+    assert (await dial_line(dial, DecodingSettings(divergence="tv", threshold=0.07))).startswith("T 0.07 ▕▊ ")
     assert (await dial_line(dial, DecodingSettings(divergence="tv", threshold=0.0))).startswith(
         f"T 0.00 ▕{' ' * BAR_CELLS}▏"
     )
