@@ -59,6 +59,12 @@ class WidgetHost(App[None]):
         return self.specs[self.theme]
 
 
+def theme_of(pilot: Pilot[None]) -> ThemeSpec:
+    """The theme file in use in the host app `pilot` drives."""
+    assert isinstance(pilot.app, WidgetHost)
+    return pilot.app.spec
+
+
 def hex_colour(colour: str) -> str:
     """A colour as lower-case #rrggbb."""
     return Color.parse(colour).get_truecolor().hex
@@ -166,7 +172,7 @@ async def test_each_origin_is_shown_in_its_theme_colour(reply: tuple[ReplyView, 
     await pilot.pause()
     text, _ = shown(provenance(view))
     assert text == "Once upon a time there"
-    spec = pilot.app.spec  # type: ignore[attr-defined]
+    spec = theme_of(pilot)
     assert len(set(spec.origins.values())) == len(Origin)  # five colours to tell apart
     for origin, part in parts.items():
         assert colour_of(provenance(view), part.strip()) == hex_colour(spec.origins[origin])
@@ -189,7 +195,7 @@ async def test_model_output_and_user_text_are_shown_literally(reply: tuple[Reply
     await pilot.pause()
     assert shown(provenance(view))[0] == MARKUP
     # The whole text keeps its origin's colour: "[bold red]" styles nothing.
-    fuzzy = hex_colour(pilot.app.spec.origins[Origin.DRAFT_FUZZY])  # type: ignore[attr-defined]
+    fuzzy = hex_colour(theme_of(pilot).origins[Origin.DRAFT_FUZZY])
     assert colour_of(provenance(view), MARKUP) == fuzzy
     user = UserMessage(MARKUP)
     await pilot.app.mount(user)
@@ -215,7 +221,7 @@ async def test_finished_lines_are_frozen_while_the_tail_streams(reply: tuple[Rep
     assert shown(provenance(view))[0] == "and more"
     assert view.live_chars == len("and more")
     # Each piece keeps its origin's colour across the cut.
-    origins = pilot.app.spec.origins  # type: ignore[attr-defined]
+    origins = theme_of(pilot).origins
     assert colour_of(frozen, "One line") == hex_colour(origins[Origin.DRAFT_EXACT])
     assert colour_of(provenance(view), "and") == hex_colour(origins[Origin.DRAFT_FUZZY])
     # Finished: the whole reply in one widget, then its statistics.
