@@ -1,12 +1,12 @@
-"""Sampling with the `exact` rule (whatever T), and with `fuzzy` at T = 0, is lossless: the first two generated
-tokens follow the target's exact distribution.
+"""Sampling with the `exact` rule (whatever T), and with `fuzzy` at T = 0, is lossless: the first
+two generated tokens follow the target's exact distribution.
 
 Chi-square goodness-of-fit tests on 10,000 replies per rule from a fixed context (fresh seeds for
 each rule), against probabilities computed exactly from the target (the second token's marginal
 sums over every first token). Each test uses α = 0.001, so the four raise a false alarm with
-probability ≤ 0.004; the seeds are fixed, so the outcome is reproducible. The same samples tested
-against the draft's distribution must be rejected at p < 1e-6, which shows the test has the power
-to see a wrong distribution.
+probability ≤ 0.004; the seeds are fixed, so the outcome is reproducible. The same samples, within
+the draft's support, tested against the draft's distribution must be rejected at p < 1e-6, which
+shows the test has the power to see a wrong distribution.
 """
 
 from __future__ import annotations
