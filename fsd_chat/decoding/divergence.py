@@ -1,7 +1,9 @@
 """Divergences D(p, q) between the target's (p) and the draft's (q) next-token distributions.
 
 All functions take probability tensors of shape [..., vocab] (rows summing to 1) and return shape
-[...]. kl, reverse-kl and js are in nats; tv is a probability in [0, 1].
+[...]. kl, reverse-kl and js are in nats; tv is a probability in [0, 1]. Rows that sum to 1 only up
+to rounding (probabilities of a half-precision model sum to 1 ± 2^-9) can take a formula slightly
+outside its range (KL below 0, JS above ln 2, TV above 1): results are clamped into the range.
 
 Sources: Kullback–Leibler (1951); Jensen–Shannon as in Lin (1991), bounded by ln 2; total variation
 ½Σ|p−q|, whose complement 1 − TV is the acceptance probability of the exact speculative-sampling
