@@ -47,7 +47,7 @@ def dial_scale(settings: DecodingSettings) -> tuple[float, float]:
     return DIAL_RANGE[settings.divergence], THRESHOLD_STEP[settings.divergence]
 
 
-BAR_CELLS = 10
+BAR_CELLS = 8
 DRAFT_LENGTH = {"fixed": "k {k}", "adaptive": "k {k} adaptive", "cost": "k ≤ {k} cost"}
 """How the dial shows the draft length under each draft policy."""
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -76,7 +76,7 @@ class ThresholdDial(Widget, can_focus=True):
             return Content.assemble(("T  —  ", "$text-muted"), ("autoregressive: no drafting", "$text-muted"))
         top, _ = dial_scale(s)
         # The mixture rule's T is a budget in nats per token and ignores the divergence.
-        rule = "mixture · nats/token" if s.rule == "mixture" else f"{s.divergence} · {s.rule}"
+        rule = "mixture nats/tok" if s.rule == "mixture" else f"{s.divergence} {s.rule}"
         return Content.assemble(
             (f"T {s.threshold:.2f} ", "bold"),
             ("▕", "$text-muted"),
