@@ -70,11 +70,24 @@ def test_the_import_contracts_are_kept() -> None:
     assert " 0 broken" in result.stdout
 
 
-def test_an_import_going_up_breaks_the_contracts(tmp_path: Path) -> None:
+def with_import(tmp_path: Path, module: str, statement: str) -> Path:
+    """A copy of the package under `tmp_path` whose `module` (a path under fsd_chat/) also runs
+    `statement`."""
     shutil.copytree(ROOT / "fsd_chat", tmp_path / "fsd_chat", ignore=shutil.ignore_patterns("__pycache__"))
-    engine = tmp_path / "fsd_chat" / "decoding" / "__init__.py"
-    engine.write_text(engine.read_text() + "\nimport fsd_chat.tui.app\n")
-    result = lint_imports(tmp_path)
+    source = tmp_path / "fsd_chat" / module
+    source.write_text(source.read_text() + f"\n{statement}\n")
+    return tmp_path
+
+
+def test_an_import_going_up_breaks_the_contracts(tmp_path: Path) -> None:
+    result = lint_imports(with_import(tmp_path, "decoding/__init__.py", "import fsd_chat.tui.app"))
     assert result.returncode != 0
     assert "fsd_chat.decoding is not allowed to import fsd_chat.tui" in result.stdout
     assert "fsd_chat.decoding is not allowed to import textual" in result.stdout
+
+
+def test_an_import_circle_breaks_the_contracts(tmp_path: Path) -> None:
+    # events <- acceptance already; the way back closes a circle inside the engine.
+    result = lint_imports(with_import(tmp_path, "decoding/events.py", "import fsd_chat.decoding.acceptance"))
+    assert result.returncode != 0
+    assert "No import circles" in result.stdout and "BROKEN" in result.stdout
