@@ -11,6 +11,7 @@ import sys
 from typing import NoReturn
 
 import typer
+from typer.core import TyperGroup
 from typer.exceptions import Abort, TyperException
 
 from fsd_chat import bench_command, chat_command, generate_command
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: `fsd-chat [COMMAND] ...`; without a command, `chat` is meant."""
     args = list(sys.argv[1:] if argv is None else argv)
     command = typer.main.get_command(app)
-    commands = set(command.commands)  # type: ignore[attr-defined]
+    assert isinstance(command, TyperGroup)  # an app of several commands
+    commands = set(command.commands)
     try:
         # Prompts, system prompts, session ids, theme names: every argument is text, refused here
         # with one line rather than by a tokenizer or SQLite halfway through.

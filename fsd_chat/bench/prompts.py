@@ -223,7 +223,12 @@ def _gsm8k(data_dir: Path) -> PromptSet:
 
 def _mt_bench(data_dir: Path) -> PromptSet:
     path = _need(data_dir / "mt_bench" / "question.jsonl")
-    items = [PromptItem(str(row["turns"][0])) for row in _jsonl_rows(path)]  # type: ignore[index]
+    items = []
+    for number, row in enumerate(_jsonl_rows(path), 1):
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not turns:
+            raise FsdChatError(f"{path}: row {number} has no `turns` list")
+        items.append(PromptItem(str(turns[0])))
     return PromptSet("mt-bench", tuple(items))
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from textual import work
 from textual.app import ComposeResult
@@ -54,6 +54,9 @@ from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
 from fsd_chat.tui.widgets.stats import StatsStrip
 
+if TYPE_CHECKING:  # transformers is loaded by the models, not by the screen
+    from transformers import PreTrainedTokenizerBase
+
 GROUP = "generation"
 RULE_CYCLE: tuple[Rule, ...] = ("fuzzy", "mixture", "pure", "exact")
 """The order ctrl+g steps through the acceptance rules."""
@@ -83,7 +86,7 @@ class ChatSetup:
         tracebacks: Where unexpected errors' tracebacks are collected (`--debug` prints them).
     """
 
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     decoder: Decoder
     controls: Controls
     describe: str
@@ -210,7 +213,7 @@ class ChatScreen(Screen[None]):
         )
         try:
             kept, ids = fit_to_context(
-                self.setup.tokenizer,  # type: ignore[arg-type]
+                self.setup.tokenizer,
                 messages,
                 context=context,
                 reserve=reserve,
