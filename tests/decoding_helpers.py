@@ -9,7 +9,7 @@ from fsd_chat.decoding import GenerationStats, Step
 
 
 @dataclass
-class Run:
+class Collected:
     """Everything one generation emitted."""
 
     steps: list[Step] = field(default_factory=list)
@@ -29,9 +29,9 @@ class Run:
         return [str(t.origin) for s in self.steps for t in s.tokens]
 
 
-def collect(steps: Iterable[Step], prompt_ids: list[int] | None = None) -> Run:
+def collect(steps: Iterable[Step], prompt_ids: list[int] | None = None) -> Collected:
     """Consume a decoder's steps (of a reply to `prompt_ids`, kept for recomputations)."""
-    run = Run(prompt_ids=list(prompt_ids or []))
+    run = Collected(prompt_ids=list(prompt_ids or []))
     for step in steps:
         run.steps.append(step)
         run.stats.add(step)

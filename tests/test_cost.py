@@ -17,16 +17,18 @@ import torch
 from fsd_chat.decoding import Controls, DecodingSettings, Origin, SamplingConfig
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.models import ModelPair
-from tests.decoding_helpers import Run, collect
+from tests.decoding_helpers import Collected, collect
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a bird"]
 DRAFTED = {Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY}
 
 
-def replies(pair: ModelPair, settings: DecodingSettings, sampling: SamplingConfig, tokens: int) -> list[Run]:
+def replies(
+    pair: ModelPair, settings: DecodingSettings, sampling: SamplingConfig, tokens: int
+) -> list[Collected]:
     """Replies to PROMPTS (several seeds when sampling) until they hold `tokens` tokens in all."""
     decoder = pair.speculative(Controls(settings))
-    runs: list[Run] = []
+    runs: list[Collected] = []
     seed = 0
     while sum(r.stats.tokens for r in runs) < tokens:
         prompt = PROMPTS[seed % len(PROMPTS)]
