@@ -142,8 +142,7 @@ def chat(
 
 def history() -> None:
     """List the saved chat sessions, most recent first."""
-    # Listing reads: it must not create the database on a machine that never chatted.
-    summaries = SessionStore(sessions_path()).summaries() if sessions_path().exists() else []
+    summaries = SessionStore(sessions_path()).summaries()
     if not summaries:
         print("no saved sessions yet")
         return
@@ -162,8 +161,6 @@ def export(
     ] = None,
 ) -> None:
     """Write a saved session as a Markdown transcript."""
-    if not sessions_path().exists():  # reading must not create the database
-        raise ConfigError(f"no saved sessions yet ({sessions_path()} does not exist)")
     markdown = render_markdown(SessionStore(sessions_path()).load(session_id))
     written = export_transcript(markdown, output)
     if written:

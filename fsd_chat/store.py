@@ -54,6 +54,10 @@ class SessionStoreError(FsdChatError):
     """The session store cannot be opened or written, or a session id matches nothing (or several)."""
 
 
+class NoSessionsError(SessionStoreError):
+    """The store's file does not exist: nothing was ever saved (reading does not create it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SessionSummary:
     """One line of `fsd-chat history`."""
@@ -92,7 +96,11 @@ class SessionStore:
         self.busy_timeout = busy_timeout
 
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
+    def _connect(self, *, create: bool = True) -> Iterator[sqlite3.Connection]:
+        """A connection in one transaction; `create=False` (readers) refuses a missing file with
+        `NoSessionsError` rather than create it on a machine that never chatted."""
+        if not create and not self.path.exists():
+            raise NoSessionsError(f"no saved sessions yet ({self.path} does not exist)")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Created private: conversations are their owner's alone.
@@ -204,9 +212,10 @@ class SessionStore:
         """The full id of the session whose id is `key` or starts with it.
 
         Raises:
+            NoSessionsError: the store's file does not exist.
             SessionStoreError: no session, or several, match.
         """
-        with self._connect() as conn:
+        with self._connect(create=False) as conn:
             rows = conn.execute(
                 "SELECT id FROM sessions WHERE substr(id, 1, ?) = ? ORDER BY id", (len(key), key)
             ).fetchall()
@@ -224,10 +233,11 @@ class SessionStore:
         conversation if it is not one (the repair is stored; see `repair_turns`).
 
         Raises:
+            NoSessionsError: the store's file does not exist.
             SessionStoreError: no session, or several, match; or it cannot be repaired.
         """
         session_id = self.resolve(key)
-        with self._connect() as conn:
+        with self._connect(create=False) as conn:
             row = conn.execute(
                 "SELECT id, created, models, settings, system FROM sessions WHERE id = ?", (session_id,)
             ).fetchone()
@@ -243,8 +253,10 @@ class SessionStore:
         )
 
     def summaries(self) -> list[SessionSummary]:
-        """All sessions, most recently updated first."""
-        with self._connect() as conn:
+        """All sessions, most recently updated first (none when the store's file does not exist)."""
+        if not self.path.exists():
+            return []
+        with self._connect(create=False) as conn:
             rows = conn.execute(
                 "SELECT s.id, s.created, s.updated, s.title, s.models, "
                 "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.id) "

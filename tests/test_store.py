@@ -13,7 +13,7 @@ import pytest
 from fsd_chat.decoding.events import GenerationStats, Origin
 from fsd_chat.session import OriginRun, ReplyRecord, Session, Turn
 from fsd_chat.session_writer import SessionWriter
-from fsd_chat.store import SCHEMA, SessionStore, SessionStoreError
+from fsd_chat.store import SCHEMA, NoSessionsError, SessionStore, SessionStoreError
 
 
 def make_session(session_id: str = "abcd1234") -> Session:
@@ -82,6 +82,18 @@ def test_prefixes_and_unknown_ids(tmp_path: Path) -> None:
         store.load("zz")
     with pytest.raises(SessionStoreError):
         store.load("a%")  # LIKE wildcards are not wildcards here
+
+
+def test_reading_a_store_that_was_never_written_creates_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "data" / "sessions.sqlite3"
+    store = SessionStore(path)
+    assert store.summaries() == []
+    with pytest.raises(NoSessionsError, match="no saved sessions yet"):
+        store.load("abcd")
+    assert not path.parent.exists()
+    session = make_session("abcd1234")
+    store.append_turns(session, session.turns)  # writing creates it
+    assert store.load("abcd").id == "abcd1234"
 
 
 def test_summaries_most_recent_first(tmp_path: Path) -> None:
