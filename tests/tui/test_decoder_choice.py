@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
 from fsd_chat.decoding.kv_cache import CompiledModel
@@ -13,7 +14,7 @@ from fsd_chat.models import ModelPair
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
-from tests.tui.helpers import SIZE, wait_for_chat
+from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
 
 @pytest.mark.parametrize(
@@ -47,3 +48,39 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
         assert type(decoder) is decoder_type
         assert decoder.controls is app.controls  # type: ignore[attr-defined]
         assert isinstance(getattr(decoder, "draft", None), CompiledModel) == compiled
+
+
+async def test_a_failed_compilation_is_told_once_and_the_chat_goes_on(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real failure, as in test_compile: no C++ compiler, and no compiled code to reuse. The chat
+    # compiles in its worker threads, where the settings a test makes (`config.cpp.cxx = ...`) do
+    # not reach: torch keeps them per thread. Their defaults are shared, so those are changed.
+    entries = torch._inductor.config._config
+    monkeypatch.setattr(entries["cpp.cxx"], "default", (None, "/nonexistent/c++"))
+    monkeypatch.setattr(entries["fx_graph_cache"], "default", False)
+    torch._dynamo.reset()
+    options = ChatOptions(
+        target=pair.target_spec,
+        draft=pair.draft_spec,
+        store=SessionStore(tmp_path / "sessions.sqlite3"),
+        compile_draft=True,
+        max_new_tokens=20,
+    )
+    app = FsdChatApp(options, loader=lambda progress: pair)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for_chat(pilot)
+            screen = app.screen
+            assert isinstance(screen, ChatScreen)
+            for turns in (2, 4):
+                await pilot.press(*"Once upon a time", "enter")
+                await wait_for(
+                    pilot, lambda n=turns: screen.streaming is None and len(screen.session.turns) == n, 120
+                )
+            told = [n for n in app._notifications if n.title == "--compile failed"]
+            assert len(told) == 1 and "C++ compiler" in told[0].message
+            # The draft ran eagerly: both replies are whole.
+            assert all(turn.content for turn in screen.session.turns)
+    finally:
+        torch._dynamo.reset()
