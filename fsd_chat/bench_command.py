@@ -7,7 +7,7 @@ with the CPU-scale pair) instead of the full one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -49,16 +49,13 @@ FULL = Preset(
 )
 # One torch thread: on a small machine shared with other processes, two OpenMP threads on two cores
 # stall each other whenever another process takes a core (measured 5-8x slower and erratic).
-QUICK = Preset(
+QUICK = replace(
+    FULL,
     limit=8,
     max_new_tokens=96,
     thresholds="0.02,0.05,0.1,0.2,0.4",
     divergences="js,tv",
-    rules="fuzzy",
     mixture_thresholds="0.01,0.02,0.05,0.1",
-    draft_tokens=str(o.DRAFT_TOKENS.default),
-    draft_policies=str(o.DRAFT_POLICY.default),
-    repeats=1,
     threads=1,
 )
 

@@ -254,14 +254,15 @@ class SessionStore:
 
     def summaries(self) -> list[SessionSummary]:
         """All sessions, most recently updated first (none when the store's file does not exist)."""
-        if not self.path.exists():
+        try:
+            with self._connect(create=False) as conn:
+                rows = conn.execute(
+                    "SELECT s.id, s.created, s.updated, s.title, s.models, "
+                    "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.id) "
+                    "FROM sessions s ORDER BY s.updated DESC, s.created DESC"
+                ).fetchall()
+        except NoSessionsError:
             return []
-        with self._connect(create=False) as conn:
-            rows = conn.execute(
-                "SELECT s.id, s.created, s.updated, s.title, s.models, "
-                "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.id) "
-                "FROM sessions s ORDER BY s.updated DESC, s.created DESC"
-            ).fetchall()
         summaries = []
         for session_id, created, updated, title, models, count in rows:
             m = json.loads(models)

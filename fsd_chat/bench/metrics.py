@@ -514,10 +514,11 @@ def trade_off_points(
 
 def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[int]:
     """Indices of the points (speed, quality) no other point beats on both, fastest first."""
-    order = sorted(range(len(points)), key=lambda i: -points[i][0])
+    sign = 1.0 if higher_is_better else -1.0
     front: list[int] = []
-    for i in order:
-        quality = points[i][1] if higher_is_better else -points[i][1]
-        if not front or quality > (points[front[-1]][1] if higher_is_better else -points[front[-1]][1]):
+    best = -math.inf
+    for i in sorted(range(len(points)), key=lambda i: -points[i][0]):
+        if sign * points[i][1] > best:
             front.append(i)
+            best = sign * points[i][1]
     return front

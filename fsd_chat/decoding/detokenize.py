@@ -10,6 +10,8 @@ it ends in U+FFFD (an incomplete UTF-8 sequence).
 
 from __future__ import annotations
 
+from typing import cast
+
 from transformers import PreTrainedTokenizerBase
 
 _INCOMPLETE = "\ufffd"
@@ -32,9 +34,8 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
 
     def _decode(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(ids, skip_special_tokens=self._skip)
-        assert isinstance(text, str)  # a list only for batched input
-        return text
+        # A list only for batched input; this runs every step, so the type is cast, not checked.
+        return cast(str, self._tokenizer.decode(ids, skip_special_tokens=self._skip))
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it adds."""

@@ -186,15 +186,16 @@ class CompiledModel(CachedModel):
             self._move_to(length)
 
     def _move_to(self, length: int) -> None:
-        for layer in self.cache.layers:
-            assert isinstance(layer, StaticLayer)  # _check_rollback refused any other kind
+        for layer in self._layers:
             if layer.is_initialized:
                 # In place: CUDA graphs captured the tensor's address.
                 layer.cumulative_length.fill_(length)
         self.seen = length
 
     def _check_rollback(self) -> None:
-        if not all(type(layer) is StaticLayer for layer in self.cache.layers):
+        # Exactly StaticLayer: the sliding-window static layers subclass it.
+        self._layers = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
+        if len(self._layers) < len(self.cache.layers):
             kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
             raise UnsupportedCacheError(
                 f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"

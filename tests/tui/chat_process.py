@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from textual.pilot import Pilot
 
 from fsd_chat.config import sessions_path
-from fsd_chat.decoding import Controls, Decoder, DecodingSettings, SamplingConfig, Step
+from fsd_chat.decoding import Controls, Decoder, DecodingSettings, Step
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
@@ -30,18 +30,9 @@ MAX_NEW_TOKENS = 400
 class PacedDecoder(WrappedDecoder):
     """The real speculative decoder, waiting `STEP_SECONDS` before each step."""
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-        stop_strings: tuple[str, ...] = (),
-    ) -> Iterator[Step]:
+    def wrap(self, steps: Iterator[Step]) -> Iterator[Step]:
         """The inner decoder's steps, one every `STEP_SECONDS` at most."""
-        for step in super().generate(
-            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
-        ):
+        for step in steps:
             time.sleep(STEP_SECONDS)
             yield step
 

@@ -20,7 +20,7 @@ SIZE = (110, 32)
 
 
 class WrappedDecoder:
-    """A `Decoder` that passes everything through to `inner`; subclasses change `generate`."""
+    """A `Decoder` that passes everything through to `inner`; subclasses change its steps (`wrap`)."""
 
     def __init__(self, inner: Decoder) -> None:
         self.inner = inner
@@ -41,9 +41,15 @@ class WrappedDecoder:
         sampling: SamplingConfig | None = None,
         stop_strings: tuple[str, ...] = (),
     ) -> Iterator[Step]:
-        return self.inner.generate(
-            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
+        return self.wrap(
+            self.inner.generate(
+                prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
+            )
         )
+
+    def wrap(self, steps: Iterator[Step]) -> Iterator[Step]:
+        """The steps this decoder yields, given the inner decoder's (unchanged here)."""
+        return steps
 
 
 class GatedDecoder(WrappedDecoder):
@@ -64,18 +70,8 @@ class GatedDecoder(WrappedDecoder):
         for _ in range(steps):
             self._permits.release()
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-        stop_strings: tuple[str, ...] = (),
-    ) -> Iterator[Step]:
-        """The inner generator, one permit per step (10 s at most, so a broken test cannot hang)."""
-        steps = super().generate(
-            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
-        )
+    def wrap(self, steps: Iterator[Step]) -> Iterator[Step]:
+        """The inner decoder's steps, one permit per step (10 s at most, so a broken test cannot hang)."""
         while self._permits.acquire(timeout=10):
             step = next(steps, None)
             if step is None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from fsd_chat.decoding.events import Step, StopReason
-from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.session import ReplyRecord, Session, Turn
 from fsd_chat.store import SessionStore
@@ -190,20 +189,11 @@ class FailingOnceDecoder(WrappedDecoder):
 
     failed = False
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-        stop_strings: tuple[str, ...] = (),
-    ) -> Iterator[Step]:
+    def wrap(self, steps: Iterator[Step]) -> Iterator[Step]:
         if not self.failed:
             self.failed = True
             raise RuntimeError("the device went away")
-        yield from super().generate(
-            prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
-        )
+        yield from steps
 
 
 async def test_a_decoding_failure_ends_the_reply_and_keeps_the_message(
