@@ -12,14 +12,17 @@ SHARED ?= ../shared
 # gpu-check benchmarks the CPU-scale stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
 GIVEN = $(filter command line environment,$(origin $(1)))
 
-.PHONY: setup chat test lint gpu-check
+.PHONY: setup lock chat test test-fast lint gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# The lock pins every dependency but torch to the versions CI tested; fsd-chat itself goes on top
+# without resolving again (--no-deps), so a new release elsewhere cannot change what is installed.
+$(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.installed
@@ -27,8 +30,19 @@ setup: $(VENV)/.installed
 chat: setup
 	$(BIN)/fsd-chat --target "$(TARGET)" --draft "$(DRAFT)"
 
+# Refresh the lock deliberately (new releases within pyproject.toml's ranges), then run make test.
+# torch is left out: it is pinned above, and its build (CPU or CUDA) depends on the machine.
+lock: | $(BIN)/python
+	$(BIN)/python -m pip install --quiet pip-tools
+	$(BIN)/pip-compile --quiet --upgrade --extra test --unsafe-package torch --strip-extras \
+		--no-emit-find-links --no-emit-index-url --output-file requirements.lock pyproject.toml
+
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Everything but the statistical and subprocess tests (marked slow): for the edit-test loop.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not cuda"
 
 lint: setup
 	$(BIN)/ruff check fsd_chat tests

@@ -68,3 +68,21 @@ def encoder_only_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TARGET_DIR / name, directory)
     return directory
+
+
+@pytest.fixture
+def failing_4bit_kernel(monkeypatch: pytest.MonkeyPatch) -> str:
+    """bitsandbytes' 4-bit kernel failing at the first forward pass, injected at the boundary.
+
+    Whether a real kernel refuses a model changes between releases (0.45's CPU kernel refused
+    stories260K's 172-wide MLP; 0.50 runs it), so the failure is made here, in the one call the
+    load-time check makes through a quantized layer: ``Linear4bit.forward``."""
+    import bitsandbytes
+
+    reason = "injected: this kernel does not support the layer's shape"
+
+    def refuse(*_: object, **__: object) -> object:
+        raise RuntimeError(reason)
+
+    monkeypatch.setattr(bitsandbytes.nn.Linear4bit, "forward", refuse)
+    return reason

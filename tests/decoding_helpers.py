@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 
 from fsd_chat.decoding import GenerationStats, Step
 
+# How far a float32 recomputation of a log-probability may stray. log p(x) = logit(x) − log Σ exp(logits)
+# sums the V = 512 terms of the vocabulary, and recursive float32 summation of n terms is off by at
+# most (n − 1)·u of the sum (u = 2⁻²⁴; Higham, "Accuracy and Stability of Numerical Algorithms",
+# §4.2), which the log turns into at most (n − 1)·u nats: 3.0e-5. A regret log p(a) − log p(x) or a
+# KL term is a difference of two such logs, so twice that. The decoder's batched verification and a
+# teacher-forced pass sum in different orders (and in other orders again on other thread counts),
+# so a recomputation carries this error on any machine; an absolute 1e-5 held only on one.
+VOCAB_SIZE = 512
+LOG_PROB_ROUNDING = (VOCAB_SIZE - 1) * 2.0**-24
+DIFFERENCE_ROUNDING = 2 * LOG_PROB_ROUNDING
+
 
 @dataclass
 class Collected:

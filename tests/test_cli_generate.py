@@ -114,7 +114,6 @@ def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path,
         (["--draft-tokens", "0"], "draft length k"),
         (["--top-p", "1.5"], "top-p"),
         (["--device", "cuda"], "no CUDA GPU"),
-        (["--quantize-target", "4bit"], "4bit quantization"),
         (["--threads", "0"], "--threads must be ≥ 1, got 0"),
     ],
 )
@@ -126,6 +125,16 @@ def test_bad_settings_exit_2_with_one_line(
     assert out == ""
     assert len(err.strip().splitlines()) == 1 and message in err
     assert "Traceback" not in err
+
+
+def test_failed_quantization_exits_2_with_one_line(
+    target_dir: Path, draft_dir: Path, capsys, failing_4bit_kernel: str
+) -> None:
+    args = ["generate", *pair_args(target_dir, draft_dir), "--quantize-target", "4bit", "Once"]
+    code, out, err = run_cli(args, capsys)
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [err.strip()] and f"4bit quantization of {target_dir} failed" in err
+    assert failing_4bit_kernel in err
 
 
 def test_bad_models_and_prompts_exit_2(
