@@ -35,6 +35,8 @@ from fsd_chat.cli import main
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair
 
+pytestmark = pytest.mark.slow  # runs benchmark sweeps
+
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 MIXTURE_LOW, MIXTURE_HIGH = 0.05, 0.5
 """The mixture rule's budgets in the sweep (nats per token; greedy: regret)."""

@@ -96,6 +96,7 @@ def test_speedups_are_paired_medians_with_their_intervals() -> None:
     assert exact.mean_accepted_length == pytest.approx(2.5)
 
 
+@pytest.mark.slow
 def test_analysis_modules_load_neither_torch_nor_transformers() -> None:
     script = (
         "import importlib, sys\n"
@@ -107,6 +108,7 @@ def test_analysis_modules_load_neither_torch_nor_transformers() -> None:
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_report_is_read_back_without_torch(tmp_path: Path) -> None:
     """report.json written from constructed measurements reads back into equal records, and a
     process that cannot import torch or transformers rebuilds report.md and the terminal's tables

@@ -159,6 +159,7 @@ def test_bad_models_and_prompts_exit_2(
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_missing_bitsandbytes_is_one_line(target_dir: Path, draft_dir: Path, tmp_path: Path) -> None:
     # A broken bitsandbytes install (its import fails), in a real subprocess of the console script.
     shadow = tmp_path / "shadow" / "bitsandbytes"

@@ -17,6 +17,8 @@ from tests.decoding_helpers import collect
 from tests.test_cli_generate import pair_args, run_cli
 from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two
 
+pytestmark = pytest.mark.slow  # torch.compile builds C++ kernels
+
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
 
 

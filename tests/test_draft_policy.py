@@ -152,6 +152,7 @@ def test_measured_costs_cover_every_width(pair: ModelPair) -> None:
     assert pair.device_costs() is pair.device_costs()  # measured once per pair
 
 
+@pytest.mark.slow
 def test_sampling_stays_lossless_while_the_policy_drops_positions(pair: ModelPair) -> None:
     """The first two tokens follow the target's distribution (chi-square, α = 0.001 each, so a
     false alarm has probability ≤ 0.002; fixed seeds), while the first step's block is cut by the

@@ -12,6 +12,8 @@ from rich.console import Console
 
 from fsd_chat.gpu_check import _test_table, main
 
+pytestmark = pytest.mark.slow  # runs pytest in a subprocess
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_without_cuda_it_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -382,6 +382,7 @@ def test_escape_sequences_from_the_model_are_shown_not_run(
     assert code == 0 and shown.startswith("␛ a time") and "\x1b" not in shown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     [["generate", "--max-new-tokens", "4", "Once"], ["export", "feed0001"], ["history"]],

@@ -17,6 +17,8 @@ import pytest
 
 import fsd_chat.decoding
 
+pytestmark = pytest.mark.slow  # each test starts Python subprocesses
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 

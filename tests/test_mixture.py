@@ -93,6 +93,7 @@ def test_mean_acceptance_rises_with_the_budget(teacher_forced) -> None:
     assert acceptance[-1] > acceptance[0] + 0.05
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_first_token_follows_the_mixture(pair: ModelPair) -> None:
     samples = 20_000

@@ -22,6 +22,8 @@ from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import Rule
 from fsd_chat.models import ModelPair
 
+pytestmark = pytest.mark.slow  # statistical: 10,000 replies per rule
+
 SAMPLES = 10_000
 """Replies per rule: the draft's distribution is still rejected at p < 1e-13 (measured on draws
 from the target's exact distribution), far below the 1e-6 the power check asks."""
