@@ -12,7 +12,7 @@ SHARED ?= ../shared
 # gpu-check benchmarks the CPU-scale stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
 GIVEN = $(filter command line environment,$(origin $(1)))
 
-.PHONY: setup lock chat test test-fast lint gpu-check
+.PHONY: setup lock chat test test-fast lint docs gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ chat: setup
 # torch is left out: it is pinned above, and its build (CPU or CUDA) depends on the machine.
 lock: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet pip-tools
-	$(BIN)/pip-compile --quiet --upgrade --extra test --unsafe-package torch --strip-extras \
+	$(BIN)/pip-compile --quiet --upgrade --extra test --extra docs --unsafe-package torch --strip-extras \
 		--no-emit-find-links --no-emit-index-url --output-file requirements.lock pyproject.toml
 
 test: setup
@@ -49,6 +49,10 @@ lint: setup
 	$(BIN)/ruff format --check fsd_chat tests
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# The documentation site into site/; strict: a broken link or a missing docstring reference fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 gpu-check: setup
 	$(BIN)/python -m fsd_chat.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \
