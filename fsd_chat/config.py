@@ -15,7 +15,9 @@ checked like the flags, see `fsd_chat.cli_options`) and a `[keymap]` table of bi
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,27 @@ class UserConfig:
     path: Path | None = None
 
 
+def read_settings_file(path: Path) -> dict[str, object]:
+    """A TOML file of settings (config.toml, a theme), parsed.
+
+    The file is opened without blocking and must be a regular file: a named pipe would hang the
+    chat before its screen opens, a device would never end.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        OSError: it cannot be read, or is not a regular file (strerror says so).
+        UnicodeDecodeError: it is not UTF-8.
+        tomllib.TOMLDecodeError: it is not TOML.
+        RecursionError: it nests arrays or tables deeper than the parser recurses.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = file.read()
+    return tomllib.loads(data.decode("utf-8"))
+
+
 def load_config(path: Path | None = None) -> UserConfig:
     """Read config.toml (default: in `config_dir()`); a missing file is an empty config. The options'
     names and values are checked by the command that reads them (`fsd_chat.cli_options.config_values`).
@@ -77,13 +100,17 @@ def load_config(path: Path | None = None) -> UserConfig:
     """
     path = path or config_dir() / "config.toml"
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = read_settings_file(path)
     except FileNotFoundError:
         return UserConfig(path=path)
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML (nested too deeply)") from None
     keymap = data.pop("keymap", {})
     if not isinstance(keymap, dict) or not all(isinstance(v, str) for v in keymap.values()):
         raise ConfigError(f'{path}: [keymap] maps binding ids to key strings, e.g. stop = "escape"')

@@ -83,7 +83,7 @@ def run_generate(
         apply_threads(threads)
     controls = Controls(settings)
     decoder = pair.decoder(controls, autoregressive=autoregressive, compile_draft=compile_draft)
-    ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
+    ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw, vocab_size=pair.vocab_size)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()
     colour = console.is_terminal and not as_json

@@ -42,6 +42,7 @@ from fsd_chat.model_options import (
     check_dtype_name,
     check_quantization,
 )
+from fsd_chat.text import some
 
 Progress = Callable[[str], object]
 
@@ -328,17 +329,12 @@ def _check_load_report(spec: ModelSpec, source: str, report: dict[str, Any]) -> 
     files = ", ".join(str(p) for p in _weight_files(source)) or spec.source
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing tensors ({_some(missing)})")
+        problems.append(f"{len(missing)} missing tensors ({some(missing)})")
     if mismatched:
-        problems.append(f"{len(mismatched)} tensors of the wrong shape ({_some(mismatched)})")
+        problems.append(f"{len(mismatched)} tensors of the wrong shape ({some(mismatched)})")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors ({_some(unexpected)})")
+        problems.append(f"{len(unexpected)} unexpected tensors ({some(unexpected)})")
     raise ModelLoadError(f"{files} does not hold this model's weights: {'; '.join(problems)}")
-
-
-def _some(keys: list[str], shown: int = 3) -> str:
-    more = f", … {len(keys) - shown} more" if len(keys) > shown else ""
-    return ", ".join(keys[:shown]) + more
 
 
 def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:

@@ -87,6 +87,13 @@ def visible(text: str) -> str:
     return _CONTROL.sub(symbol, text)
 
 
+def some(items: list[str], shown: int = 3) -> str:
+    """The first `shown` of `items` and how many more, for messages that quote a list of the user's
+    (100,000 unknown settings, 10,000 matching sessions) in one line of sane length."""
+    more = f", … {len(items) - shown:,} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
 def one_line(text: str) -> str:
     """`text` as one visible line (for error messages, which quote paths and library errors)."""
     return " ".join(visible(text).split("\n")).replace("\t", " ")
