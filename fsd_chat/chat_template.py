@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from fsd_chat.errors import ContextLengthError, FsdChatError
 from fsd_chat.text import require_utf8
@@ -101,7 +101,7 @@ def prompt_ids(
                 f"the chat template in {template_file(tokenizer)} failed: {type(exc).__name__}"
                 f"{': ' + reason if reason else ''} (fix the template, or pass --raw to do without it)"
             ) from None
-        ids: list[int] = list(rendered)
+        ids = cast("list[int]", list(rendered))  # tokenize=True, return_dict=False: the ids
     else:
         text = "\n".join(m.content for m in messages if m.content)
         ids = list(tokenizer(text, split_special_tokens=True).input_ids)
