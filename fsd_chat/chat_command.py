@@ -142,7 +142,9 @@ def chat(
 
 def history() -> None:
     """List the saved chat sessions, most recent first."""
-    summaries = SessionStore(sessions_path()).summaries()
+    summaries = SessionStore(sessions_path()).summaries(
+        on_damaged=lambda reason: print(f"fsd-chat: warning: {one_line(reason)}", file=sys.stderr)
+    )
     if not summaries:
         print("no saved sessions yet")
         return
