@@ -375,7 +375,9 @@ class SessionStore:
                 on_damaged(f"session {session_id} left out, its row is damaged: {exc}")
                 continue
             summaries.append(
-                SessionSummary(session_id, created, updated, count, m["target"], m["draft"], title)
+                SessionSummary(
+                    session_id, created, updated, count, m.get("target", ""), m.get("draft", ""), title
+                )
             )
         return summaries
 

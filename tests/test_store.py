@@ -141,8 +141,10 @@ def test_old_files_are_migrated_and_malformed_sessions_repaired(tmp_path: Path) 
     assert [t.role for t in session.turns] == ["user", "assistant"] * 3
     assert [t.content for t in session.turns] == ["text 0", "", "text 1", "text 2", "text 3", ""]
     assert session.turns[1].reply is not None and session.turns[1].reply.stop_reason == "stopped"
+    # Reading repairs in memory and writes nothing; the first write migrates and stores the repair.
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (0,)
+    store.append_turns(make_session("new00000"), [])
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (1,)
-    # The repair is stored: the raw rows alternate now.
     rows = sqlite3.connect(path).execute("SELECT role FROM turns ORDER BY position").fetchall()
     assert [r for (r,) in rows] == ["user", "assistant"] * 3
 
