@@ -364,11 +364,24 @@ def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
     return ModelLoadError(f"could not load {spec.source}: {_first_line(exc)}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""A local model folder whose tokenizer fails to load and holds none of these (fast, SentencePiece,
+BPE, tiktoken) has none: said so, rather than transformers' list of what it tried."""
+
+
 def _load_tokenizer(spec: ModelSpec, source: str, options: LoadOptions) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelLoadError(f"could not load the tokenizer of {spec.source}: {_first_line(exc)}") from exc
+        folder = Path(source)
+        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"{spec.source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+                "tokenizer files of the model it comes from into it"
+            ) from exc
+        # transformers' reasons run over several lines (a list of what it tried): all of it, as one.
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ModelLoadError(f"could not load the tokenizer of {spec.source}: {reason}") from exc
 
 
 def check_compatible(
