@@ -203,7 +203,15 @@ def _empty_reply(created: str) -> Turn:
     return Turn("assistant", "", created, ReplyRecord(stop_reason=STOPPED))
 
 
-_NUMBER = (int, float)
+_NUMBER = (float, int)
+_KINDS = {
+    str: "text",
+    float: "a number",
+    int: "a whole number",
+    bool: "true or false",
+    list: "a list",
+    dict: "a JSON object",
+}
 MODEL_FIELDS: dict[str, tuple[type, ...]] = {
     "target": (str,),
     "draft": (str,),
@@ -265,7 +273,7 @@ def checked_fields(
         value = data.get(key)
         # bool is an int to Python, never a count or a threshold here.
         if key in data and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-            raise MalformedSessionError(f"{key} = {value!r:.40} in its {what} is not a {types[0].__name__}")
+            raise MalformedSessionError(f"{key} = {value!r:.40} in its {what} is not {_KINDS[types[0]]}")
     return data
 
 

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -67,6 +68,44 @@ def _swap_tokens(folder: Path, a: str, b: str) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
+TEMPLATES = {
+    "template-raises": "{{ raise_exception('roles must alternate') }}",
+    "template-syntax": "{% for m in messages %}{{ m.content }}",
+    "template-unsafe": "{{ ''.__class__.__mro__ }}",
+    "template-recursive": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "template-range": "{% for i in range(1000000) %}{% endfor %}",
+    "template-lipsum": "{{ lipsum(1, html=False, min=1, max=1) }}",
+}
+"""Chat templates that fail as a careless or hostile model folder's can: their own exception, a
+syntax error, the sandbox's SecurityError, runaway recursion, a range over the sandbox's limit,
+and lipsum's own error."""
+
+
+def _with_template(folder: Path, template: str) -> Path:
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _add_token(folder: Path, content: str) -> None:
+    """A token added to tokenizer.json after the last id: one past the models' 512-row embedding."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    ids = [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
+    tokenizer["added_tokens"].append(
+        {
+            "id": max(ids) + 1,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": False,
+        }
+    )
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
     """The real pair, and damaged copies of its target."""
@@ -82,6 +121,18 @@ def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir
     tensors = load_file(pickled / "model.safetensors")
     (pickled / "model.safetensors").unlink()
     torch.save({**tensors, "payload": Evil()}, pickled / "pytorch_model.bin")
+    templated = {
+        name: _with_template(_copy(target_dir, root, name), text) for name, text in TEMPLATES.items()
+    }
+    no_tokenizer = _copy(target_dir, root, "no-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink()
+    larger = {
+        name: _copy(folder, root, f"larger-{name}")
+        for name, folder in (("target", target_dir), ("draft", draft_dir))
+    }
+    for folder in larger.values():
+        _add_token(folder, "zzqq")
     return {
         "target": target_dir,
         "draft": draft_dir,
@@ -89,6 +140,10 @@ def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir
         "missing": missing,
         "misshapen": misshapen,
         "pickled": pickled,
+        "no-tokenizer": no_tokenizer,
+        "larger-target": larger["target"],
+        "larger-draft": larger["draft"],
+        **templated,
     }
 
 
@@ -105,6 +160,10 @@ class Case:
     config: str | None = None
     stdin: bytes | None = None
     files: dict[str, bytes | None] = field(default_factory=dict)  # None: a folder
+    stdin_closed: bool = False
+    prepare: str | Callable[[Path], object] | None = None
+    """Makes the hostile condition in the user's folder first: SQL run on the saved sessions (an
+    edited row), or a function of the folder (a link, a FIFO)."""
 
 
 PAIR = ["--target", "{target}", "--draft", "{draft}", "--device", "cpu"]
@@ -233,6 +292,130 @@ CASES = [
         ["export", "feed0001", "-o", "/dev/full"],
         "/dev/full: No space left on device",
     ),
+    # round 2, 1. chat templates that fail: one line naming the template's file
+    *(
+        Case(name, damaged(name), f"the chat template in {{{name}}}/tokenizer_config.json failed: {reason}")
+        for name, reason in (
+            ("template-raises", "TemplateError: roles must alternate"),
+            ("template-syntax", "TemplateSyntaxError: Unexpected end of template"),
+            ("template-unsafe", "SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
+            ("template-recursive", "RecursionError: maximum recursion depth exceeded"),
+            ("template-range", "OverflowError: Range too big"),
+            ("template-lipsum", "ValueError: empty range for randrange()"),
+        )
+    ),
+    # 2. a tokenizer larger than the models' vocabulary: the token is named, before any forward pass
+    Case(
+        "token-beyond-the-vocabulary",
+        [
+            "generate",
+            "--target",
+            "{larger-target}",
+            "--draft",
+            "{larger-draft}",
+            "--device",
+            "cpu",
+            "Once zzqq",
+        ],
+        "the prompt holds the token 'zzqq' (id 512), which the tokenizer has but the models do not",
+    ),
+    # 3. nesting deeper than the TOML parser recurses
+    Case(
+        "config-nested-100000-deep",
+        ["chat", *PAIR],
+        "config.toml: invalid TOML (nested too deeply)",
+        config="a = " + "[" * 100_000 + "]" * 100_000 + "\n",
+    ),
+    # 4. rows edited or damaged behind fsd-chat's back: one line for the session asked for
+    *(
+        Case(
+            f"export-{name}",
+            ["export", "feed0001"],
+            f"session feed0001 cannot be read: {message}",
+            prepare=edit,
+        )
+        for name, edit, message in (
+            (
+                "models-list",
+                "UPDATE sessions SET models = '[]'",
+                "its models field is not a JSON object (list)",
+            ),
+            ("models-null", "UPDATE sessions SET models = 'null'", "its models field is not a JSON object"),
+            ("settings-invalid-json", "UPDATE sessions SET settings = '{'", "Expecting property name"),
+            (
+                "threshold-text",
+                "UPDATE sessions SET settings = json_set(settings, '$.threshold', 'x')",
+                "threshold = 'x' in its settings is not a number",
+            ),
+            (
+                "stats-key-missing",
+                "UPDATE turns SET reply = json_remove(reply, '$.stats.tokens')",
+                "tokens missing from its reply statistics",
+            ),
+            (
+                "run-origin-unknown",
+                "UPDATE turns SET reply = json_set(reply, '$.runs[0].origin', 'oracle')",
+                "a reply run has the unknown origin 'oracle'",
+            ),
+            (
+                "content-number",
+                "UPDATE turns SET content = x'ff' WHERE position = 0",
+                "a turn's content or time is not text",
+            ),
+        )
+    ),
+    Case(
+        "resume-models-null",
+        ["chat", "--resume", "feed0001"],
+        "session feed0001 cannot be read: its models field is not a JSON object",
+        prepare="UPDATE sessions SET models = 'null'",
+    ),
+    # 5. a prompt from a closed standard input
+    Case("stdin-closed", [*GEN, "-"], "standard input (-), which is closed", stdin_closed=True),
+    # 10. reading refuses what is not a regular file, and follows no link
+    Case(
+        "store-symlink-loop",
+        ["history"],
+        "sessions.sqlite3 is a symbolic link",
+        prepare=lambda home: _replace(home / "data" / "sessions.sqlite3", lambda p: p.symlink_to(p)),
+    ),
+    Case(
+        "store-is-a-folder",
+        ["export", "feed0001"],
+        "sessions.sqlite3 is not a regular file",
+        prepare=lambda home: _replace(home / "data" / "sessions.sqlite3", Path.mkdir),
+    ),
+    # 7. export writes through no link: its target keeps its content and owner
+    Case(
+        "export-onto-a-symlink",
+        ["export", "feed0001", "-o", "{home}/out.md"],
+        "{home}/out.md is a symbolic link (to mine.md): fsd-chat does not write through links",
+        files={"mine.md": b"kept"},
+        prepare=lambda home: (home / "out.md").symlink_to("mine.md"),
+    ),
+    # 13. errors that quote a long list of the user's: how many, and a few
+    Case(
+        "config-100000-unknown-keys",
+        ["chat", *PAIR],
+        "unknown setting(s) k0, k1, k10, … 99,997 more; known:",
+        config="".join(f"k{i} = 1\n" for i in range(100_000)),
+    ),
+    Case(
+        "ambiguous-prefix-of-10000",
+        ["export", "f"],
+        "session 'f' is ambiguous: 10,001 sessions start with it (f0000000, f0000001, f0000002, … 9,998 more)",
+        prepare="WITH RECURSIVE n(v) AS (SELECT 0 UNION ALL SELECT v + 1 FROM n WHERE v < 9999) "
+        "INSERT INTO sessions SELECT printf('f%07d', v), created, updated, title, models, settings, system "
+        "FROM sessions, n",
+    ),
+    # 14. a config.toml that is a FIFO, a model folder without a tokenizer
+    Case(
+        "config-is-a-fifo",
+        ["chat", *PAIR],
+        "config/config.toml: not a regular file",
+        prepare=lambda home: os.mkfifo(home / "config" / "config.toml"),
+    ),
+    Case("no-tokenizer", damaged("no-tokenizer"), "no-tokenizer has no tokenizer (none of tokenizer.json"),
     # error text is data: one visible line, whatever the path holds
     Case(
         "escape-in-model-path",
@@ -242,9 +425,24 @@ CASES = [
 ]
 
 
+def _replace(path: Path, make: Callable[[Path], object]) -> None:
+    path.unlink()
+    make(path)
+
+
+def _prepare(case: Case, home: Path) -> None:
+    if isinstance(case.prepare, str):
+        with sqlite3.connect(home / "data" / "sessions.sqlite3") as conn:
+            conn.execute(case.prepare)
+        conn.close()
+    elif case.prepare is not None:
+        case.prepare(home)
+
+
 def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    # lstat: a link is what is there, and may lead nowhere (a loop).
     return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns, p.lstat().st_mode)
         for p in sorted(root.rglob("*"))
     }
 
@@ -283,6 +481,9 @@ def test_hostile_command_line(
         stdin_file = tmp_path_factory.mktemp("stdin") / "input"
         stdin_file.write_bytes(case.stdin)
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(stdin_file.open("rb")))
+    if case.stdin_closed:
+        monkeypatch.setattr(sys, "stdin", None)  # what Python makes of `<&-`
+    _prepare(case, home)
     before = _snapshot(home)
 
     code, out, err = run([arg.format(**places) for arg in case.args], capsys)
@@ -291,6 +492,7 @@ def test_hostile_command_line(
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("fsd-chat: error: "), err
     assert case.message.format(**places) in lines[0]
+    assert len(lines[0]) < 1000  # a message quotes what it must, not everything it could
     assert "Traceback" not in err and "\x1b" not in err
     assert out == ""
     assert _snapshot(home) == before  # nothing created, changed or removed
