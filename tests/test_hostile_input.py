@@ -16,9 +16,11 @@ import math
 import os
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from fsd_chat.chat_template import Message, fit_to_context, prompt_ids
+from fsd_chat.cli import main
 from fsd_chat.errors import ContextLengthError, IncompatibleModelsError
 from fsd_chat.models import ModelPair, check_compatible
 from fsd_chat.store import SessionStore
@@ -634,3 +637,189 @@ def test_control_characters_are_made_visible(raw: str, shown: str) -> None:
 
 def test_json_has_no_infinity() -> None:
     assert to_json({"d": [math.inf, -math.inf, math.nan, 0.5]}) == '{"d": [null, null, null, 0.5]}'
+
+
+# --- round 2: what the table's one-line shape does not fit -----------------------------------
+
+
+def _session_rows(home: Path, sql: str) -> None:
+    with sqlite3.connect(home / "data" / "sessions.sqlite3") as conn:
+        conn.execute(sql)
+    conn.close()
+
+
+def test_history_leaves_out_a_damaged_row_and_lists_the_others(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = saved_session()
+    other.id = "cafe0002"
+    SessionStore(home / "data" / "sessions.sqlite3").append_turns(other, other.turns)
+    _session_rows(home, "UPDATE sessions SET models = 'null' WHERE id = 'feed0001'")
+    code, out, err = run(["history"], capsys)
+    assert code == 0 and out.startswith("cafe0002 ") and len(out.splitlines()) == 1
+    assert err == (
+        "fsd-chat: warning: session feed0001 left out, its row is damaged: its models field is not a "
+        "JSON object (NoneType)\n"
+    )
+
+
+def test_reading_an_empty_store_writes_nothing(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = home / "data" / "sessions.sqlite3"
+    store.write_bytes(b"")
+    before = _snapshot(home)
+    assert run(["history"], capsys) == (0, "no saved sessions yet\n", "")
+    code, _, err = run(["export", "feed0001"], capsys)
+    assert code == 2 and err == f"fsd-chat: error: no saved sessions yet ({store} is empty)\n"
+    assert _snapshot(home) == before  # no schema written into it, no journal beside it
+
+
+def test_history_into_a_pipe_closed_early_is_silent(home: Path) -> None:
+    _session_rows(
+        home,
+        "WITH RECURSIVE n(v) AS (SELECT 0 UNION ALL SELECT v + 1 FROM n WHERE v < 2999) "
+        "INSERT INTO sessions SELECT printf('%08x', v), created, updated, title, models, settings, system "
+        "FROM sessions, n",
+    )  # far more than a pipe's buffer holds
+    result = subprocess.run(
+        ["bash", "-c", '"$0" history | head -1; echo "status ${PIPESTATUS[0]}" >&2', CONSOLE_SCRIPT],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FSD_CHAT_DATA_DIR": str(home / "data")},
+        timeout=120,
+    )
+    assert len(result.stdout.splitlines()) == 1
+    assert result.stderr == "status 0\n"  # no message, no traceback, and not click's exit 1
+
+
+def test_export_to_standard_output_opened_for_append_appends(home: Path) -> None:
+    everything = home / "all.md"
+    everything.write_text("earlier transcripts\n")
+    with everything.open("a") as appended:  # the shell's >>
+        result = subprocess.run(
+            [CONSOLE_SCRIPT, "export", "feed0001", "-o", "/dev/stdout"],
+            stdout=appended,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FSD_CHAT_DATA_DIR": str(home / "data")},
+            timeout=120,
+        )
+    assert result.returncode == 0 and result.stderr == ""
+    text = everything.read_text()
+    assert text.startswith("earlier transcripts\n# fsd-chat session feed0001\n")
+
+
+def test_sigterm_during_export_removes_its_temporary_file(home: Path) -> None:
+    big = saved_session()
+    big.id = "b1g00001"
+    big.turns[0].content = "Once upon a time " * 4_000_000  # 68 MB: its write takes a while
+    SessionStore(home / "data" / "sessions.sqlite3").append_turns(big, big.turns)
+    out = home / "out"
+    out.mkdir()
+    for _attempt in range(5):
+        export = subprocess.Popen(
+            [CONSOLE_SCRIPT, "export", "b1g00001", "-o", str(out / "t.md")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FSD_CHAT_DATA_DIR": str(home / "data")},
+        )
+        while export.poll() is None and not any(p.name.endswith(".tmp") for p in out.iterdir()):
+            pass
+        export.send_signal(signal.SIGSTOP)  # held mid-write, then ended there
+        caught = any(p.name.endswith(".tmp") for p in out.iterdir())
+        if caught:
+            export.send_signal(signal.SIGTERM)
+        export.send_signal(signal.SIGCONT)
+        _, err = export.communicate(timeout=120)
+        if caught:
+            break
+        (out / "t.md").unlink()  # it finished first: again
+    else:
+        pytest.fail("the export never was caught mid-write")
+    assert export.returncode == 128 + signal.SIGTERM and err == ""
+    assert list(out.iterdir()) == []  # no hidden .t.md.*.tmp of 68 MB left behind, and no t.md
+
+
+def _as_user(uid: int, args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """`fsd-chat ARGS` through its entry point in a forked child running as `uid`: the permission
+    checks are the kernel's for that user (root, who runs these tests, bypasses them)."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 70
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.chdir(cwd)
+            sys.stdout = open(out_w, "w")  # noqa: SIM115 - flushed and closed by _exit's caller below
+            sys.stderr = open(err_w, "w")  # noqa: SIM115
+            try:
+                main(args)
+                code = 0
+            except SystemExit as exc:
+                code = int(exc.code or 0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    with open(out_r) as out, open(err_r) as err:
+        stdout, stderr = out.read(), err.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), stdout, stderr
+
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_folder() -> Iterator[Path]:
+    """A folder every user may enter (pytest's own are root's alone)."""
+    folder = Path(tempfile.mkdtemp(prefix="fsd-chat-hostile-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_reading_needs_no_write_access(shared_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another user's store (root's, 0644) in a folder the reader cannot write: as a read-only disk.
+    data = shared_folder / "data"
+    session = saved_session()
+    SessionStore(data / "sessions.sqlite3").append_turns(session, session.turns)
+    data.chmod(0o755)
+    (data / "sessions.sqlite3").chmod(0o644)
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(data))
+    before = _snapshot(shared_folder)
+    code, out, err = _as_user(NOBODY, ["history"], shared_folder)
+    assert (code, err) == (0, "") and out.startswith("feed0001 ")
+    code, out, err = _as_user(NOBODY, ["export", "feed0001"], shared_folder)
+    assert (code, err) == (0, "") and out.startswith("# fsd-chat session feed0001")
+    assert _snapshot(shared_folder) == before
+
+
+def test_export_respects_a_read_only_file(shared_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root may write any file (so `-o` would replace it for root, as the shell's `>` does);
+    # another user may not write their own 0444 file, even though the folder lets a rename through.
+    session = saved_session()
+    SessionStore(shared_folder / "data" / "sessions.sqlite3").append_turns(session, session.turns)
+    (shared_folder / "data").chmod(0o755)
+    (shared_folder / "data" / "sessions.sqlite3").chmod(0o644)
+    mine = shared_folder / "mine"
+    mine.mkdir()
+    (mine / "kept.md").write_text("kept")
+    (mine / "kept.md").chmod(0o444)
+    os.chown(mine, NOBODY, NOBODY)
+    os.chown(mine / "kept.md", NOBODY, NOBODY)
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(shared_folder / "data"))
+    code, out, err = _as_user(NOBODY, ["export", "feed0001", "-o", str(mine / "kept.md")], shared_folder)
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == f"fsd-chat: error: cannot write {mine / 'kept.md'}: it is read-only (chmod u+w it, or choose another name)\n"
+    )
+    assert (mine / "kept.md").read_text() == "kept" and sorted(p.name for p in mine.iterdir()) == ["kept.md"]
