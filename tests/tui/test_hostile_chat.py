@@ -159,9 +159,8 @@ async def test_a_store_of_ones_own_that_others_may_read_is_made_private(
         assert not [n for n in app._notifications if n.severity == "error"]
     assert data.stat().st_mode & 0o777 == 0o700
     assert (data / "sessions.sqlite3").stat().st_mode & 0o777 == 0o600
-    assert [t.content for t in SessionStore(data / "sessions.sqlite3").load(screen.session.id).turns][
-        0
-    ] == "Once"
+    saved = SessionStore(data / "sessions.sqlite3").load(screen.session.id)
+    assert saved.turns[0].content == "Once"
 
 
 async def test_a_crafted_session_id_exports_inside_the_transcripts_folder(
