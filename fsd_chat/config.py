@@ -15,9 +15,7 @@ checked like the flags, see `fsd_chat.cli_options`) and a `[keymap]` table of bi
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from pathlib import Path
 import platformdirs
 
 from fsd_chat.errors import FsdChatError
+from fsd_chat.text import read_settings_file
 
 APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
@@ -68,27 +67,6 @@ class UserConfig:
     options: dict[str, object] = field(default_factory=dict)
     keymap: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
-
-
-def read_settings_file(path: Path) -> dict[str, object]:
-    """A TOML file of settings (config.toml, a theme), parsed.
-
-    The file is opened without blocking and must be a regular file: a named pipe would hang the
-    chat before its screen opens, a device would never end.
-
-    Raises:
-        FileNotFoundError: there is no such file.
-        OSError: it cannot be read, or is not a regular file (strerror says so).
-        UnicodeDecodeError: it is not UTF-8.
-        tomllib.TOMLDecodeError: it is not TOML.
-        RecursionError: it nests arrays or tables deeper than the parser recurses.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        data = file.read()
-    return tomllib.loads(data.decode("utf-8"))
 
 
 def load_config(path: Path | None = None) -> UserConfig:

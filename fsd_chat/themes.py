@@ -24,9 +24,9 @@ from pathlib import Path
 
 from rich.color import Color, ColorParseError
 
-from fsd_chat.config import read_settings_file
 from fsd_chat.decoding.events import Origin
 from fsd_chat.errors import FsdChatError
+from fsd_chat.text import read_settings_file
 
 DEFAULT_THEME = "fsd-dark"
 PALETTE_KEYS = (
