@@ -3,7 +3,8 @@
 A save that fails (the file locked past the busy timeout, a full disk) stays at the head of the
 queue: it is reported once, and retried with everything after it on the next save (or `close`),
 so nothing is lost while the chat goes on. A streaming reply's rows are written as snapshots;
-only the latest pending snapshot of a turn is kept.
+only the latest pending snapshot of a turn is kept. An update that finds its row gone (the data
+folder deleted mid-reply) saves the session's written turns again instead of counting as done.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Writes append: an exchange (the user's turn and the reply it asks for) is inserted after the
 session's last stored turn, and the reply's row is updated while it streams. Two chats writing one
 session therefore interleave their exchanges instead of overwriting each other's. The file carries
-its schema version (`PRAGMA user_version`); older files are migrated when opened. The data folder
-is private (0700) and so is the file (0600).
+its schema version (`PRAGMA user_version`); older files are migrated when first written. The data
+folder is private (0700) and so is the file (0600); readers open it read-only and change nothing.
+Rows are checked field by field when read (`fsd_chat.session.checked_fields`): an edited or damaged
+row is refused with its reason, and left out of the list of sessions.
 """
 
 from __future__ import annotations
