@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import stat
 import threading
@@ -205,3 +206,12 @@ def test_writer_waits_for_a_lock_and_retries_a_failed_save(tmp_path: Path) -> No
         "Two",
         "Done",
     ]
+
+
+def test_an_update_whose_row_is_gone_says_so(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "data" / "s.sqlite3")
+    session = make_session()
+    (_, reply_position) = store.append_turns(session, session.turns)
+    assert store.update_turn(session.id, reply_position, session.turns[1])
+    shutil.rmtree(tmp_path / "data")  # the data folder deleted: the next write starts a new file
+    assert not store.update_turn(session.id, reply_position, session.turns[1])
