@@ -119,11 +119,9 @@ class SessionStore:
         try:
             if write:
                 self._prepare_for_writing()
-            else:
-                self._check_readable()
-            if write:
                 conn = sqlite3.connect(self.path, timeout=self.busy_timeout)
             else:
+                self._check_readable()
                 uri = f"{self.path.absolute().as_uri()}?mode=ro"
                 conn = sqlite3.connect(uri, uri=True, timeout=self.busy_timeout)
         except (OSError, sqlite3.Error) as exc:
@@ -407,4 +405,4 @@ def _session(row: tuple[object, ...], turns: list[Turn]) -> Session:
 
 def _reason(exc: BaseException) -> str:
     """An OSError's reason without its "[Errno N]" prefix (the path is in the message already)."""
-    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)

@@ -184,8 +184,9 @@ def render_markdown(session: Session) -> str:
 
 def default_path(directory: Path, session: Session) -> Path:
     """Where a transcript goes by default: `fsd-chat-<date>-<id>.md` in `directory`. The id and
-    date come from the store, which an edit may have changed: anything but letters, digits, "-"
-    and "_" becomes "_", so the name cannot climb out of `directory` (`../../x`)."""
+    date come from the store, which an edit may have changed: anything but letters, digits, ".",
+    "-" and "_" becomes "_", so the name holds no "/" and cannot climb out of `directory`
+    (`../../x`)."""
     stamp = session.created[:16].replace(":", "").replace("T", "-")
     return directory / _SAFE_NAME.sub("_", f"fsd-chat-{stamp}-{session.id}.md")
 
