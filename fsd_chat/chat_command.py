@@ -18,7 +18,7 @@ from fsd_chat.errors import ModelLoadError
 from fsd_chat.log import quiet_libraries
 from fsd_chat.store import SessionStore
 from fsd_chat.text import one_line
-from fsd_chat.transcript import export_transcript, render_markdown
+from fsd_chat.transcript import ending_signals_raise, export_transcript, render_markdown
 
 SYSTEM = o.Option("system", ("--system",), str, None, "System prompt (first turn).", o.CHAT)
 THEME = o.Option(
@@ -93,8 +93,8 @@ def chat(
         raise ConfigError("--resume needs a session id or a prefix of one (fsd-chat history lists them)")
     store = SessionStore(sessions_path())
     session = store.load(resume) if resume is not None else None
-    target_source = o.TARGET.get(v) or (session.models["target"] if session else None)
-    draft_source = o.DRAFT.get(v) or (session.models["draft"] if session else None)
+    target_source = o.TARGET.get(v) or (session.models.get("target") if session else None)
+    draft_source = o.DRAFT.get(v) or (session.models.get("draft") if session else None)
     if not target_source or not draft_source:
         raise ConfigError(
             "no model pair: pass --target and --draft (or set target and draft in "
@@ -142,7 +142,9 @@ def chat(
 
 def history() -> None:
     """List the saved chat sessions, most recent first."""
-    summaries = SessionStore(sessions_path()).summaries()
+    summaries = SessionStore(sessions_path()).summaries(
+        on_damaged=lambda reason: print(f"fsd-chat: warning: {one_line(reason)}", file=sys.stderr)
+    )
     if not summaries:
         print("no saved sessions yet")
         return
@@ -162,6 +164,7 @@ def export(
 ) -> None:
     """Write a saved session as a Markdown transcript."""
     markdown = render_markdown(SessionStore(sessions_path()).load(session_id))
-    written = export_transcript(markdown, output)
+    with ending_signals_raise():
+        written = export_transcript(markdown, output)
     if written:
         print(written)

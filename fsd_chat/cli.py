@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -18,7 +18,24 @@ from fsd_chat import bench_command, chat_command, generate_command
 from fsd_chat.errors import FsdChatError
 from fsd_chat.text import one_line, require_utf8
 
+
+class OutputClosed(Exception):
+    """Standard output was closed by its reader (`fsd-chat history | head -1`)."""
+
+
+class _Group(TyperGroup):
+    """fsd-chat's commands. A broken pipe leaves as `OutputClosed`: click would turn it (an
+    OSError) into exit code 1 before `main` sees it."""
+
+    def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context, not exported
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:
+            raise OutputClosed from exc
+
+
 app = typer.Typer(
+    cls=_Group,
     name="fsd-chat",
     help="Chat with local language models through Fuzzy Speculative Decoding.",
     no_args_is_help=False,
@@ -69,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("aborted", 130, prefix="fsd-chat: ")
     except TyperException as exc:  # usage errors: bad option values, missing arguments
         _fail(exc.format_message() if hasattr(exc, "format_message") else str(exc), EXIT_BAD_INPUT)
-    except BrokenPipeError:
+    except (BrokenPipeError, OutputClosed):
         _discard_stdout()
         return
     except OSError as exc:  # writing the output failed: a full disk, a closed terminal

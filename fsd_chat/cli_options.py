@@ -42,6 +42,7 @@ from fsd_chat.model_options import (
     check_dtype_name,
     check_quantization,
 )
+from fsd_chat.text import some
 
 T = TypeVar("T")
 S = TypeVar("S", bound=str)
@@ -360,9 +361,7 @@ def config_values(config: UserConfig, options: Iterable[Option[Any]]) -> dict[st
     where = str(config.path)
     unknown = sorted(set(config.options) - set(known))
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"{where}: unknown setting(s) {some(unknown)}; known: {', '.join(sorted(known))}")
     return {name: known[name].from_config(value, where) for name, value in config.options.items()}
 
 

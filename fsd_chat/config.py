@@ -23,6 +23,7 @@ from pathlib import Path
 import platformdirs
 
 from fsd_chat.errors import FsdChatError
+from fsd_chat.text import read_settings_file
 
 APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
@@ -77,13 +78,17 @@ def load_config(path: Path | None = None) -> UserConfig:
     """
     path = path or config_dir() / "config.toml"
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = read_settings_file(path)
     except FileNotFoundError:
         return UserConfig(path=path)
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML (nested too deeply)") from None
     keymap = data.pop("keymap", {})
     if not isinstance(keymap, dict) or not all(isinstance(v, str) for v in keymap.values()):
         raise ConfigError(f'{path}: [keymap] maps binding ids to key strings, e.g. stop = "escape"')

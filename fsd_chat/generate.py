@@ -38,15 +38,23 @@ def _emit_json(obj: object) -> None:
     sys.stdout.flush()
 
 
-def prompt_text(argument: str, stdin: BinaryIO) -> str:
+def prompt_text(argument: str, stdin: BinaryIO | None) -> str:
     """The prompt: the argument itself, or all of standard input when it is "-" (one trailing
     newline dropped, as `echo` adds it).
 
+    Args:
+        argument: The PROMPT argument.
+        stdin: Standard input's bytes; None when it is closed (`<&-`: Python then has no
+            `sys.stdin`).
+
     Raises:
         TextError: the prompt is not valid UTF-8, or empty or only whitespace (a base model would
-            continue from the start-of-text token alone, which is never what was meant).
+            continue from the start-of-text token alone, which is never what was meant), or it is
+            to come from a closed standard input.
     """
     if argument == STDIN:
+        if stdin is None:
+            raise TextError("the prompt is to come from standard input (-), which is closed")
         text = decode_utf8(stdin.read(), "standard input").removesuffix("\n")
     else:
         text = require_utf8(argument, "the prompt")
@@ -83,7 +91,7 @@ def run_generate(
         apply_threads(threads)
     controls = Controls(settings)
     decoder = pair.decoder(controls, autoregressive=autoregressive, compile_draft=compile_draft)
-    ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw)
+    ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw, vocab_size=pair.vocab_size)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()
     colour = console.is_terminal and not as_json

@@ -27,7 +27,7 @@ def generate(
     settings = o.decoding_settings(values)
     sampling = o.sampling_config(values)
     specs = o.model_specs(o.TARGET.of(values), o.DRAFT.of(values), values)
-    text = prompt_text(prompt, sys.stdin.buffer)
+    text = prompt_text(prompt, sys.stdin.buffer if sys.stdin is not None else None)
     quiet_libraries()
     run_generate(
         text,

@@ -42,6 +42,7 @@ from fsd_chat.model_options import (
     check_dtype_name,
     check_quantization,
 )
+from fsd_chat.text import some
 
 Progress = Callable[[str], object]
 
@@ -328,17 +329,12 @@ def _check_load_report(spec: ModelSpec, source: str, report: dict[str, Any]) -> 
     files = ", ".join(str(p) for p in _weight_files(source)) or spec.source
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing tensors ({_some(missing)})")
+        problems.append(f"{len(missing)} missing tensors ({some(missing)})")
     if mismatched:
-        problems.append(f"{len(mismatched)} tensors of the wrong shape ({_some(mismatched)})")
+        problems.append(f"{len(mismatched)} tensors of the wrong shape ({some(mismatched)})")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors ({_some(unexpected)})")
+        problems.append(f"{len(unexpected)} unexpected tensors ({some(unexpected)})")
     raise ModelLoadError(f"{files} does not hold this model's weights: {'; '.join(problems)}")
-
-
-def _some(keys: list[str], shown: int = 3) -> str:
-    more = f", … {len(keys) - shown} more" if len(keys) > shown else ""
-    return ", ".join(keys[:shown]) + more
 
 
 def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
@@ -368,11 +364,24 @@ def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
     return ModelLoadError(f"could not load {spec.source}: {_first_line(exc)}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""A local model folder whose tokenizer fails to load and holds none of these (fast, SentencePiece,
+BPE, tiktoken) has none: said so, rather than transformers' list of what it tried."""
+
+
 def _load_tokenizer(spec: ModelSpec, source: str, options: LoadOptions) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelLoadError(f"could not load the tokenizer of {spec.source}: {_first_line(exc)}") from exc
+        folder = Path(source)
+        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"{spec.source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+                "tokenizer files of the model it comes from into it"
+            ) from exc
+        # transformers' reasons run over several lines (a list of what it tried): all of it, as one.
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ModelLoadError(f"could not load the tokenizer of {spec.source}: {reason}") from exc
 
 
 def check_compatible(

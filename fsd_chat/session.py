@@ -203,10 +203,123 @@ def _empty_reply(created: str) -> Turn:
     return Turn("assistant", "", created, ReplyRecord(stop_reason=STOPPED))
 
 
-def reply_from_dict(data: dict[str, Any]) -> ReplyRecord:
-    """A `ReplyRecord` from its `asdict` form."""
-    runs = [
-        OriginRun(r["text"], Origin(r["origin"]), float(r["threshold"]), r["divergence"], r["rule"])
-        for r in data.get("runs", [])
-    ]
-    return ReplyRecord(runs=runs, stats=dict(data.get("stats", {})), stop_reason=data.get("stop_reason"))
+_NUMBER = (float, int)
+_KINDS = {
+    str: "text",
+    float: "a number",
+    int: "a whole number",
+    bool: "true or false",
+    list: "a list",
+    dict: "a JSON object",
+}
+MODEL_FIELDS: dict[str, tuple[type, ...]] = {
+    "target": (str,),
+    "draft": (str,),
+    "quantize_target": (str,),
+    "quantize_draft": (str,),
+    "device": (str,),
+    "dtype": (str,),
+}
+SETTING_FIELDS: dict[str, tuple[type, ...]] = {
+    "rule": (str,),
+    "divergence": (str,),
+    "threshold": _NUMBER,
+    "draft_tokens": (int,),
+    "draft_policy": (str,),
+    "adaptive": (bool,),
+    "temperature": _NUMBER,
+    "top_k": (int,),
+    "top_p": _NUMBER,
+    "seed": (int, type(None)),
+    "max_new_tokens": (int,),
+    "mode": (str,),
+}
+STAT_FIELDS: dict[str, tuple[type, ...]] = {
+    "tokens": (int,),
+    "tokens_per_second": _NUMBER,
+    "drafted": (int,),
+    "acceptance_rate": _NUMBER,
+    "mean_accepted_length": _NUMBER,
+    "fuzzy_share": _NUMBER,
+    "thresholds": (list,),
+    "cost": _NUMBER,
+}
+RUN_FIELDS: dict[str, tuple[type, ...]] = {
+    "text": (str,),
+    "origin": (str,),
+    "threshold": _NUMBER,
+    "divergence": (str,),
+    "rule": (str,),
+}
+
+
+def checked_fields(
+    what: str, data: object, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]
+) -> dict[str, Any]:
+    """`data`, a JSON object read from a stored row (which an edit or damage may have changed), once
+    its `required` keys are there and every key of `fields` it has holds a value of its types
+    (other keys are kept: a newer fsd-chat may add some).
+
+    Raises:
+        MalformedSessionError: not an object, a key missing, or a value of the wrong type (one line
+            naming `what` and the key).
+    """
+    if not isinstance(data, dict):
+        raise MalformedSessionError(f"its {what} field is not a JSON object ({type(data).__name__})")
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise MalformedSessionError(f"{', '.join(missing)} missing from its {what}")
+    for key, types in fields.items():
+        value = data.get(key)
+        # bool is an int to Python, never a count or a threshold here.
+        if key in data and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise MalformedSessionError(f"{key} = {value!r:.40} in its {what} is not {_KINDS[types[0]]}")
+    return data
+
+
+def models_from_dict(data: object) -> dict[str, str]:
+    """A session's `models` as stored (each a string; files of early versions have none).
+
+    Raises:
+        MalformedSessionError: see `checked_fields`.
+    """
+    return checked_fields("models", data, MODEL_FIELDS, ())
+
+
+def settings_from_dict(data: object) -> dict[str, Any]:
+    """A session's `settings` as stored (each of its type; any may be missing, which a transcript
+    shows as "?": files of early versions have none).
+
+    Raises:
+        MalformedSessionError: see `checked_fields`.
+    """
+    return checked_fields("settings", data, SETTING_FIELDS, ())
+
+
+def reply_from_dict(data: object) -> ReplyRecord:
+    """A `ReplyRecord` from its `asdict` form, as stored.
+
+    Raises:
+        MalformedSessionError: a field is missing or of the wrong type, or a run's origin is unknown.
+    """
+    record = checked_fields("reply", data, {"runs": (list,), "stats": (dict,)}, ())
+    stats = record.get("stats", {})
+    drafted = ("drafted", "acceptance_rate", "mean_accepted_length", "fuzzy_share", "thresholds")
+    required = ("tokens", "tokens_per_second", "drafted") if stats else ()
+    checked_fields(
+        "reply statistics", stats, STAT_FIELDS, required + (drafted if stats.get("drafted") else ())
+    )
+    if not all(isinstance(t, _NUMBER) for t in stats.get("thresholds", [])):
+        raise MalformedSessionError("its reply statistics have thresholds that are not numbers")
+    runs = []
+    for run in record.get("runs", []):
+        r = checked_fields("reply runs", run, RUN_FIELDS, tuple(RUN_FIELDS))
+        try:
+            origin = Origin(r["origin"])
+        except ValueError:
+            raise MalformedSessionError(f"a reply run has the unknown origin {r['origin']!r:.40}") from None
+        runs.append(OriginRun(r["text"], origin, float(r["threshold"]), r["divergence"], r["rule"]))
+    stop_reason = record.get("stop_reason")
+    if stop_reason is not None and not isinstance(stop_reason, str):
+        raise MalformedSessionError(f"a reply has the stop reason {stop_reason!r:.40}")
+    return ReplyRecord(runs=runs, stats=dict(stats), stop_reason=stop_reason)

@@ -3,7 +3,8 @@
 A save that fails (the file locked past the busy timeout, a full disk) stays at the head of the
 queue: it is reported once, and retried with everything after it on the next save (or `close`),
 so nothing is lost while the chat goes on. A streaming reply's rows are written as snapshots;
-only the latest pending snapshot of a turn is kept.
+only the latest pending snapshot of a turn is kept. An update that finds its row gone (the data
+folder deleted mid-reply) saves the session's written turns again instead of counting as done.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class SessionWriter:
         self._positions: dict[int, tuple[Turn, int]] = {}
         """id(turn) -> (turn, stored position), for the turns this writer appended (the turn is
         kept so that its id is not reused)."""
+        self._sessions: dict[str, Session] = {}
+        """The sessions this writer appended to, by id (to save one again whose rows are gone)."""
         self._puts = 0
         self._failing = False
         self._closing = False
@@ -142,8 +145,17 @@ class SessionWriter:
 
     def _write(self, op: _Append | _Update) -> None:
         if isinstance(op, _Append):
-            positions = self.store.append_turns(op.session, op.turns)
-            for turn, position in zip(op.turns, positions, strict=True):
-                self._positions[id(turn)] = (turn, position)
-        else:
-            self.store.update_turn(op.session_id, self._positions[id(op.turn)][1], op.snapshot)
+            self._sessions[op.session.id] = op.session
+            self._append(op.session, op.turns, op.turns)
+        elif not self.store.update_turn(op.session_id, self._positions[id(op.turn)][1], op.snapshot):
+            # The reply's row is gone (the data folder was deleted mid-reply, the file replaced):
+            # the turns written so far are saved again, the reply as it is now, rather than lost.
+            session = self._sessions[op.session_id]
+            written = [t for t in session.turns if id(t) in self._positions]
+            self._append(session, written, [op.snapshot if t is op.turn else t for t in written])
+
+    def _append(self, session: Session, turns: list[Turn], rows: list[Turn]) -> None:
+        """Store `rows` (what to write of `turns`, in order) and remember where each turn went."""
+        positions = self.store.append_turns(session, rows)
+        for turn, position in zip(turns, positions, strict=True):
+            self._positions[id(turn)] = (turn, position)

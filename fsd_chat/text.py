@@ -11,9 +11,13 @@ Model output, file names and error messages are data: on a terminal their contro
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import re
+import stat
+import tomllib
 from pathlib import Path
 
 from fsd_chat.errors import FsdChatError
@@ -74,6 +78,27 @@ def read_utf8(path: Path) -> str:
     return decode_utf8(path.read_bytes(), str(path))
 
 
+def read_settings_file(path: Path) -> dict[str, object]:
+    """A TOML file of settings (config.toml, a theme), parsed.
+
+    The file is opened without blocking and must be a regular file: a named pipe would hang the
+    chat before its screen opens, a device would never end.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        OSError: it cannot be read, or is not a regular file (strerror says so).
+        UnicodeDecodeError: it is not UTF-8.
+        tomllib.TOMLDecodeError: it is not TOML.
+        RecursionError: it nests arrays or tables deeper than the parser recurses.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = file.read()
+    return tomllib.loads(data.decode("utf-8"))
+
+
 def visible(text: str) -> str:
     """`text` with control characters other than newline and tab replaced by visible symbols
     (ESC -> ␛, CR -> ␍, DEL -> ␡, C1 controls -> �), safe to write to a terminal."""
@@ -85,6 +110,13 @@ def visible(text: str) -> str:
         return "\u2421" if code == 0x7F else "\ufffd"
 
     return _CONTROL.sub(symbol, text)
+
+
+def some(items: list[str], shown: int = 3) -> str:
+    """The first `shown` of `items` and how many more, for messages that quote a list of the user's
+    (100,000 unknown settings, 10,000 matching sessions) in one line of sane length."""
+    more = f", … {len(items) - shown:,} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def one_line(text: str) -> str:

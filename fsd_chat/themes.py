@@ -26,6 +26,7 @@ from rich.color import Color, ColorParseError
 
 from fsd_chat.decoding.events import Origin
 from fsd_chat.errors import FsdChatError
+from fsd_chat.text import read_settings_file
 
 DEFAULT_THEME = "fsd-dark"
 PALETTE_KEYS = (
@@ -78,11 +79,17 @@ def parse_theme(path: Path) -> ThemeSpec:
         ThemeError: unreadable file, invalid TOML, or a missing/invalid field (one-line message).
     """
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
+        data = read_settings_file(path)
+    except OSError as exc:
+        raise ThemeError(
+            f"theme {path.name}: cannot read it ({exc.strerror or exc.__class__.__name__})"
+        ) from None
+    except UnicodeDecodeError as exc:
         raise ThemeError(f"theme {path.name}: cannot read it ({exc.__class__.__name__})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ThemeError(f"theme {path.name}: invalid TOML ({exc})") from None
+    except RecursionError:
+        raise ThemeError(f"theme {path.name}: invalid TOML (nested too deeply)") from None
     name = data.get("name", path.stem)
     palette = data.get("palette")
     origins = data.get("origins")

@@ -8,7 +8,8 @@ HTML-escaped) where each origin has its own inline mark (GitHub strips colours, 
 underline, bold, italics), and the points where the threshold changed.
 
 Transcripts are conversations, private to their owner: a new file is created 0600; an existing
-one is replaced atomically and keeps its mode; a named pipe or a device is written in place.
+one is replaced atomically and keeps its mode (see `write_atomic` for links, read-only files, pipes
+and devices); a path that is standard output (`-o /dev/stdout >> all.md`) is written through it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import html
 import os
 import re
 import secrets
+import signal
 import stat
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +55,16 @@ def decoding_summary(settings: dict[str, Any]) -> str:
     """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5"."""
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
-    parts = [settings["rule"], settings["divergence"], f"T {settings['threshold']:.3f}"]
+    # A stored session may lack any of them (`fsd_chat.session.settings_from_dict`): shown as "?".
+    threshold = settings.get("threshold")
+    parts = [
+        settings.get("rule", "?"),
+        settings.get("divergence", "?"),
+        "T ?" if threshold is None else f"T {threshold:.3f}",
+    ]
     # Sessions saved before draft policies had an `adaptive` flag instead.
     policy = settings.get("draft_policy", "adaptive" if settings.get("adaptive") else "fixed")
-    parts.append(f"k {settings['draft_tokens']}" + ("" if policy == "fixed" else f" ({policy})"))
+    parts.append(f"k {settings.get('draft_tokens', '?')}" + ("" if policy == "fixed" else f" ({policy})"))
     return " · ".join(parts)
 
 
@@ -173,51 +183,89 @@ def render_markdown(session: Session) -> str:
 
 
 def default_path(directory: Path, session: Session) -> Path:
-    """Where a transcript goes by default: `fsd-chat-<date>-<id>.md` in `directory`."""
+    """Where a transcript goes by default: `fsd-chat-<date>-<id>.md` in `directory`. The id and
+    date come from the store, which an edit may have changed: anything but letters, digits, ".",
+    "-" and "_" becomes "_", so the name holds no "/" and cannot climb out of `directory`
+    (`../../x`)."""
     stamp = session.created[:16].replace(":", "").replace("T", "-")
-    return directory / f"fsd-chat-{stamp}-{session.id}.md"
+    return directory / _SAFE_NAME.sub("_", f"fsd-chat-{stamp}-{session.id}.md")
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def write_atomic(path: Path, text: str) -> Path:
     """Write `text` (UTF-8) to `path`; returns the absolute path.
 
-    A regular file or a new path is written through a temporary file in the same folder and a
-    rename, so a reader never sees half a file: a new file is created 0600 (a conversation is
-    private), an existing one keeps its mode. A named pipe or a character device (`/dev/stdout`)
-    is written in place: renaming over it would replace it with a file nobody reads.
+    A new path, or a regular file of the user's that they may write, is written through a
+    temporary file in the same folder and a rename, so a reader never sees half a file: a new file
+    is created 0600 (a conversation is private), an existing one keeps its mode. A file without
+    write permission is refused, as the shell's `>` refuses it. A symbolic link is refused (a
+    rename would replace the file it points to, and give it a new owner): the path of the file
+    itself is asked for. A named pipe, a device (`/dev/null`) or another user's file that the user
+    may write is written in place: it keeps its kind and its owner.
 
     Raises:
-        TranscriptError: the folder cannot be created or written, the path is a folder, or the
-            write fails (a full disk).
+        TranscriptError: the path is a link, a folder or read-only; its folder cannot be created
+            or written; or the write fails (a full disk).
     """
     path = path.expanduser().absolute()
     try:
-        existing = path.stat()
+        existing = os.lstat(path)
     except FileNotFoundError:
         existing = None
     except OSError as exc:
         raise TranscriptError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if existing is not None and stat.S_ISLNK(existing.st_mode):
+        raise TranscriptError(
+            f"{path} is a symbolic link (to {os.readlink(path)}): fsd-chat does not write through links; "
+            "give the path of the file itself"
+        )
     try:
-        if existing is not None and (stat.S_ISFIFO(existing.st_mode) or stat.S_ISCHR(existing.st_mode)):
-            with open(path, "w", encoding="utf-8") as stream:
+        if existing is not None and (not stat.S_ISREG(existing.st_mode) or existing.st_uid != os.geteuid()):
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "w", encoding="utf-8") as stream:
                 stream.write(text)
             return path
+        if existing is not None and not os.access(path, os.W_OK):
+            raise TranscriptError(
+                f"cannot write {path}: it is read-only (chmod u+w it, or choose another name)"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         mode = 0o600 if existing is None else stat.S_IMODE(existing.st_mode)
-        # A link to a file: replace the file it points to, and keep the link.
-        target = Path(os.path.realpath(path)) if existing is not None else path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
         try:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
                 f.write(text)
                 os.fchmod(f.fileno(), mode)  # not left to the umask: an existing file keeps its mode exactly
-            os.replace(tmp, target)
-        except BaseException:
+            os.replace(tmp, path)
+        except (
+            BaseException
+        ):  # an error, ctrl+c, or SIGTERM/SIGHUP (which `fsd_chat.cli` raises as SystemExit)
             tmp.unlink(missing_ok=True)
             raise
     except OSError as exc:
         raise TranscriptError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
+
+
+@contextmanager
+def ending_signals_raise() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise SystemExit(128 + the signal's number), as ctrl+c raises
+    KeyboardInterrupt, so that a write in progress removes its temporary file (by default they end
+    the process at once, leaving it). For the command line's main thread; the chat has its own
+    handlers.
+    """
+
+    def end(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {signum: signal.signal(signum, end) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 STDOUT = Path("-")
@@ -237,9 +285,18 @@ def export_transcript(text: str, output: Path | None) -> str | None:
         TranscriptError: the file cannot be written.
         OSError: standard output cannot be written.
     """
-    if output is None or output == STDOUT:
+    if output is None or output == STDOUT or _is_stdout(output):
         sys.stdout.write(visible(text) if sys.stdout.isatty() else text)
         return None
     replaced = output.expanduser().is_file()
     path = write_atomic(output, text)
     return f"{'overwrote' if replaced else 'wrote'} {path}"
+
+
+def _is_stdout(path: Path) -> bool:
+    """Whether `path` names the file standard output already is (`/dev/stdout`, `/dev/fd/1`):
+    writing there through standard output keeps how the shell opened it (`>>` appends)."""
+    try:
+        return os.path.samestat(os.stat(path.expanduser()), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError):  # no such file, or no real standard output (tests capture it)
+        return False

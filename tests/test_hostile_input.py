@@ -16,8 +16,11 @@ import math
 import os
 import re
 import shutil
+import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from fsd_chat.chat_template import Message, fit_to_context, prompt_ids
+from fsd_chat.cli import main
 from fsd_chat.errors import ContextLengthError, IncompatibleModelsError
 from fsd_chat.models import ModelPair, check_compatible
 from fsd_chat.store import SessionStore
@@ -67,6 +71,44 @@ def _swap_tokens(folder: Path, a: str, b: str) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
+TEMPLATES = {
+    "template-raises": "{{ raise_exception('roles must alternate') }}",
+    "template-syntax": "{% for m in messages %}{{ m.content }}",
+    "template-unsafe": "{{ ''.__class__.__mro__ }}",
+    "template-recursive": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "template-range": "{% for i in range(1000000) %}{% endfor %}",
+    "template-lipsum": "{{ lipsum(1, html=False, min=1, max=1) }}",
+}
+"""Chat templates that fail as a careless or hostile model folder's can: their own exception, a
+syntax error, the sandbox's SecurityError, runaway recursion, a range over the sandbox's limit,
+and lipsum's own error."""
+
+
+def _with_template(folder: Path, template: str) -> Path:
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _add_token(folder: Path, content: str) -> None:
+    """A token added to tokenizer.json after the last id: one past the models' 512-row embedding."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    ids = [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
+    tokenizer["added_tokens"].append(
+        {
+            "id": max(ids) + 1,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": False,
+        }
+    )
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir: Path) -> dict[str, Path]:
     """The real pair, and damaged copies of its target."""
@@ -82,6 +124,18 @@ def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir
     tensors = load_file(pickled / "model.safetensors")
     (pickled / "model.safetensors").unlink()
     torch.save({**tensors, "payload": Evil()}, pickled / "pytorch_model.bin")
+    templated = {
+        name: _with_template(_copy(target_dir, root, name), text) for name, text in TEMPLATES.items()
+    }
+    no_tokenizer = _copy(target_dir, root, "no-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink()
+    larger = {
+        name: _copy(folder, root, f"larger-{name}")
+        for name, folder in (("target", target_dir), ("draft", draft_dir))
+    }
+    for folder in larger.values():
+        _add_token(folder, "zzqq")
     return {
         "target": target_dir,
         "draft": draft_dir,
@@ -89,6 +143,10 @@ def models(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir
         "missing": missing,
         "misshapen": misshapen,
         "pickled": pickled,
+        "no-tokenizer": no_tokenizer,
+        "larger-target": larger["target"],
+        "larger-draft": larger["draft"],
+        **templated,
     }
 
 
@@ -105,6 +163,10 @@ class Case:
     config: str | None = None
     stdin: bytes | None = None
     files: dict[str, bytes | None] = field(default_factory=dict)  # None: a folder
+    stdin_closed: bool = False
+    prepare: str | Callable[[Path], object] | None = None
+    """Makes the hostile condition in the user's folder first: SQL run on the saved sessions (an
+    edited row), or a function of the folder (a link, a FIFO)."""
 
 
 PAIR = ["--target", "{target}", "--draft", "{draft}", "--device", "cpu"]
@@ -233,6 +295,130 @@ CASES = [
         ["export", "feed0001", "-o", "/dev/full"],
         "/dev/full: No space left on device",
     ),
+    # round 2, 1. chat templates that fail: one line naming the template's file
+    *(
+        Case(name, damaged(name), f"the chat template in {{{name}}}/tokenizer_config.json failed: {reason}")
+        for name, reason in (
+            ("template-raises", "TemplateError: roles must alternate"),
+            ("template-syntax", "TemplateSyntaxError: Unexpected end of template"),
+            ("template-unsafe", "SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
+            ("template-recursive", "RecursionError: maximum recursion depth exceeded"),
+            ("template-range", "OverflowError: Range too big"),
+            ("template-lipsum", "ValueError: empty range for randrange()"),
+        )
+    ),
+    # 2. a tokenizer larger than the models' vocabulary: the token is named, before any forward pass
+    Case(
+        "token-beyond-the-vocabulary",
+        [
+            "generate",
+            "--target",
+            "{larger-target}",
+            "--draft",
+            "{larger-draft}",
+            "--device",
+            "cpu",
+            "Once zzqq",
+        ],
+        "the prompt holds the token 'zzqq' (id 512), which the tokenizer has but the models do not",
+    ),
+    # 3. nesting deeper than the TOML parser recurses
+    Case(
+        "config-nested-100000-deep",
+        ["chat", *PAIR],
+        "config.toml: invalid TOML (nested too deeply)",
+        config="a = " + "[" * 100_000 + "]" * 100_000 + "\n",
+    ),
+    # 4. rows edited or damaged behind fsd-chat's back: one line for the session asked for
+    *(
+        Case(
+            f"export-{name}",
+            ["export", "feed0001"],
+            f"session feed0001 cannot be read: {message}",
+            prepare=edit,
+        )
+        for name, edit, message in (
+            (
+                "models-list",
+                "UPDATE sessions SET models = '[]'",
+                "its models field is not a JSON object (list)",
+            ),
+            ("models-null", "UPDATE sessions SET models = 'null'", "its models field is not a JSON object"),
+            ("settings-invalid-json", "UPDATE sessions SET settings = '{'", "Expecting property name"),
+            (
+                "threshold-text",
+                "UPDATE sessions SET settings = json_set(settings, '$.threshold', 'x')",
+                "threshold = 'x' in its settings is not a number",
+            ),
+            (
+                "stats-key-missing",
+                "UPDATE turns SET reply = json_remove(reply, '$.stats.tokens')",
+                "tokens missing from its reply statistics",
+            ),
+            (
+                "run-origin-unknown",
+                "UPDATE turns SET reply = json_set(reply, '$.runs[0].origin', 'oracle')",
+                "a reply run has the unknown origin 'oracle'",
+            ),
+            (
+                "content-number",
+                "UPDATE turns SET content = x'ff' WHERE position = 0",
+                "a turn's content or time is not text",
+            ),
+        )
+    ),
+    Case(
+        "resume-models-null",
+        ["chat", "--resume", "feed0001"],
+        "session feed0001 cannot be read: its models field is not a JSON object",
+        prepare="UPDATE sessions SET models = 'null'",
+    ),
+    # 5. a prompt from a closed standard input
+    Case("stdin-closed", [*GEN, "-"], "standard input (-), which is closed", stdin_closed=True),
+    # 10. reading refuses what is not a regular file, and follows no link
+    Case(
+        "store-symlink-loop",
+        ["history"],
+        "sessions.sqlite3 is a symbolic link",
+        prepare=lambda home: _replace(home / "data" / "sessions.sqlite3", lambda p: p.symlink_to(p)),
+    ),
+    Case(
+        "store-is-a-folder",
+        ["export", "feed0001"],
+        "sessions.sqlite3 is not a regular file",
+        prepare=lambda home: _replace(home / "data" / "sessions.sqlite3", Path.mkdir),
+    ),
+    # 7. export writes through no link: its target keeps its content and owner
+    Case(
+        "export-onto-a-symlink",
+        ["export", "feed0001", "-o", "{home}/out.md"],
+        "{home}/out.md is a symbolic link (to mine.md): fsd-chat does not write through links",
+        files={"mine.md": b"kept"},
+        prepare=lambda home: (home / "out.md").symlink_to("mine.md"),
+    ),
+    # 13. errors that quote a long list of the user's: how many, and a few
+    Case(
+        "config-100000-unknown-keys",
+        ["chat", *PAIR],
+        "unknown setting(s) k0, k1, k10, … 99,997 more; known:",
+        config="".join(f"k{i} = 1\n" for i in range(100_000)),
+    ),
+    Case(
+        "ambiguous-prefix-of-10000",
+        ["export", "f"],
+        "session 'f' is ambiguous: 10,001 sessions start with it (f0000000, f0000001, f0000002, … 9,998 more)",
+        prepare="WITH RECURSIVE n(v) AS (SELECT 0 UNION ALL SELECT v + 1 FROM n WHERE v < 9999) "
+        "INSERT INTO sessions SELECT printf('f%07d', v), created, updated, title, models, settings, system "
+        "FROM sessions, n",
+    ),
+    # 14. a config.toml that is a FIFO, a model folder without a tokenizer
+    Case(
+        "config-is-a-fifo",
+        ["chat", *PAIR],
+        "config/config.toml: not a regular file",
+        prepare=lambda home: os.mkfifo(home / "config" / "config.toml"),
+    ),
+    Case("no-tokenizer", damaged("no-tokenizer"), "no-tokenizer has no tokenizer (none of tokenizer.json"),
     # error text is data: one visible line, whatever the path holds
     Case(
         "escape-in-model-path",
@@ -242,9 +428,24 @@ CASES = [
 ]
 
 
+def _replace(path: Path, make: Callable[[Path], object]) -> None:
+    path.unlink()
+    make(path)
+
+
+def _prepare(case: Case, home: Path) -> None:
+    if isinstance(case.prepare, str):
+        with sqlite3.connect(home / "data" / "sessions.sqlite3") as conn:
+            conn.execute(case.prepare)
+        conn.close()
+    elif case.prepare is not None:
+        case.prepare(home)
+
+
 def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    # lstat: a link is what is there, and may lead nowhere (a loop).
     return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns, p.lstat().st_mode)
         for p in sorted(root.rglob("*"))
     }
 
@@ -283,6 +484,9 @@ def test_hostile_command_line(
         stdin_file = tmp_path_factory.mktemp("stdin") / "input"
         stdin_file.write_bytes(case.stdin)
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(stdin_file.open("rb")))
+    if case.stdin_closed:
+        monkeypatch.setattr(sys, "stdin", None)  # what Python makes of `<&-`
+    _prepare(case, home)
     before = _snapshot(home)
 
     code, out, err = run([arg.format(**places) for arg in case.args], capsys)
@@ -291,6 +495,7 @@ def test_hostile_command_line(
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("fsd-chat: error: "), err
     assert case.message.format(**places) in lines[0]
+    assert len(lines[0]) < 1000  # a message quotes what it must, not everything it could
     assert "Traceback" not in err and "\x1b" not in err
     assert out == ""
     assert _snapshot(home) == before  # nothing created, changed or removed
@@ -433,3 +638,189 @@ def test_control_characters_are_made_visible(raw: str, shown: str) -> None:
 
 def test_json_has_no_infinity() -> None:
     assert to_json({"d": [math.inf, -math.inf, math.nan, 0.5]}) == '{"d": [null, null, null, 0.5]}'
+
+
+# --- round 2: what the table's one-line shape does not fit -----------------------------------
+
+
+def _session_rows(home: Path, sql: str) -> None:
+    with sqlite3.connect(home / "data" / "sessions.sqlite3") as conn:
+        conn.execute(sql)
+    conn.close()
+
+
+def test_history_leaves_out_a_damaged_row_and_lists_the_others(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = saved_session()
+    other.id = "cafe0002"
+    SessionStore(home / "data" / "sessions.sqlite3").append_turns(other, other.turns)
+    _session_rows(home, "UPDATE sessions SET models = 'null' WHERE id = 'feed0001'")
+    code, out, err = run(["history"], capsys)
+    assert code == 0 and out.startswith("cafe0002 ") and len(out.splitlines()) == 1
+    assert err == (
+        "fsd-chat: warning: session feed0001 left out, its row is damaged: its models field is not a "
+        "JSON object (NoneType)\n"
+    )
+
+
+def test_reading_an_empty_store_writes_nothing(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = home / "data" / "sessions.sqlite3"
+    store.write_bytes(b"")
+    before = _snapshot(home)
+    assert run(["history"], capsys) == (0, "no saved sessions yet\n", "")
+    code, _, err = run(["export", "feed0001"], capsys)
+    assert code == 2 and err == f"fsd-chat: error: no saved sessions yet ({store} is empty)\n"
+    assert _snapshot(home) == before  # no schema written into it, no journal beside it
+
+
+def test_history_into_a_pipe_closed_early_is_silent(home: Path) -> None:
+    _session_rows(
+        home,
+        "WITH RECURSIVE n(v) AS (SELECT 0 UNION ALL SELECT v + 1 FROM n WHERE v < 2999) "
+        "INSERT INTO sessions SELECT printf('%08x', v), created, updated, title, models, settings, system "
+        "FROM sessions, n",
+    )  # far more than a pipe's buffer holds
+    result = subprocess.run(
+        ["bash", "-c", '"$0" history | head -1; echo "status ${PIPESTATUS[0]}" >&2', CONSOLE_SCRIPT],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FSD_CHAT_DATA_DIR": str(home / "data")},
+        timeout=120,
+    )
+    assert len(result.stdout.splitlines()) == 1
+    assert result.stderr == "status 0\n"  # no message, no traceback, and not click's exit 1
+
+
+def test_export_to_standard_output_opened_for_append_appends(home: Path) -> None:
+    everything = home / "all.md"
+    everything.write_text("earlier transcripts\n")
+    with everything.open("a") as appended:  # the shell's >>
+        result = subprocess.run(
+            [CONSOLE_SCRIPT, "export", "feed0001", "-o", "/dev/stdout"],
+            stdout=appended,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FSD_CHAT_DATA_DIR": str(home / "data")},
+            timeout=120,
+        )
+    assert result.returncode == 0 and result.stderr == ""
+    text = everything.read_text()
+    assert text.startswith("earlier transcripts\n# fsd-chat session feed0001\n")
+
+
+def test_sigterm_during_export_removes_its_temporary_file(home: Path) -> None:
+    big = saved_session()
+    big.id = "b1g00001"
+    big.turns[0].content = "Once upon a time " * 4_000_000  # 68 MB: its write takes a while
+    SessionStore(home / "data" / "sessions.sqlite3").append_turns(big, big.turns)
+    out = home / "out"
+    out.mkdir()
+    for _attempt in range(5):
+        export = subprocess.Popen(
+            [CONSOLE_SCRIPT, "export", "b1g00001", "-o", str(out / "t.md")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FSD_CHAT_DATA_DIR": str(home / "data")},
+        )
+        while export.poll() is None and not any(p.name.endswith(".tmp") for p in out.iterdir()):
+            pass
+        export.send_signal(signal.SIGSTOP)  # held mid-write, then ended there
+        caught = any(p.name.endswith(".tmp") for p in out.iterdir())
+        if caught:
+            export.send_signal(signal.SIGTERM)
+        export.send_signal(signal.SIGCONT)
+        _, err = export.communicate(timeout=120)
+        if caught:
+            break
+        (out / "t.md").unlink()  # it finished first: again
+    else:
+        pytest.fail("the export never was caught mid-write")
+    assert export.returncode == 128 + signal.SIGTERM and err == ""
+    assert list(out.iterdir()) == []  # no hidden .t.md.*.tmp of 68 MB left behind, and no t.md
+
+
+def _as_user(uid: int, args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """`fsd-chat ARGS` through its entry point in a forked child running as `uid`: the permission
+    checks are the kernel's for that user (root, who runs these tests, bypasses them)."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 70
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.chdir(cwd)
+            sys.stdout = open(out_w, "w")  # noqa: SIM115 - flushed and closed by _exit's caller below
+            sys.stderr = open(err_w, "w")  # noqa: SIM115
+            try:
+                main(args)
+                code = 0
+            except SystemExit as exc:
+                code = int(exc.code or 0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    with open(out_r) as out, open(err_r) as err:
+        stdout, stderr = out.read(), err.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), stdout, stderr
+
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_folder() -> Iterator[Path]:
+    """A folder every user may enter (pytest's own are root's alone)."""
+    folder = Path(tempfile.mkdtemp(prefix="fsd-chat-hostile-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_reading_needs_no_write_access(shared_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another user's store (root's, 0644) in a folder the reader cannot write: as a read-only disk.
+    data = shared_folder / "data"
+    session = saved_session()
+    SessionStore(data / "sessions.sqlite3").append_turns(session, session.turns)
+    data.chmod(0o755)
+    (data / "sessions.sqlite3").chmod(0o644)
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(data))
+    before = _snapshot(shared_folder)
+    code, out, err = _as_user(NOBODY, ["history"], shared_folder)
+    assert (code, err) == (0, "") and out.startswith("feed0001 ")
+    code, out, err = _as_user(NOBODY, ["export", "feed0001"], shared_folder)
+    assert (code, err) == (0, "") and out.startswith("# fsd-chat session feed0001")
+    assert _snapshot(shared_folder) == before
+
+
+def test_export_respects_a_read_only_file(shared_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root may write any file (so `-o` would replace it for root, as the shell's `>` does);
+    # another user may not write their own 0444 file, even though the folder lets a rename through.
+    session = saved_session()
+    SessionStore(shared_folder / "data" / "sessions.sqlite3").append_turns(session, session.turns)
+    (shared_folder / "data").chmod(0o755)
+    (shared_folder / "data" / "sessions.sqlite3").chmod(0o644)
+    mine = shared_folder / "mine"
+    mine.mkdir()
+    (mine / "kept.md").write_text("kept")
+    (mine / "kept.md").chmod(0o444)
+    os.chown(mine, NOBODY, NOBODY)
+    os.chown(mine / "kept.md", NOBODY, NOBODY)
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(shared_folder / "data"))
+    code, out, err = _as_user(NOBODY, ["export", "feed0001", "-o", str(mine / "kept.md")], shared_folder)
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == f"fsd-chat: error: cannot write {mine / 'kept.md'}: it is read-only (chmod u+w it, or choose another name)\n"
+    )
+    assert (mine / "kept.md").read_text() == "kept" and sorted(p.name for p in mine.iterdir()) == ["kept.md"]

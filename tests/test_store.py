@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import stat
 import threading
@@ -141,8 +142,10 @@ def test_old_files_are_migrated_and_malformed_sessions_repaired(tmp_path: Path) 
     assert [t.role for t in session.turns] == ["user", "assistant"] * 3
     assert [t.content for t in session.turns] == ["text 0", "", "text 1", "text 2", "text 3", ""]
     assert session.turns[1].reply is not None and session.turns[1].reply.stop_reason == "stopped"
+    # Reading repairs in memory and writes nothing; the first write migrates and stores the repair.
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (0,)
+    store.append_turns(make_session("new00000"), [])
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (1,)
-    # The repair is stored: the raw rows alternate now.
     rows = sqlite3.connect(path).execute("SELECT role FROM turns ORDER BY position").fetchall()
     assert [r for (r,) in rows] == ["user", "assistant"] * 3
 
@@ -203,3 +206,12 @@ def test_writer_waits_for_a_lock_and_retries_a_failed_save(tmp_path: Path) -> No
         "Two",
         "Done",
     ]
+
+
+def test_an_update_whose_row_is_gone_says_so(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "data" / "s.sqlite3")
+    session = make_session()
+    (_, reply_position) = store.append_turns(session, session.turns)
+    assert store.update_turn(session.id, reply_position, session.turns[1])
+    shutil.rmtree(tmp_path / "data")  # the data folder deleted: the next write starts a new file
+    assert not store.update_turn(session.id, reply_position, session.turns[1])

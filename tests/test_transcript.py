@@ -156,8 +156,9 @@ def test_existing_file_keeps_its_mode_and_the_user_is_told(tmp_path: Path) -> No
     assert path.read_text() == "second" and path.stat().st_mode & 0o777 == 0o640
     link = tmp_path / "link.md"
     link.symlink_to(path)
-    write_atomic(link, "third")
-    assert link.is_symlink() and path.read_text() == "third"
+    with pytest.raises(TranscriptError, match=r"link\.md is a symbolic link \(to .*t\.md\)"):
+        write_atomic(link, "third")  # refused: a rename would replace its target and its owner
+    assert link.is_symlink() and path.read_text() == "second"
 
 
 def test_named_pipe_is_written_in_place(tmp_path: Path) -> None:

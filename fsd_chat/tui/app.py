@@ -17,6 +17,7 @@ from typing import ClassVar
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import BindingType
+from textual.command import CommandPalette
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
@@ -35,7 +36,7 @@ from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
 from fsd_chat.tui.messages import LoadProgress
 from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup
 from fsd_chat.tui.screens.loading import LoadingScreen
-from fsd_chat.tui.themes import default_variables, to_textual
+from fsd_chat.tui.themes import LiteralThemeProvider, default_variables, to_textual
 
 Loader = Callable[[Progress], ModelPair]
 DecoderFactory = Callable[[ModelPair, Controls], Decoder]
@@ -130,6 +131,17 @@ class FsdChatApp(App[None]):
             one_line(message), title=one_line(title), severity=severity, timeout=timeout, markup=False
         )
 
+    def action_help_quit(self) -> None:
+        """ctrl+c: say how to quit (Textual's own notice is markup, which `notify` shows literally)."""
+        for key, active in self.active_bindings.items():
+            if active.binding.action in ("quit", "app.quit"):
+                self.notify(f"Press {key} to quit the app", title="Do you want to quit?")
+                return
+
+    def search_themes(self) -> None:
+        """The theme picker, with the names shown as text (see `LiteralThemeProvider`)."""
+        self.push_screen(CommandPalette(providers=[LiteralThemeProvider], placeholder="Search for themes…"))
+
     def _decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
         o = self.options
         return pair.decoder(controls, autoregressive=o.autoregressive, compile_draft=o.compile_draft)
@@ -213,6 +225,7 @@ class FsdChatApp(App[None]):
         o = self.options
         return ChatSetup(
             tokenizer=pair.tokenizer,
+            vocab_size=pair.vocab_size,
             decoder=self.decoder_factory(pair, self.controls),
             controls=self.controls,
             describe=pair.describe() + (" · autoregressive" if o.autoregressive else ""),

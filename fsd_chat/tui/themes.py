@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from textual.theme import Theme
+from textual.command import DiscoveryHit, Hit, Hits
+from textual.content import Content
+from textual.theme import Theme, ThemeProvider
 
 from fsd_chat.decoding.events import Origin
+from fsd_chat.text import visible
 from fsd_chat.themes import ThemeSpec, default_origin_styles
 
 
@@ -39,3 +42,21 @@ def to_textual(spec: ThemeSpec) -> Theme:
     # Theme's colour fields are keyword arguments named as the file's [palette] keys (checked on load).
     palette: dict[str, Any] = dict(spec.palette)
     return Theme(name=spec.name, dark=spec.dark, variables=origin_variables(spec.origins), **palette)
+
+
+class LiteralThemeProvider(ThemeProvider):
+    """Textual's theme picker, showing each theme's name as text: a user theme's name is data, and
+    Textual's own provider reads it as markup and passes its control characters (an OSC sequence
+    would set the terminal's title) to the terminal."""
+
+    async def discover(self) -> Hits:
+        """Every theme, by name."""
+        for name, callback in self.commands:
+            yield DiscoveryHit(Content(visible(name)), callback, text=name)
+
+    async def search(self, query: str) -> Hits:
+        """The themes whose names match `query`, best first."""
+        matcher = self.matcher(query)
+        for name, callback in self.commands:
+            if (score := matcher.match(name)) > 0:
+                yield Hit(score, Content(visible(name)), callback, text=name)

@@ -72,6 +72,7 @@ class ChatSetup:
 
     Attributes:
         tokenizer: The pair's shared tokenizer (for the prompt).
+        vocab_size: The pair's shared vocabulary (prompts beyond it are refused).
         decoder: Built once over the loaded pair; reused for every reply.
         controls: Shared with the decoder.
         describe: The header line (models, quantization, device).
@@ -87,6 +88,7 @@ class ChatSetup:
     """
 
     tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
     decoder: Decoder
     controls: Controls
     describe: str
@@ -218,6 +220,7 @@ class ChatScreen(Screen[None]):
                 context=context,
                 reserve=reserve,
                 raw=self.setup.raw,
+                vocab_size=self.setup.vocab_size,
             )
         except FsdChatError as exc:
             self.notify(str(exc), title="Message not sent", severity="error")
