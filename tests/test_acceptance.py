@@ -73,7 +73,11 @@ def test_fuzzy_at_zero_is_the_exact_test(teacher_forced) -> None:
 
 
 def test_pure_rule_ignores_the_exact_test(teacher_forced) -> None:
-    assert accepted_positions(teacher_forced, "pure", "tv", 0.0) == set()
+    exact = accepted_positions(teacher_forced, "exact", "tv", 0.0)
+    assert exact  # the exact test accepts some of the text, which pure at a tiny T > 0 does not...
+    assert accepted_positions(teacher_forced, "pure", "tv", 1e-6) == set()
+    # ...while T = 0 is exact speculative decoding under every rule, pure included.
+    assert accepted_positions(teacher_forced, "pure", "tv", 0.0) == exact
     n = teacher_forced[2].shape[0]
     assert accepted_positions(teacher_forced, "pure", "tv", 1.0) == set(range(n))
 

@@ -1,6 +1,7 @@
 """KV-cache handling across architectures: greedy SD (T = 0) equals target-only greedy decoding on
-tiny random-weight Llama, Qwen2, GPT-2 and Gemma 2 (sliding window shorter than the reply) models,
-and a target whose lm_head is padded beyond the tokenizer."""
+tiny random-weight Llama, Qwen2, GPT-2, Gemma 2 (sliding window shorter than the reply) and Gemma 4
+(layers sharing the KV cache of others) models, and a target whose lm_head is padded beyond the
+tokenizer; a hybrid model whose recurrent state cannot be rolled back (Falcon-H1) is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings
+from fsd_chat.errors import UnsupportedCacheError
 from fsd_chat.models import LoadOptions, ModelSpec, load_pair
 from tests.decoding_helpers import collect
 from tests.tiny_models import save_tiny_model
@@ -31,7 +33,7 @@ def _perturbed_copy(source: Path, destination: Path, scale: float) -> Path:
 
 @pytest.mark.parametrize(
     ("arch", "target_vocab"),
-    [("llama", 512), ("llama", 576), ("qwen2", 512), ("gpt2", 512), ("gemma2", 512)],
+    [("llama", 512), ("llama", 576), ("qwen2", 512), ("gpt2", 512), ("gemma2", 512), ("gemma4", 512)],
 )
 def test_greedy_speculative_equals_target_greedy(
     tmp_path: Path, target_dir: Path, arch: str, target_vocab: int
@@ -62,3 +64,12 @@ def test_greedy_speculative_equals_target_greedy(
         accepted += run.stats.accepted_exact
         rejected += run.stats.drafted - run.stats.accepted_exact
     assert accepted > 0 and rejected > 0
+
+
+def test_hybrid_recurrent_model_is_refused(tmp_path: Path, target_dir: Path) -> None:
+    # Falcon-H1's layers subclass transformers' DynamicLayer, but cropping them leaves the Mamba
+    # state as it was after the rejected tokens: transformers' `Cache.is_croppable` says no.
+    target = save_tiny_model(tmp_path / "target", "falcon-h1", seed=0, tokenizer_dir=target_dir)
+    pair = load_pair(ModelSpec(str(target)), ModelSpec(str(target_dir)), LoadOptions(device="cpu"))
+    with pytest.raises(UnsupportedCacheError, match="cannot be rolled back"):
+        pair.speculative(Controls())

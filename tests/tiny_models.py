@@ -12,7 +12,9 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    FalconH1Config,
     Gemma2Config,
+    Gemma4TextConfig,
     GPT2Config,
     LlamaConfig,
     PretrainedConfig,
@@ -23,7 +25,8 @@ VOCAB = 512
 
 
 def config_for(arch: str, *, vocab_size: int = VOCAB, layers: int = 2) -> PretrainedConfig:
-    """A small config of the given architecture ("llama", "qwen2", "gpt2", "gemma2")."""
+    """A small config of the given architecture ("llama", "qwen2", "gpt2", "gemma2", "gemma4": the
+    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2)."""
     tokens = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if arch == "gpt2":
         return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=512, **tokens)
@@ -43,6 +46,24 @@ def config_for(arch: str, *, vocab_size: int = VOCAB, layers: int = 2) -> Pretra
     if arch == "gemma2":
         # A window much shorter than the replies, so rollback crosses the window edge.
         return Gemma2Config(head_dim=16, sliding_window=16, **llama_like)
+    if arch == "gemma4":
+        return Gemma4TextConfig(
+            head_dim=16,
+            sliding_window=16,
+            num_kv_shared_layers=2,
+            **{**llama_like, "num_hidden_layers": 4},
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
+    if arch == "falcon-h1":
+        return FalconH1Config(
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+            **llama_like,
+        )
     raise ValueError(arch)
 
 

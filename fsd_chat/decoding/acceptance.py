@@ -6,30 +6,48 @@ Rules (Holsman, Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025,
 - `exact`: standard speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023):
   accept x̃_i iff u_i ≤ min(1, p_i(x̃_i) / q_i(x̃_i)), u_i ~ U(0, 1); greedy: iff x̃_i = argmax p_i.
   After a rejection the correction is drawn from norm(max(0, p − q)). Lossless.
-- `fuzzy` (default): accept iff the exact test passes or D(p_i, q_i) ≤ T. T = 0 is `exact`.
-- `pure` (the paper's released code): accept iff D(p_i, q_i) ≤ T; the correction is drawn from p.
-- `mixture`: exact speculative sampling against r_i = (1 − λ_i)·p_i + λ_i·q_i with the largest
-  λ_i ∈ [0, 1] such that KL(r_i ‖ p_i) ≤ T (see `mixture_weight`): accept iff
-  u_i·q_i(x̃_i) ≤ (1 − λ_i)·p_i(x̃_i) + λ_i·q_i(x̃_i); the residual after a rejection is
-  norm(max(0, r_i − q_i)) = norm(max(0, p_i − q_i)), the exact rule's. Greedy: accept iff the
-  log-probability regret log p_i(argmax p_i) − log p_i(x̃_i) ≤ T. Every token's cost is ≤ T.
+- `fuzzy` (default): a position with D(p_i°, q_i°) ≤ T accepts its draft token whenever the target
+  can emit it (p_i(x̃_i) > 0); the other positions take the exact test.
+- `pure` (the paper's released code): as `fuzzy`, but a position with D > T rejects, and every
+  correction is drawn from p.
+- `mixture`: exact speculative sampling against r_i = (1 − λ_i)·p_i + λ_i·q̄_i, q̄_i = q_i
+  restricted to p_i's support and renormalised, with the largest λ_i ∈ [0, 1] such that
+  KL(r_i ‖ p_i) ≤ T (see `mixture_weight`). Greedy: accept iff the log-probability regret
+  log p_i(argmax p_i) − log p_i(x̃_i) ≤ T. Every token's cost is ≤ T.
 
-A draft token that the target's own truncation removed (p_i(x̃_i) = 0 after top-k / top-p) is never
-accepted by a relaxed test: its cost would be infinite.
+At T = 0 every rule is `exact` (lossless), `pure` included.
 
-**Cost.** Every emitted token is drawn from some law r (the draft's q at a fuzzy position, the
-mixture above, the target's p otherwise); its cost is KL(r ‖ p) in nats, 0 whenever r = p. Greedy:
-the regret log p(argmax p) − log p(x). By the chain rule of relative entropy (Cover & Thomas,
-*Elements of Information Theory*, 2nd ed., Thm 2.5.3) the sum of the costs along a reply is an
-unbiased estimate of the KL divergence of the decoder's law (tokens together with its own choices,
-such as which positions were drafted) from the target's law; by the data-processing inequality
-(ibid., §2.8) that bounds the KL divergence of the law of the text alone, with equality when each
-position's law is determined by the text before it (e.g. 2-token replies).
+**Truncated sampling (top-k, top-p, min-p).** p and q are the laws after truncation, and they may
+have different supports: q can put mass on tokens p excludes, and KL(p‖q), KL(q‖p) and every
+mixture (1 − λ)p + λq then have infinite cost. The rules are built so that this never happens:
 
-Under `fuzzy` and `pure`, a position with D(p, q) ≤ T emits a token of law q (the draft token is
-always accepted), or, when q has mass outside the target's support, r = q·1[p > 0] + q(p = 0)·c with
-c the correction law (the draft token is rejected exactly when it falls outside). Under `exact`, and
-whenever T = 0, every cost is exactly 0 by construction.
+- Speculative sampling turns proposals x̃ ~ q into tokens of *any* law r: accept with
+  min(1, r(x̃)/q(x̃)), else draw from norm(max(0, r − q)); the emitted token has law r exactly
+  (Leviathan et al. 2023, Appendix A.1, whose proof uses nothing of r but that it is a law;
+  Chen et al. 2023, Theorem 1). `mixture` aims at r = (1 − λ)p + λq̄, whose support is p's, so
+  KL(r ‖ p) is finite and λ > 0 is possible whenever q has any mass on p's support. Its test
+  contains the exact one: on p's support q̄ ≥ q, so u·q ≤ p implies u·q ≤ r.
+- `fuzzy` and `pure` compare the models' *untruncated* laws p°, q° (after temperature only):
+  truncation is a sampling choice, not a property of the models, and KL-type divergences between
+  laws with different supports are infinite. T therefore means what it means without truncation.
+  A fuzzy position emits x̃ when p(x̃) > 0, else the correction c (norm(max(0, p − q)); `pure`: p):
+  its law is r = q·1[p > 0] + q(p = 0)·c, supported on p's support, so its cost is finite.
+
+**Labels.** A position is *relaxed* when the rule's relaxed test decides it (sampling: D° ≤ T
+under `fuzzy`/`pure`, a mixture whose law differs from p under `mixture`; greedy: an accepted token
+other than argmax p). A draft token accepted at a relaxed position is `draft-fuzzy` even when the
+exact coin would also have passed, since its law is r, not p; one accepted elsewhere is
+`draft-exact` and costs 0.
+
+**Cost.** Every emitted token is drawn from some law r (the relaxed law above at a relaxed position,
+the target's p otherwise); its cost is KL(r ‖ p) in nats, 0 whenever r = p. Greedy: the regret
+log p(argmax p) − log p(x). By the chain rule of relative entropy (Cover & Thomas, *Elements of
+Information Theory*, 2nd ed., Thm 2.5.3) the sum of the costs along a reply is an unbiased estimate
+of the KL divergence of the decoder's law (tokens together with its own choices, such as which
+positions were drafted) from the target's law; by the data-processing inequality (ibid., §2.8) that
+bounds the KL divergence of the law of the text alone, with equality when each position's law is
+determined by the text before it (e.g. 2-token replies). A relaxed position's cost is carried by the
+token it emits, draft or correction.
 
 Each position is tested at once (vectorised over the k draft positions); the accepted prefix ends at
 the first rejection, and the whole verdict reaches the host in one transfer.
@@ -46,8 +64,9 @@ from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.sampling import draw
 from fsd_chat.decoding.settings import Rule, SamplingConfig
 
-NEWTON_STEPS = 8
-"""Newton iterations of `mixture_weight`; from λ = 1 they reach the root to float32 precision."""
+NEWTON_STEPS = 12
+"""Safeguarded Newton steps of `mixture_weight`; measured on truncated and untruncated laws of the
+offline pair, they reach the root to float32 precision."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +76,10 @@ class Verdict:
     Attributes:
         accepted: n, the number of draft tokens accepted (the prefix before the first rejection).
         token_ids: The n accepted draft tokens followed by the target's token (n + 1 ids).
-        exact: Per draft position, whether the exact test passed; length k.
-        divergences: Per draft position, D(p_i, q_i) in the divergence's units; length k.
+        exact: Per draft position, whether a draft token accepted there is `draft-exact`: the exact
+            test passed at a position the relaxed test did not decide (module docstring); length k.
+        divergences: Per draft position, D(p_i°, q_i°) of the untruncated laws, in the
+            divergence's units; length k.
         costs: Cost in nats of each of the n + 1 emitted tokens (see the module docstring).
         next_origin: TARGET_RESAMPLED (correction after a rejection) or TARGET_BONUS (n = k).
     """
@@ -76,14 +97,26 @@ class Verdict:
         return [*drafted, self.next_origin]
 
 
+def restrict(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """q̄: q restricted to p's support and renormalised, [..., vocab] -> [..., vocab]; p itself in
+    rows where q has no mass on p's support (so that aiming at q̄ there changes nothing)."""
+    on_support = torch.where(p > 0, q, 0.0)
+    mass = on_support.sum(-1, keepdim=True)
+    return torch.where(mass > 0, on_support / mass.clamp_min(torch.finfo(mass.dtype).tiny), p)
+
+
 def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest λ ∈ [0, 1] with KL((1 − λ)p + λq ‖ p) ≤ budget, per row, and that KL.
 
-    f(λ) = KL(r_λ ‖ p) is convex with f(0) = f'(0) = 0, so Newton's method from λ = 1 descends onto
-    the root from above, and the chord through (0, 0) and (λ, f(λ)) crosses the budget at
-    λ·budget / f(λ), a point below the root: that point is returned, so the bound holds for any
-    number of iterations. Rows where q has mass outside p's support (f = +inf for every λ > 0)
-    get λ = 0.
+    `verify` passes q̄ = `restrict(q, p)` as q, whose support is p's, so that λ > 0 is possible.
+
+    f(λ) = KL(r_λ ‖ p) is convex and increasing on [0, 1] with f(0) = f'(0) = 0. The root of
+    f(λ) = budget is bracketed by [lo, hi] (f(lo) ≤ budget < f(hi)), and each step takes Newton's
+    iterate when it falls inside the bracket, else the bracket's midpoint (safeguarded Newton; Press
+    et al., *Numerical Recipes*, 3rd ed., §9.4). By convexity the chord through (0, 0) and
+    (λ, f(λ)) crosses the budget at λ·budget / f(λ), below the root: it raises `lo` after every
+    step that overshoots. `lo` is returned, so the bound holds for any number of steps. Rows where
+    q has mass outside p's support (f = +inf for every λ > 0) get λ = 0.
 
     Args:
         p: Target probabilities, shape [..., vocab].
@@ -96,36 +129,39 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
     inside = ~((q > 0) & (p == 0)).any(-1)
     log_p = torch.where(p > 0, p.log(), 0.0)
     diff = q - p
+    tiny = torch.finfo(p.dtype).tiny
 
     def kl_and_slope(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = p + lam.unsqueeze(-1) * diff
-        log_ratio = torch.where(r > 0, r.clamp_min(torch.finfo(r.dtype).tiny).log() - log_p, 0.0)
+        # Clamped rather than zeroed where r = 0 < p (q = 0 there, λ = 1): the slope is then large,
+        # as it should be, not an underestimate that would throw Newton below the root.
+        log_ratio = torch.where(p > 0, r.clamp_min(tiny).log() - log_p, 0.0)
         return (r * log_ratio).sum(-1).clamp_min(0.0), (diff * log_ratio).sum(-1)
 
-    lam = torch.where(inside, 1.0, 0.0)
+    lo = torch.zeros(p.shape[:-1], device=p.device)
+    hi = torch.where(inside, 1.0, 0.0)
+    lam = hi
     for _ in range(NEWTON_STEPS):
         f, slope = kl_and_slope(lam)
         over = f > budget
-        lam = torch.where(over, (lam - (f - budget) / torch.where(over, slope, 1.0)).clamp(0.0, 1.0), lam)
+        lo = torch.where(over, torch.maximum(lo, lam * budget / f.clamp_min(budget)), lam)
+        hi = torch.where(over, lam, hi)
+        newton = lam - (f - budget) / torch.where(slope > 0, slope, 1.0)
+        bracketed = (newton > lo) & (newton < hi) & (slope > 0)
+        lam = torch.where(bracketed, newton, (lo + hi) / 2)
     f, _ = kl_and_slope(lam)
-    lam = torch.where(f > budget, lam * budget / f.clamp_min(budget), lam)
+    lam = torch.where(f <= budget, lam, lo)
     cost, _ = kl_and_slope(lam)
     return lam, cost
 
 
-def _corrections(p: torch.Tensor, q: torch.Tensor, rule: Rule) -> torch.Tensor:
-    """The law of the target's token after a rejection at each draft position, plus the bonus row.
-
-    Returns [k + 1, vocab]: norm(max(0, p_i − q_i)) (p_i for `pure`, or where the residual has no
-    mass, which a rejection rules out up to rounding), then p_{k+1}.
-    """
-    k = q.shape[0]
-    if rule == "pure":
-        return p
-    residual = (p[:k] - q).clamp_min(0.0)
+def _residual(aim: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, aim − q)) per row, [k, vocab]: the law of the correction after rejecting a draw of
+    q in speculative sampling towards `aim`; `aim` itself where the residual has no mass (then
+    aim = q, which accepts every draw, up to rounding)."""
+    residual = (aim - q).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
-    rows = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p[:k])
-    return torch.cat([rows, p[k:]])
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), aim)
 
 
 def verify(
@@ -138,6 +174,8 @@ def verify(
     threshold: float,
     sampling: SamplingConfig,
     generator: torch.Generator,
+    p_full: torch.Tensor | None = None,
+    q_full: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept a prefix of the draft block, choose the target's next token, and cost each token.
 
@@ -153,6 +191,9 @@ def verify(
             (greedy) per token for "mixture".
         sampling: Sampling settings (greedy: argmax tests and corrections).
         generator: Source of the uniform draws u_i and of the correction draw.
+        p_full: The target's untruncated probabilities (temperature only), [k + 1, vocab] or
+            [k, vocab], which D compares; default p (right when `sampling` does not truncate).
+        q_full: The draft's untruncated probabilities, [k, vocab]; default q.
 
     Returns:
         The `Verdict`, read back from the device in one transfer at the end: the call's only host
@@ -166,41 +207,54 @@ def verify(
     p_draft = p[:k]
     p_x = p_draft[positions, draft_ids]
     q_x = q[positions, draft_ids]
-    div = divergence(divergence_name, p_draft, q)
-    relaxing = rule != "exact" and threshold > 0
-    # The relaxed test of each rule (never passing under `exact` or at T = 0), and the cost of the
-    # token each position emits; both stay zero unless the rule relaxes.
+    div = divergence(divergence_name, (p if p_full is None else p_full)[:k], q if q_full is None else q_full)
+    # At T = 0 every rule is the exact one (`pure` included, whose own test would accept nothing).
+    rule = rule if threshold > 0 else "exact"
+    # Per position: whether the relaxed test decides it, and the cost of the token it emits; both
+    # stay zero under `exact`.
     relaxed = torch.zeros(k, dtype=torch.bool, device=p.device)
     costs = torch.zeros(k, device=p.device)
     if sampling.greedy:
         exact = draft_ids == p_draft.argmax(-1)
-        if relaxing:
+        accept = exact
+        if rule != "exact":
             # log p(argmax) − log p(x̃): +inf for a token the target's truncation removed.
             regret = p_draft.max(-1).values.log() - p_x.log()
-            relaxed = (regret <= threshold) if rule == "mixture" else (div <= threshold) & (p_x > 0)
-            # A relaxed acceptance costs its regret; the exact test's token and a rejected
-            # position's correction are the target's argmax (regret 0).
-            costs = torch.where(relaxed, regret, costs)
+            passes = (regret <= threshold) if rule == "mixture" else (div <= threshold) & (p_x > 0)
+            accept = passes if rule == "pure" else exact | passes
+            # Deterministic: the draft token is the target's own choice when it is the argmax (no
+            # cost, `draft-exact`), else the relaxed test chose it. A rejected position's
+            # correction is the target's argmax (regret 0).
+            relaxed = passes & ~exact
+            costs = torch.where(passes, regret, costs)
         candidates = p.argmax(-1)
     else:
         u = torch.rand(k, generator=generator, device=p.device)
         # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
         exact = u * q_x <= p_x
-        corrections = _corrections(p, q, rule)
-        if relaxing and rule == "mixture":
-            lam, costs = mixture_weight(p_draft, q, threshold)
-            # Exact sampling against (1 − λ)p + λq: it accepts whatever the exact test accepts.
-            relaxed = u * q_x <= (1 - lam) * p_x + lam * q_x
-        elif relaxing:
-            fuzzy = div <= threshold
-            relaxed = fuzzy & (p_x > 0)
-            # The law of a fuzzy position: q on the target's support, the rest of q's mass moved to
-            # the correction law (the draft token is rejected exactly when it falls outside).
+        accept = exact
+        corrections = _residual(p_draft, q)
+        if rule == "mixture":
+            q_bar = restrict(q, p_draft)
+            lam, costs = mixture_weight(p_draft, q_bar, threshold)
+            aim = p_draft + lam.unsqueeze(-1) * (q_bar - p_draft)
+            # Exact speculative sampling towards the mixture: it accepts whatever the exact test does.
+            accept = u * q_x <= aim[positions, draft_ids]
+            relaxed = costs > 0
+            corrections = _residual(aim, q)
+        elif rule != "exact":
+            relaxed = div <= threshold
+            if rule == "pure":
+                corrections = p_draft
+                accept = relaxed & (p_x > 0)
+            else:
+                accept = exact | (relaxed & (p_x > 0))
+            # The law of a relaxed position: q on the target's support, the rest of q's mass moved
+            # to the correction law (the draft token is rejected exactly when it falls outside).
             on_support = torch.where(p_draft > 0, q, 0.0)
-            law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections[:k]
-            costs = torch.where(fuzzy, kl(law, p_draft), costs)
-        candidates = draw(corrections, sampling, generator)
-    accept = relaxed if rule == "pure" else exact | relaxed
+            law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
+            costs = torch.where(relaxed, kl(law, p_draft), costs)
+        candidates = draw(torch.cat([corrections, p[k:]]), sampling, generator)
     n = accept.long().cumprod(0).sum()
     # Only the correction at position n (or the bonus) is used; drawing all k + 1 keeps n on the
     # device. The other draws are independent of everything emitted, so the law is unchanged.
@@ -210,7 +264,7 @@ def verify(
             n.view(1).double(),
             next_token.double(),
             draft_ids.double(),
-            exact.double(),
+            (exact & ~relaxed).double(),
             div.double(),
             costs.double(),
         ]

@@ -1,6 +1,10 @@
 """A causal LM bound to its KV cache: feed only unseen tokens, roll back to an accepted prefix.
 
-Uses transformers' `DynamicCache`. Rollback is `DynamicCache.crop(-n)` (drop the last n tokens).
+Uses transformers' `DynamicCache`. Rollback is `DynamicCache.crop(-n)` (drop the last n tokens). A
+model is admitted only when transformers says its cache can be cropped without a trace
+(`Cache.is_croppable`, which transformers' own assisted generation asks): recurrent state (Mamba,
+the hybrid layers of Falcon-H1 or Qwen3-Next) is refused, KV-sharing layers (Gemma 3n, Gemma 4)
+are admitted. Some layers know only once they hold state, so it is asked after a one-token probe.
 Sliding-window layers (Gemma 2, Mistral, ...) can be rolled back only while they record their past
 (`activate_past_recording`, the mechanism transformers' own assisted generation uses); recording
 starts after the prefill so a long prompt does not keep a full-length copy of every window.
@@ -10,11 +14,9 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import Cache, StaticLayer
 
 from fsd_chat.errors import UnsupportedCacheError
-
-_ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def context_length(model: PreTrainedModel) -> int | None:
@@ -46,8 +48,9 @@ class CachedModel:
             tokenizer's vocabulary).
 
     Raises:
-        UnsupportedCacheError: the model's cache has layers that cannot be rolled back
-            (recurrent / linear-attention state, as in Mamba).
+        UnsupportedCacheError: the model's cache cannot be rolled back (`Cache.is_croppable` is
+            false after a one-token forward pass: recurrent / linear-attention state, as in Mamba
+            or Falcon-H1), or the model keeps its state elsewhere than in the cache it is given.
     """
 
     compile_error: str | None = None
@@ -110,13 +113,15 @@ class CachedModel:
             self.cache.crop(-drop)
             self.seen = length
 
+    @torch.inference_mode()
     def _check_rollback(self) -> None:
-        unsupported = sorted(
-            {type(layer).__name__ for layer in self.cache.layers if not isinstance(layer, _ROLLBACK_LAYERS)}
-        )
-        if unsupported:
+        cache = self._new_cache()
+        probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        out = self.model(input_ids=probe, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if getattr(out, "past_key_values", None) is not cache or not cache.is_croppable:
+            kinds = sorted({type(layer).__name__ for layer in cache.layers})
             raise UnsupportedCacheError(
-                f"{type(self.model).__name__} keeps state ({', '.join(unsupported)}) that cannot be "
+                f"{type(self.model).__name__} keeps state ({', '.join(kinds)}) that cannot be "
                 "rolled back to an accepted prefix; speculative decoding needs a KV cache that can"
             )
 

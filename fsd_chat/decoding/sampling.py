@@ -1,11 +1,14 @@
 """Logits -> next-token probabilities, and token draws from them.
 
-Both models' logits go through the same processing (temperature, then top-k, then top-p), as
-speculative sampling requires (Leviathan et al. 2023, §2.3: p and q must be the distributions the
-tokens are actually drawn from).
+Both models' logits go through the same processing (temperature, then top-k, top-p and min-p, in
+the order of transformers' `GenerationMixin._get_logits_processor`), as speculative sampling
+requires (Leviathan et al. 2023, §2.3: p and q must be the distributions the tokens are actually
+drawn from).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,6 +44,11 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= config.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if config.min_p > 0.0:
+        # min-p (Nguyen et al. 2024; transformers' MinPLogitsWarper): drop tokens less likely than
+        # min_p times the most likely one. Log space: the ratio of probabilities is a logit difference.
+        floor = logits.max(-1, keepdim=True).values + math.log(config.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits.softmax(-1)
 
 

@@ -4,7 +4,7 @@ divergence, threshold T, draft length k (`DecodingSettings`) and sampling (`Samp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fsd_chat.errors import SettingsError
@@ -100,17 +100,21 @@ class SamplingConfig:
         top_k: Keep the k most likely tokens (0 = all).
         top_p: Keep the smallest set of tokens whose probability reaches top_p (1.0 = all), in
             [MIN_TOP_P, 1].
+        min_p: Keep the tokens at least min_p times as likely as the most likely one (0.0 = all),
+            in [0, 1].
         seed: Seed of the generator used for draws and acceptance tests, 0..MAX_SEED (None = random).
 
     Raises:
         SettingsError: on a temperature that is neither 0 nor a finite number ≥ MIN_TEMPERATURE, a
-            negative top-k, top-p outside [MIN_TOP_P, 1], or a seed outside 0..MAX_SEED.
+            negative top-k, top-p outside [MIN_TOP_P, 1], min-p outside [0, 1], or a seed outside
+            0..MAX_SEED.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
@@ -121,6 +125,8 @@ class SamplingConfig:
             raise SettingsError(f"top-k must be ≥ 0 (0 = off), got {self.top_k}")
         if not MIN_TOP_P <= self.top_p <= 1.0:
             raise SettingsError(f"top-p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SettingsError(f"min-p must be in [0, 1] (0 = off), got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise SettingsError(f"seed must be in 0..2^64 − 1, got {self.seed}")
 
@@ -128,3 +134,22 @@ class SamplingConfig:
     def greedy(self) -> bool:
         """True when tokens are chosen by argmax."""
         return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """True when top-k, top-p or min-p may remove tokens."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def untruncated(self) -> SamplingConfig:
+        """The same sampling without top-k, top-p and min-p (the laws the divergences compare)."""
+        return replace(self, top_k=0, top_p=1.0, min_p=0.0)
+
+    def describe(self) -> str:
+        """One line for people, e.g. "temperature 0.7, top-k 20, top-p 0.8" or "greedy"."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1.0 else []
+        parts += [f"min-p {self.min_p:g}"] if self.min_p > 0.0 else []
+        return ", ".join(parts)

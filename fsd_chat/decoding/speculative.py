@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         Args:
             prompt_ids: Prompt token ids.
             max_new_tokens: Exact cap on generated tokens (a block is cut short to respect it).
-            sampling: Temperature / top-k / top-p / seed, applied to both models alike.
+            sampling: Temperature / top-k / top-p / min-p / seed, applied to both models alike.
             stop_strings: Texts that end the reply.
 
         Raises:
@@ -182,7 +182,10 @@ class SpeculativeDecoder:
     ) -> Step:
         start = reply.length
         seq = reply.seq
+        # Under truncation the divergences compare the untruncated laws (see `acceptance`).
+        untruncated = sampling.untruncated() if sampling.truncates else None
         q_rows: list[torch.Tensor] = []
+        q_full_rows: list[torch.Tensor] = []
         for draft_forwards in range(1, limit + 1):
             logits = self.draft.forward(seq, start + draft_forwards - 1, keep=1)
             q = probabilities(logits[-1], sampling)
@@ -192,6 +195,8 @@ class SpeculativeDecoder:
                 break
             seq[0, start + len(q_rows)] = draw(q, sampling, generator)
             q_rows.append(q)
+            if untruncated is not None:
+                q_full_rows.append(probabilities(logits[-1], untruncated))
             if then is Next.STOP:
                 break
         k = len(q_rows)
@@ -199,6 +204,7 @@ class SpeculativeDecoder:
 
         logits = self.target.forward(seq, start + k, keep=k + 1)
         p = probabilities(logits, sampling).to(device=seq.device)
+        p_full = None if untruncated is None else probabilities(logits[:k], untruncated).to(device=seq.device)
         target_seconds = clock.lap()
 
         verdict = verify(
@@ -210,6 +216,8 @@ class SpeculativeDecoder:
             threshold=settings.threshold,
             sampling=sampling,
             generator=generator,
+            p_full=p_full,
+            q_full=torch.stack(q_full_rows) if q_full_rows else None,
         )
         n = verdict.accepted
         seq[0, start + n] = verdict.token_ids[-1]
