@@ -31,6 +31,28 @@ always accepted), or, when q has mass outside the target's support, r = q·1[p >
 c the correction law (the draft token is rejected exactly when it falls outside). Under `exact`, and
 whenever T = 0, every cost is exactly 0 by construction.
 
+**Point-mass proposals** (prompt lookup: q_i = δ(x̃_i), passed as q = None). Every rule keeps its
+meaning and its exact cost, and its formulas need only a = p_i(x̃_i), never a one-hot row:
+
+- `exact`: accept iff u ≤ a; the residual norm(max(0, p − δ)) is p with x̃ removed, renormalised
+  (p(y)/(1 − a) for y ≠ x̃). Lossless, as for any q.
+- D(p, δ) (`divergence.against_point_mass`): kl = +inf unless a = 1; reverse-kl = −log a;
+  js = log 2 + ½[a log a − (1 + a) log(1 + a)]; tv = 1 − a. All but kl are decreasing in a, so
+  `fuzzy` and `pure` with D ≤ T accept exactly when a ≥ a_T (a_T = e^−T for reverse-kl, 1 − T for
+  tv, the root of the js formula for js). With kl the divergence test never passes (a = 1 only,
+  where the exact test accepts anyway): `fuzzy` is `exact` at every T and `pure` accepts nothing
+  but sure tokens, so the dial does nothing; use reverse-kl, js or tv with a lookup.
+- A `fuzzy`/`pure` position with D ≤ T emits x̃ for sure (law δ, when a > 0): cost
+  KL(δ‖p) = −log a ≤ −log a_T. Otherwise its law is the correction's (`fuzzy`: residual after an
+  exact test; `pure`: p), cost 0 as before.
+- `mixture`: r = (1 − λ)p + λδ; accept iff u ≤ (1 − λ)a + λ; the residual norm(max(0, r − δ)) is
+  again p without x̃ renormalised. KL(r‖p) = (1 − λ)(1 − a) log(1 − λ) + r(x̃) log(r(x̃)/a),
+  r(x̃) = a + λ(1 − a), is a function of (λ, a), increasing in λ (its derivative is
+  (1 − a)[log(r(x̃)/a) − log(1 − λ)] ≥ 0), +inf for λ > 0 at a = 0: `point_mass_mixture_weight`
+  finds the largest λ with KL ≤ T by a nested grid search (Newton's method from λ = 1, as
+  `mixture_weight` uses, starts where the slope is infinite).
+- greedy: unchanged (the tests read p alone: argmax, regret log p(argmax) − log a).
+
 Each position is tested at once (vectorised over the k draft positions); the accepted prefix ends at
 the first rejection, and the whole verdict reaches the host in one transfer.
 """
@@ -41,13 +63,19 @@ from dataclasses import dataclass
 
 import torch
 
-from fsd_chat.decoding.divergence import DivergenceName, divergence, kl
+from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.sampling import draw
 from fsd_chat.decoding.settings import Rule, SamplingConfig
 
 NEWTON_STEPS = 8
 """Newton iterations of `mixture_weight`; from λ = 1 they reach the root to float32 precision."""
+
+GRID_POINTS = 64
+"""Intervals of each level of `point_mass_mixture_weight`'s nested grid."""
+GRID_LEVELS = 4
+"""Levels of that grid: λ is found to within GRID_POINTS^−GRID_LEVELS (6e-8), below float32's
+resolution of probabilities near 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,16 +141,57 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
     return lam, cost
 
 
-def _corrections(p: torch.Tensor, q: torch.Tensor, rule: Rule) -> torch.Tensor:
+def point_mass_mixture_weight(p_x: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest λ ∈ [0, 1] with KL((1 − λ)p + λδ_x ‖ p) ≤ budget, per position, and that KL.
+
+    f(λ) = (1 − λ)(1 − a) log(1 − λ) + r log(r/a), r = a + λ(1 − a), a = p(x) (derived in the module
+    docstring), is non-decreasing in λ with f(0) = 0, so the largest grid point with f ≤ budget is
+    a lower bound of the root: each of GRID_LEVELS levels searches GRID_POINTS intervals of the
+    previous level's bracketing interval (vectorised over positions, float64). a = 0 gives λ = 0
+    (f = +inf for λ > 0); a = 1 gives λ = 1 (r = p, f = 0).
+
+    Args:
+        p_x: a = p(x̃) per draft position, shape [k].
+        budget: The per-token KL budget T in nats (> 0).
+
+    Returns:
+        (λ, cost): both shape [k] float32; cost = f(λ) ≤ budget, in nats.
+    """
+    a = p_x.double().clamp(0.0, 1.0).unsqueeze(-1)
+    steps = torch.arange(GRID_POINTS + 1, device=p_x.device, dtype=torch.float64) / GRID_POINTS
+
+    def f(lam: torch.Tensor) -> torch.Tensor:
+        r = a + lam * (1 - a)
+        stay = torch.special.xlogy((1 - lam) * (1 - a), 1 - lam)
+        # r log(r/a): +inf at a = 0 < r (xlogy(r, 0) = −inf), 0 at r = 0.
+        moved = torch.special.xlogy(r, r) - torch.special.xlogy(r, a)
+        return stay + moved
+
+    low = torch.zeros_like(a)
+    width = torch.ones_like(a)
+    for _ in range(GRID_LEVELS):
+        grid = low + width * steps  # [k, GRID_POINTS + 1]
+        # f is non-decreasing: the points within budget are a prefix of the grid (f(low) ≤ budget).
+        inside = (f(grid) <= budget).sum(-1, keepdim=True) - 1
+        low = grid.gather(-1, inside.clamp_min(0))
+        width = width / GRID_POINTS
+    lam = low.squeeze(-1)
+    return lam.float(), f(low).squeeze(-1).clamp_min(0.0).float()
+
+
+def _corrections(
+    p: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor, rule: Rule
+) -> torch.Tensor:
     """The law of the target's token after a rejection at each draft position, plus the bonus row.
 
     Returns [k + 1, vocab]: norm(max(0, p_i − q_i)) (p_i for `pure`, or where the residual has no
-    mass, which a rejection rules out up to rounding), then p_{k+1}.
+    mass, which a rejection rules out up to rounding), then p_{k+1}. q = None: point masses at
+    `draft_ids`, whose residual is p_i with x̃_i removed.
     """
-    k = q.shape[0]
+    k = draft_ids.shape[0]
     if rule == "pure":
         return p
-    residual = (p[:k] - q).clamp_min(0.0)
+    residual = p[:k].scatter(-1, draft_ids.unsqueeze(-1), 0.0) if q is None else (p[:k] - q).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
     rows = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p[:k])
     return torch.cat([rows, p[k:]])
@@ -130,7 +199,7 @@ def _corrections(p: torch.Tensor, q: torch.Tensor, rule: Rule) -> torch.Tensor:
 
 def verify(
     p: torch.Tensor,
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     draft_ids: torch.Tensor,
     *,
     rule: Rule,
@@ -144,7 +213,8 @@ def verify(
     Args:
         p: Target probabilities, shape [k + 1, vocab]: rows 0..k-1 at the draft positions, row k
             for the bonus token.
-        q: Draft probabilities the draft tokens were drawn from, shape [k, vocab].
+        q: Draft probabilities the draft tokens were drawn from, shape [k, vocab]; None when
+            each draft token is a point mass, q_i = δ(x̃_i) (prompt lookup; module docstring).
         draft_ids: The draft tokens, shape [k] int64, on p's device.
         rule: "exact", "fuzzy", "pure" or "mixture".
         divergence_name: The divergence D used by "fuzzy" and "pure" (reported under every rule).
@@ -165,8 +235,12 @@ def verify(
     positions = torch.arange(k, device=p.device)
     p_draft = p[:k]
     p_x = p_draft[positions, draft_ids]
-    q_x = q[positions, draft_ids]
-    div = divergence(divergence_name, p_draft, q)
+    if q is None:
+        q_x = torch.ones_like(p_x)
+        div = against_point_mass(divergence_name, p_x)
+    else:
+        q_x = q[positions, draft_ids]
+        div = divergence(divergence_name, p_draft, q)
     relaxing = rule != "exact" and threshold > 0
     # The relaxed test of each rule (never passing under `exact` or at T = 0), and the cost of the
     # token each position emits; both stay zero unless the rule relaxes.
@@ -186,19 +260,27 @@ def verify(
         u = torch.rand(k, generator=generator, device=p.device)
         # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
         exact = u * q_x <= p_x
-        corrections = _corrections(p, q, rule)
+        corrections = _corrections(p, q, draft_ids, rule)
         if relaxing and rule == "mixture":
-            lam, costs = mixture_weight(p_draft, q, threshold)
+            if q is None:
+                lam, costs = point_mass_mixture_weight(p_x, threshold)
+            else:
+                lam, costs = mixture_weight(p_draft, q, threshold)
             # Exact sampling against (1 − λ)p + λq: it accepts whatever the exact test accepts.
             relaxed = u * q_x <= (1 - lam) * p_x + lam * q_x
         elif relaxing:
             fuzzy = div <= threshold
             relaxed = fuzzy & (p_x > 0)
-            # The law of a fuzzy position: q on the target's support, the rest of q's mass moved to
-            # the correction law (the draft token is rejected exactly when it falls outside).
-            on_support = torch.where(p_draft > 0, q, 0.0)
-            law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections[:k]
-            costs = torch.where(fuzzy, kl(law, p_draft), costs)
+            if q is None:
+                # A fuzzy position emits x̃ for sure (law δ, cost −log a) unless p(x̃) = 0, where
+                # it emits the correction, p itself: cost 0.
+                costs = torch.where(relaxed, -p_x.log(), costs)
+            else:
+                # The law of a fuzzy position: q on the target's support, the rest of q's mass moved
+                # to the correction law (the draft token is rejected exactly when it falls outside).
+                on_support = torch.where(p_draft > 0, q, 0.0)
+                law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections[:k]
+                costs = torch.where(fuzzy, kl(law, p_draft), costs)
         candidates = draw(corrections, sampling, generator)
     accept = relaxed if rule == "pure" else exact | relaxed
     n = accept.long().cumprod(0).sum()
