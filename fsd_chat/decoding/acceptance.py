@@ -170,7 +170,7 @@ def point_mass_mixture_weight(p_x: torch.Tensor, budget: float) -> tuple[torch.T
     low = torch.zeros_like(a)
     width = torch.ones_like(a)
     for _ in range(GRID_LEVELS):
-        grid = low + width * steps  # [k, GRID_POINTS + 1]
+        grid = (low + width * steps).clamp_max(1.0)  # [k, GRID_POINTS + 1]
         # f is non-decreasing: the points within budget are a prefix of the grid (f(low) ≤ budget).
         inside = (f(grid) <= budget).sum(-1, keepdim=True) - 1
         low = grid.gather(-1, inside.clamp_min(0))
