@@ -22,8 +22,16 @@ def legend_content(origins: tuple[Origin, ...]) -> Content:
 
 
 class Legend(Static):
-    """One line naming the colour of each origin in use."""
+    """One line naming the kind of draft (`ModelPair.draft_kind`, "prompt lookup (n ≤ 3)" or
+    "draft model") and the colour of each origin in use."""
 
-    def __init__(self, autoregressive: bool, *, id: str | None = None) -> None:
-        origins = (Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS
-        super().__init__(legend_content(origins), id=id)
+    def __init__(
+        self, autoregressive: bool, *, draft_kind: str = "draft model", id: str | None = None
+    ) -> None:
+        if autoregressive:
+            content = legend_content((Origin.TARGET,))
+        else:
+            content = Content.assemble(
+                (f"{draft_kind}: ", "$text-muted"), legend_content(SPECULATIVE_ORIGINS)
+            )
+        super().__init__(content, id=id)
