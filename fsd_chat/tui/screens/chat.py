@@ -75,7 +75,8 @@ class ChatSetup:
         decoder: Built once over the loaded pair; reused for every reply.
         controls: Shared with the decoder.
         describe: The header line (models, quantization, device).
-        draft_kind: The kind of draft, for the legend (`ModelPair.draft_kind`).
+        draft_kind: The kind of draft the legend names (`ModelPair.draft_kind`); None for a draft
+            model, which the origins' names already say.
         sampling: Sampling settings.
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even when the tokenizer has a chat template.
@@ -91,7 +92,7 @@ class ChatSetup:
     decoder: Decoder
     controls: Controls
     describe: str
-    draft_kind: str
+    draft_kind: str | None
     sampling: SamplingConfig
     max_new_tokens: int
     raw: bool
