@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from fsd_chat import cli_options as o
+from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.log import quiet_libraries
 
 SWEEP = "Sweep"
@@ -68,7 +69,6 @@ def _opt(flag: str, help_text: str, envvar: str | None = None) -> typer.models.O
 
 PRESET = " Default: the preset's."
 TARGET = o.TARGET.replace(required=True)
-DRAFT = o.DRAFT.replace(required=True)
 MAX_NEW_TOKENS = o.MAX_NEW_TOKENS.replace(default=None, help=o.MAX_NEW_TOKENS.help + PRESET)
 THRESHOLDS = o.THRESHOLD.replace(default=None).listed("--thresholds")
 DIVERGENCES = o.DIVERGENCE.replace(default=None).listed("--divergences")
@@ -82,7 +82,7 @@ QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
 
 @o.takes(
     TARGET,
-    DRAFT,
+    o.DRAFT,
     MAX_NEW_TOKENS,
     THRESHOLDS,
     DIVERGENCES,
@@ -160,7 +160,7 @@ def bench(
     quiet_libraries()
     status = run_bench(
         target=TARGET.of(values),
-        draft=DRAFT.of(values),
+        draft=o.DRAFT.get(values) or LOOKUP,
         prompts=prompts,
         data_dir=data_dir,
         limit=limit if limit is not None else preset.limit,

@@ -14,6 +14,7 @@ import typer
 
 from fsd_chat import cli_options as o
 from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
+from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.errors import ModelLoadError
 from fsd_chat.log import quiet_libraries
 from fsd_chat.store import SessionStore
@@ -94,11 +95,12 @@ def chat(
     store = SessionStore(sessions_path())
     session = store.load(resume) if resume is not None else None
     target_source = o.TARGET.get(v) or (session.models.get("target") if session else None)
-    draft_source = o.DRAFT.get(v) or (session.models.get("draft") if session else None)
-    if not target_source or not draft_source:
+    # No draft model given: prompt lookup (drafts copied from the conversation).
+    draft_source = o.DRAFT.get(v) or (session.models.get("draft") if session else None) or LOOKUP
+    if not target_source:
         raise ConfigError(
-            "no model pair: pass --target and --draft (or set target and draft in "
-            f"{config.path}, or --resume a session)"
+            f"no target model: pass --target (and --draft, or prompt lookup drafts), set target in {config.path}, "
+            "or --resume a session"
         )
     settings = o.decoding_settings(v)
     sampling = o.sampling_config(v)

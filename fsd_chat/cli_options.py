@@ -24,6 +24,7 @@ from fsd_chat.decoding.settings import (
     DEFAULT_THRESHOLD,
     DIVERGENCE_NAMES,
     DRAFT_POLICIES,
+    LOOKUP,
     RULES,
     DecodingSettings,
     DivergenceName,
@@ -203,7 +204,15 @@ _SAMPLING = SamplingConfig()
 TARGET = Option(
     "target", ("--target",), str, None, "Target model: a Hugging Face Hub id or a local directory.", MODELS
 )
-DRAFT = Option("draft", ("--draft",), str, None, "Draft model sharing the target's tokenizer.", MODELS)
+DRAFT = Option(
+    "draft",
+    ("--draft",),
+    str,
+    None,
+    f"Draft model sharing the target's tokenizer, or {LOOKUP} (prompt lookup: drafts copied from "
+    "the conversation, no draft model; the default).",
+    MODELS,
+)
 QUANTIZE_TARGET = Option(
     "quantize_target",
     ("--quantize-target",),

@@ -131,7 +131,13 @@ def run_generate(
             console.print(
                 f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · "
                 f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
-                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token[/dim]",
+                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token"
+                + (
+                    f" · lookup hits {totals.lookup_hits} of {totals.steps} steps"
+                    if totals.lookup_hits
+                    else ""
+                )
+                + "[/dim]",
                 highlight=False,
             )
     if decoder.compile_error:

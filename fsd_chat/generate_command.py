@@ -9,12 +9,13 @@ from typing import Annotated, Any
 import typer
 
 from fsd_chat import cli_options as o
+from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.log import quiet_libraries
 
 JSON = o.Option("as_json", ("--json",), bool, False, "JSON Lines: one object per step, then a summary.")
 
 
-@o.takes(o.TARGET.replace(required=True), o.DRAFT.replace(required=True), *o.REPLY_OPTIONS, JSON)
+@o.takes(o.TARGET.replace(required=True), o.DRAFT, *o.REPLY_OPTIONS, JSON)
 def generate(
     prompt: Annotated[
         str, typer.Argument(help="The prompt (a user turn for chat models); - reads it from standard input.")
@@ -26,7 +27,7 @@ def generate(
 
     settings = o.decoding_settings(values)
     sampling = o.sampling_config(values)
-    specs = o.model_specs(o.TARGET.of(values), o.DRAFT.of(values), values)
+    specs = o.model_specs(o.TARGET.of(values), o.DRAFT.get(values) or LOOKUP, values)
     text = prompt_text(prompt, sys.stdin.buffer if sys.stdin is not None else None)
     quiet_libraries()
     run_generate(

@@ -32,7 +32,9 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
 from fsd_chat.decoding.kv_cache import input_device
+from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, LOOKUP
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
 from fsd_chat.model_options import (
@@ -49,7 +51,8 @@ Progress = Callable[[str], object]
 
 @dataclass(slots=True)
 class ModelPair:
-    """A loaded target and draft model sharing one tokenizer.
+    """A loaded target and draft model sharing one tokenizer, or a target alone whose drafts come
+    from prompt lookup (`draft` None, `draft_spec.source` "lookup").
 
     Attributes:
         vocab_size: Shared vocabulary size (logits are restricted to it).
@@ -59,7 +62,7 @@ class ModelPair:
     """
 
     target: PreTrainedModel
-    draft: PreTrainedModel
+    draft: PreTrainedModel | None
     tokenizer: PreTrainedTokenizerBase
     vocab_size: int
     target_spec: ModelSpec
@@ -68,13 +71,19 @@ class ModelPair:
     dtype: torch.dtype
     costs: CostCurve | None = None
 
+    @property
+    def draft_kind(self) -> str:
+        """The kind of draft, in words: "prompt lookup (n ≤ 3)", or "draft model"."""
+        return f"prompt lookup (n ≤ {DEFAULT_LOOKUP_NGRAM})" if self.draft is None else "draft model"
+
     def describe(self) -> str:
-        """One line: models, quantization, device, dtype."""
+        """One line: models (or prompt lookup), quantization, device, dtype."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"target {self.target_spec.name} ({self.target_spec.quantization}) · "
-            f"draft {self.draft_spec.name} ({self.draft_spec.quantization}) · {self.device} {dtype}"
-        )
+        if self.draft is None:
+            draft = f"draft: {self.draft_kind}, no draft model"
+        else:
+            draft = f"draft {self.draft_spec.name} ({self.draft_spec.quantization})"
+        return f"target {self.target_spec.name} ({self.target_spec.quantization}) · {draft} · {self.device} {dtype}"
 
     def decoder(
         self,
@@ -93,7 +102,7 @@ class ModelPair:
             time_phases: Synchronise the device at each phase, for exact phase times (benchmarks;
                 see `SpeculativeDecoder`).
             compile_draft: Compile the draft's one-token forward passes (see `SpeculativeDecoder`);
-                target-only decoding runs no draft, and ignores it.
+                target-only decoding and prompt lookup run no draft model, and ignore it.
 
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
@@ -106,10 +115,10 @@ class ModelPair:
         self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compile_draft`: see `SpeculativeDecoder`)."""
+        `compile_draft`: see `SpeculativeDecoder`); without a draft model, over prompt lookup."""
         return SpeculativeDecoder(
             self.target,
-            self.draft,
+            PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
             self.tokenizer,
             controls=controls,
             vocab_size=self.vocab_size,
@@ -423,7 +432,7 @@ def load_pair(
 
     Args:
         target: The target model.
-        draft: The draft model.
+        draft: The draft model; source "lookup": none (drafts from prompt lookup).
         options: Device, dtype, trust_remote_code.
         progress: Called with a short description before each phase.
 
@@ -434,6 +443,8 @@ def load_pair(
     """
     report = progress or (lambda _message: None)
     device = resolve_device(options.device)
+    if draft.source == LOOKUP:
+        return _load_target_alone(target, draft, options, report, device)
     report(f"loading tokenizers of {target.name} and {draft.name}")
     target_source, target_config = _load_config(target, options)
     draft_source, draft_config = _load_config(draft, options)
@@ -457,6 +468,28 @@ def load_pair(
         draft=draft_model,
         tokenizer=target_tokenizer,
         vocab_size=vocab_size,
+        target_spec=target,
+        draft_spec=draft,
+        device=device,
+        dtype=resolve_dtype(options.dtype, device),
+    )
+
+
+def _load_target_alone(
+    target: ModelSpec, draft: ModelSpec, options: LoadOptions, report: Progress, device: torch.device
+) -> ModelPair:
+    """`load_pair` with no draft model: the target and its tokenizer."""
+    report(f"loading the tokenizer of {target.name}")
+    source, config = _load_config(target, options)
+    tokenizer = _load_tokenizer(target, source, options)
+    report(f"loading target model {target.name} ({target.quantization}); drafts from prompt lookup")
+    model = _load_model(target, options, source, config, device_map=target_device_map(options))
+    report("ready")
+    return ModelPair(
+        target=model,
+        draft=None,
+        tokenizer=tokenizer,
+        vocab_size=min(len(tokenizer), config.get_text_config().vocab_size),
         target_spec=target,
         draft_spec=draft,
         device=device,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fsd_chat.decoding.events import Origin
+from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.errors import FsdChatError
 from fsd_chat.session import ReplyRecord, Session
 from fsd_chat.text import visible
@@ -105,6 +106,8 @@ def reply_summary(record: ReplyRecord) -> str:
         ]
         if "cost" in s:  # absent from sessions saved before costs were measured
             parts.append(cost_summary(s["cost"], s["tokens"]))
+        if s.get("lookup_hits"):
+            parts.append(f"lookup hits {s['lookup_hits']} of {s['steps']} steps")
     if record.stop_reason == "stopped":
         parts.append("stopped")
     elif record.stop_reason:
@@ -147,6 +150,14 @@ def _code_cell(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
+def _draft_cell(models: dict[str, str]) -> str:
+    """The draft model and its quantization, or prompt lookup (no draft model)."""
+    draft = str(models.get("draft", ""))
+    if draft == LOOKUP:
+        return "prompt lookup (no draft model)"
+    return f"{_code_cell(draft)} ({models.get('quantize_draft', 'none')})"
+
+
 def render_markdown(session: Session) -> str:
     """The whole session as Markdown: a header table, then every turn."""
     m = session.models
@@ -157,7 +168,7 @@ def render_markdown(session: Session) -> str:
         "|---|---|",
         f"| Date | {session.created} |",
         f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
-        f"| Draft | {_code_cell(str(m.get('draft', '')))} ({m.get('quantize_draft', 'none')}) |",
+        f"| Draft | {_draft_cell(m)} |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
         f"| Decoding | {decoding_summary(session.settings)} |",
         f"| Sampling | {sampling_summary(session.settings)} |",

@@ -55,14 +55,15 @@ def test_speculative_greedy_equals_target_greedy(
         assert run.stats.acceptance_rate > 0.3
 
 
-def test_pure_rule_with_zero_threshold_accepts_nothing(pair: ModelPair, greedy_references) -> None:
+def test_pure_rule_with_zero_threshold_is_exact_speculative_decoding(
+    pair: ModelPair, greedy_references
+) -> None:
+    # T = 0 is exact speculative decoding under every rule: `pure` accepts the target's own choices
+    # (draft-exact, cost 0) instead of nothing.
     controls = Controls(DecodingSettings(rule="pure", threshold=0.0, draft_tokens=3))
     prompt = PROMPTS[0]
     run = collect(pair.speculative(controls).generate(pair.tokenizer(prompt).input_ids, max_new_tokens=100))
-    assert run.stats.accepted_exact + run.stats.accepted_fuzzy == 0
-    # The last token comes from a plain target step: with one token left, drafting cannot help.
-    assert set(run.origins[:-1]) == {str(Origin.TARGET_RESAMPLED)}
-    # Every token is then the target's own greedy choice.
+    assert run.stats.accepted_exact > 0 and run.stats.accepted_fuzzy == 0
     assert run.ids == greedy_references[prompt][:100]
 
 

@@ -53,12 +53,12 @@ def test_decoder_is_the_one_asked_for_with_its_options(pair: ModelPair) -> None:
     assert isinstance(speculative, SpeculativeDecoder) and isinstance(speculative, Decoder)
     assert speculative.controls is controls and speculative.time_phases
     assert speculative.costs == pair.device_costs  # the pair's costs, measured once for all its decoders
-    assert not isinstance(speculative.draft, CompiledModel)
+    assert not isinstance(speculative.cached_models[-1], CompiledModel)
     run = collect(speculative.generate(prompt, max_new_tokens=8))
     assert {s.stats.rule for s in run.steps} == {"fuzzy"} and run.stats.drafted > 0
 
     compiled = pair.decoder(controls, compile_draft=True)
-    assert isinstance(compiled, SpeculativeDecoder) and isinstance(compiled.draft, CompiledModel)
+    assert isinstance(compiled, SpeculativeDecoder) and isinstance(compiled.cached_models[-1], CompiledModel)
     assert not compiled.time_phases
 
 

@@ -7,7 +7,9 @@ early exit disabled, so both sides draft exactly k tokens per step; `hf-assisted
 same call with the assistant's generation config left as it is, i.e. transformers' defaults
 (transformers 5: `num_assistant_tokens` 20, `num_assistant_tokens_schedule` "constant",
 `assistant_confidence_threshold` 0.4, tuned online from a ROC curve only when scikit-learn is
-installed).
+installed). `hf-prompt-lookup` is transformers' prompt lookup decoding
+(`generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)`, n = fsd-chat's lookup n-gram),
+the baseline of a pair loaded with `--draft lookup`.
 Wall-clock time covers the whole call, prompt prefill included, for every method alike (transformers
 does not separate its prefill from the first verification).
 """
@@ -21,10 +23,11 @@ from typing import Any
 import torch
 
 from fsd_chat.bench.meter import ForwardMeter
-from fsd_chat.bench.records import RULE_OF, Configuration, ForwardTally, Generation
+from fsd_chat.bench.records import HF_ASSISTED, RULE_OF, Configuration, ForwardTally, Generation
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.reply import eos_token_ids
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models import ModelPair
 
@@ -34,7 +37,7 @@ def assistant_settings(pair: ModelPair, k: int | None) -> Iterator[None]:
     """Set the draft's generation config for assisted generation with exactly k draft tokens per
     step (transformers 5 reads these from the *assistant's* config), and restore it afterwards;
     k None leaves it as it is (transformers' defaults)."""
-    if k is None:
+    if k is None or pair.draft is None:
         yield
         return
     config = pair.draft.generation_config
@@ -63,10 +66,12 @@ class PairRunner:
 
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
-        self.eos = eos_token_ids(pair.tokenizer, pair.target, pair.draft)
+        models = [m for m in (pair.target, pair.draft) if m is not None]
+        self.eos = eos_token_ids(pair.tokenizer, *models)
         self.context = context_length(pair.target)
         self._target_meter = ForwardMeter(pair.target, pair.device)
-        self._draft_meter = ForwardMeter(pair.draft, pair.device)
+        # Prompt lookup runs no draft model: its tally stays empty.
+        self._draft_meter = ForwardMeter(pair.draft, pair.device) if pair.draft is not None else None
 
     def run(
         self,
@@ -79,12 +84,14 @@ class PairRunner:
     ) -> Generation:
         """Generate a reply to `prompt_ids` with `config`'s method and time it."""
         sampling = SamplingConfig(temperature=config.temperature, seed=seed)
-        target, draft = self._target_meter.start(), self._draft_meter.start()
+        target = self._target_meter.start()
+        draft = self._draft_meter.start() if self._draft_meter is not None else ForwardTally()
         try:
             return self._run(config, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft)
         finally:
             self._target_meter.stop()
-            self._draft_meter.stop()
+            if self._draft_meter is not None:
+                self._draft_meter.stop()
 
     def _run(
         self,
@@ -96,9 +103,20 @@ class PairRunner:
         target: ForwardTally,
         draft: ForwardTally,
     ) -> Generation:
-        if config.method in ("hf-assisted", "hf-assisted-default"):
+        if config.method in HF_ASSISTED:
             clock = PhaseClock(self.pair.device)
-            ids = self._hf_assisted(prompt_ids, config.draft_tokens, sampling, max_new_tokens, stop_strings)
+            with assistant_settings(self.pair, config.draft_tokens):
+                ids = self._hf_generate(
+                    prompt_ids, {"assistant_model": self.pair.draft}, sampling, max_new_tokens, stop_strings
+                )
+            return Generation(ids, clock.lap(), None, target, draft)
+        if config.method == "hf-prompt-lookup":
+            clock = PhaseClock(self.pair.device)
+            lookup = {
+                "prompt_lookup_num_tokens": config.draft_tokens,
+                "max_matching_ngram_size": DEFAULT_LOOKUP_NGRAM,
+            }
+            ids = self._hf_generate(prompt_ids, lookup, sampling, max_new_tokens, stop_strings)
             return Generation(ids, clock.lap(), None, target, draft)
         defaults = DecodingSettings()
         controls = Controls(
@@ -124,10 +142,10 @@ class PairRunner:
             ids += [t.id for t in step.tokens]
         return Generation(ids, clock.lap(), stats, target, draft)
 
-    def _hf_assisted(
+    def _hf_generate(
         self,
         prompt_ids: list[int],
-        k: int | None,
+        drafting: dict[str, Any],
         sampling: SamplingConfig,
         max_new_tokens: int,
         stop_strings: tuple[str, ...],
@@ -144,12 +162,12 @@ class PairRunner:
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
-        with assistant_settings(pair, k), torch.inference_mode():
+        with torch.inference_mode():
             # Causal LMs mix in GenerationMixin; PreTrainedModel's type does not declare `generate`.
             out = pair.target.generate(  # type: ignore[operator]
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                assistant_model=pair.draft,
+                **drafting,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=min(self.eos) if self.eos else None,
                 **options,
@@ -161,4 +179,5 @@ class PairRunner:
     def close(self) -> None:
         """Remove the forward hooks from the models."""
         self._target_meter.close()
-        self._draft_meter.close()
+        if self._draft_meter is not None:
+            self._draft_meter.close()

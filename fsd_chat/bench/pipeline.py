@@ -23,11 +23,11 @@ from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
+from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup, SweepResult
 from fsd_chat.bench.runner import run_sweep
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.cli_options import check_max_new_tokens, pair_specs
-from fsd_chat.decoding.settings import SamplingConfig
+from fsd_chat.decoding.settings import LOOKUP, SamplingConfig
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
 from fsd_chat.text import visible
@@ -73,6 +73,11 @@ def run_bench(
     """
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
     setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
+    if draft == LOOKUP and any(c.method in HF_ASSISTED for c in configs):
+        raise FsdChatError(
+            "hf-assisted baselines need a draft model; with prompt lookup compare with hf-prompt-lookup "
+            "(--baselines autoregressive,exact,hf-prompt-lookup)"
+        )
     prompt_set = load_prompt_set(prompts, data_dir=data_dir, limit=limit)
     check_max_new_tokens(max_new_tokens)
     if repeats < 1:

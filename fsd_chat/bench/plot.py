@@ -23,7 +23,13 @@ import matplotlib.pyplot as plt
 
 from fsd_chat.bench.metrics import Speed, Summary, pareto_front, trade_off_points
 
-BASELINE_MARKERS = {"autoregressive": "s", "exact": "D", "hf-assisted": "^", "hf-assisted-default": "v"}
+BASELINE_MARKERS = {
+    "autoregressive": "s",
+    "exact": "D",
+    "hf-assisted": "^",
+    "hf-assisted-default": "v",
+    "hf-prompt-lookup": "P",
+}
 
 SPEEDS: dict[str, Speed] = {
     "tokens/s (median over prompts)": lambda s: s.tokens_per_second.median,

@@ -12,6 +12,10 @@ Presets (paths relative to the data directory):
   step.", Kojima et al. 2022); the number after "answer is" (else the last number) of the reply is
   compared with the number after "####".
 - `mt-bench`: the first turn of each MT-Bench question (`mt_bench/question.jsonl`); no answers.
+- `tinystories-retell`: text to be repeated with its own names, where prompt lookup pays: each
+  story of `tinystories/*.txt` (its first RETELL_CHARS characters, cut at a sentence's end), a
+  blank line, then the story's first sentence again, so that a story model goes on to retell it;
+  no answers.
 
 Any other value is read as a JSONL file whose rows have a `prompt` field and optionally `answer`.
 """
@@ -30,7 +34,10 @@ from fsd_chat.text import read_utf8, require_utf8
 Checker = Callable[[str, str], bool]
 """(reply text, reference answer) -> correct?"""
 
-PRESETS = ("tinystories", "commonsenseqa", "gsm8k", "mt-bench")
+PRESETS = ("tinystories", "tinystories-retell", "commonsenseqa", "gsm8k", "mt-bench")
+
+RETELL_CHARS = 600
+"""Longest story `tinystories-retell` quotes, in characters (stories260K's context is 512 tokens)."""
 
 # Few-shot prompts continue with a new "Q:" once the answer is given; stop there.
 _QA_STOP = ("\nQ:",)
@@ -183,19 +190,36 @@ def _need(path: Path) -> Path:
     return path
 
 
-def _tinystories(data_dir: Path) -> PromptSet:
+def _stories(data_dir: Path) -> list[str]:
+    """The stories of the TinyStories file, each on one line (whitespace runs made one space)."""
     folder = data_dir / "tinystories"
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
         raise FsdChatError(f"data file not found: {folder}/*.txt (set --data-dir)")
-    stories = _read(files[0]).split("<|endoftext|>")
-    openings = []
-    for story in stories:
-        # The opening is the first sentence: enough to set a story going, as a user would.
-        match = re.match(r"\s*(.+?[.!?])(?:\s|$)", story, flags=re.DOTALL)
-        if match:
-            openings.append(PromptItem(" ".join(match.group(1).split())))
+    stories = (" ".join(story.split()) for story in _read(files[0]).split("<|endoftext|>"))
+    return [story for story in stories if story]
+
+
+def _first_sentence(story: str) -> str | None:
+    match = re.match(r"(.+?[.!?])(?:\s|$)", story)
+    return match.group(1) if match else None
+
+
+def _tinystories(data_dir: Path) -> PromptSet:
+    # The opening is the first sentence: enough to set a story going, as a user would.
+    openings = [PromptItem(first) for first in map(_first_sentence, _stories(data_dir)) if first]
     return PromptSet("tinystories", tuple(openings))
+
+
+def _tinystories_retell(data_dir: Path) -> PromptSet:
+    items = []
+    for story in _stories(data_dir):
+        first = _first_sentence(story)
+        # Whole sentences only: the quoted text ends where a sentence within RETELL_CHARS ends.
+        cut = max((m.end() for m in re.finditer(r"[.!?](?=\s|$)", story[:RETELL_CHARS])), default=0)
+        if first and cut > len(first):
+            items.append(PromptItem(f"{story[:cut]}\n\n{first}"))
+    return PromptSet("tinystories-retell", tuple(items))
 
 
 def _commonsenseqa(data_dir: Path) -> PromptSet:
@@ -248,6 +272,7 @@ def _jsonl_file(path: Path) -> PromptSet:
 
 _LOADERS: dict[str, Callable[[Path], PromptSet]] = {
     "tinystories": _tinystories,
+    "tinystories-retell": _tinystories_retell,
     "commonsenseqa": _commonsenseqa,
     "gsm8k": _gsm8k,
     "mt-bench": _mt_bench,

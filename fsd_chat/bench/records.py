@@ -15,8 +15,25 @@ from fsd_chat.decoding.events import GenerationStats
 from fsd_chat.decoding.settings import DivergenceName, DraftPolicyName, Rule
 from fsd_chat.model_options import Quantization
 
-Method = Literal["autoregressive", "exact", "hf-assisted", "hf-assisted-default", "fuzzy", "pure", "mixture"]
-BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted", "hf-assisted-default")
+Method = Literal[
+    "autoregressive",
+    "exact",
+    "hf-assisted",
+    "hf-assisted-default",
+    "hf-prompt-lookup",
+    "fuzzy",
+    "pure",
+    "mixture",
+]
+BASELINES: tuple[Method, ...] = (
+    "autoregressive",
+    "exact",
+    "hf-assisted",
+    "hf-assisted-default",
+    "hf-prompt-lookup",
+)
+HF_ASSISTED: tuple[Method, ...] = ("hf-assisted", "hf-assisted-default")
+"""The baselines that run transformers' assisted generation with the draft model."""
 FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
 RULE_OF: dict[Method, Rule] = {"exact": "exact", "fuzzy": "fuzzy", "pure": "pure", "mixture": "mixture"}
 """The acceptance rule of each method that runs fsd-chat's speculative decoder."""
@@ -51,7 +68,8 @@ class Configuration:
     Attributes:
         setup: How the models are loaded.
         temperature: Sampling temperature (0 = greedy).
-        method: autoregressive, exact, hf-assisted, hf-assisted-default, fuzzy, pure or mixture.
+        method: autoregressive, exact, hf-assisted, hf-assisted-default, hf-prompt-lookup, fuzzy,
+            pure or mixture.
         draft_tokens: Draft length k (None for autoregressive and hf-assisted-default).
         divergence: D of the fuzzy test (fuzzy/pure only).
         threshold: T: in the divergence's units (fuzzy/pure), or the per-token KL budget in nats

@@ -132,8 +132,11 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
                 if m in baselines
             ]
             for k in ks:
-                if "hf-assisted" in baselines:
-                    configs.append(Configuration(setup, temperature, "hf-assisted", k))
+                configs += [
+                    Configuration(setup, temperature, m, k)
+                    for m in ("hf-assisted", "hf-prompt-lookup")
+                    if m in baselines
+                ]
                 for policy in policies:
                     if "exact" in baselines:
                         configs.append(Configuration(setup, temperature, "exact", k, draft_policy=policy))

@@ -12,7 +12,13 @@ from rich.text import Text
 from fsd_chat.bench.metrics import Summary, pareto_front, trade_off_points
 from fsd_chat.bench.report import HEADERS, table_rows
 
-BASELINE_GLYPHS = {"autoregressive": "A", "exact": "E", "hf-assisted": "H", "hf-assisted-default": "D"}
+BASELINE_GLYPHS = {
+    "autoregressive": "A",
+    "exact": "E",
+    "hf-assisted": "H",
+    "hf-assisted-default": "D",
+    "hf-prompt-lookup": "L",
+}
 WIDTH, HEIGHT = 56, 12
 # The columns that fit a terminal; setup and temperature go into each group's title.
 COLUMNS = tuple(

@@ -49,6 +49,27 @@ bounds the KL divergence of the law of the text alone, with equality when each p
 determined by the text before it (e.g. 2-token replies). A relaxed position's cost is carried by the
 token it emits, draft or correction.
 
+**Point-mass proposals** (prompt lookup: q_i = δ(x̃_i), passed as q = None). Every rule keeps its
+meaning and its exact cost, and its formulas need only a = p_i(x̃_i), never a one-hot row:
+
+- `exact`: accept iff u ≤ a; the residual norm(max(0, p − δ)) is p with x̃ removed, renormalised
+  (p(y)/(1 − a) for y ≠ x̃). Lossless, as for any q.
+- D(p, δ) (`divergence.against_point_mass`): kl = +inf unless a = 1; reverse-kl = −log a;
+  js = log 2 + ½[a log a − (1 + a) log(1 + a)]; tv = 1 − a. All but kl are decreasing in a, so
+  `fuzzy` and `pure` with D ≤ T accept exactly when a ≥ a_T (a_T = e^−T for reverse-kl, 1 − T for
+  tv, the root of the js formula for js). With kl the divergence test never passes (a = 1 only,
+  where the exact test accepts anyway): `fuzzy` is `exact` at every T and `pure` accepts nothing
+  but sure tokens, so the dial does nothing; use reverse-kl, js or tv with a lookup.
+- A `fuzzy`/`pure` position with D ≤ T emits x̃ for sure (law δ, when a > 0): cost
+  KL(δ‖p) = −log a ≤ −log a_T. Otherwise its law is the correction's (`fuzzy`: residual after an
+  exact test; `pure`: p), cost 0 as before.
+- `mixture`: r = (1 − λ)p + λδ; accept iff u ≤ (1 − λ)a + λ; the residual norm(max(0, r − δ)) is
+  again p without x̃ renormalised. KL(r‖p) = (1 − λ)(1 − a) log(1 − λ) + r(x̃) log(r(x̃)/a),
+  r(x̃) = a + λ(1 − a), is a function of (λ, a), increasing in λ (its derivative is
+  (1 − a)[log(r(x̃)/a) − log(1 − λ)] ≥ 0), +inf for λ > 0 at a = 0: the KL of the two-outcome laws
+  on {x̃, the rest}, so `point_mass_mixture_weight` is `mixture_weight` on those two outcomes.
+- greedy: unchanged (the tests read p alone: argmax, regret log p(argmax) − log a).
+
 Each position is tested at once (vectorised over the k draft positions); the accepted prefix ends at
 the first rejection, and the whole verdict reaches the host in one transfer.
 """
@@ -59,7 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsd_chat.decoding.divergence import DivergenceName, divergence, kl
+from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.sampling import draw
 from fsd_chat.decoding.settings import Rule, SamplingConfig
@@ -155,18 +176,41 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
     return lam, cost
 
 
-def _residual(aim: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def point_mass_mixture_weight(p_x: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mixture_weight` against a point mass q = δ_x (a prompt-lookup proposal), from a = p(x) alone.
+
+    r = (1 − λ)p + λδ_x moves mass only between x and the rest, in proportion, so KL(r ‖ p) =
+    r(x) log(r(x)/a) + (1 − λ)(1 − a) log(1 − λ), r(x) = a + λ(1 − a): the KL of the two-outcome
+    laws [r(x), 1 − r(x)] and [a, 1 − a]. The solve is `mixture_weight`'s on those two outcomes
+    (p = [a, 1 − a], q = [1, 0]). a = 0 gives λ = 0 (x is outside p's support); a = 1 gives λ = 1.
+
+    Args:
+        p_x: a = p(x̃) per draft position, shape [k].
+        budget: The per-token KL budget T in nats (> 0).
+
+    Returns:
+        (λ, cost): both shape [k]; cost = KL(r_λ ‖ p) ≤ budget, in nats.
+    """
+    a = p_x.clamp(0.0, 1.0)
+    two = torch.stack([a, 1 - a], -1)
+    delta = torch.zeros_like(two)
+    delta[..., 0] = 1.0
+    return mixture_weight(two, delta, budget)
+
+
+def _residual(aim: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor) -> torch.Tensor:
     """norm(max(0, aim − q)) per row, [k, vocab]: the law of the correction after rejecting a draw of
     q in speculative sampling towards `aim`; `aim` itself where the residual has no mass (then
-    aim = q, which accepts every draw, up to rounding)."""
-    residual = (aim - q).clamp_min(0.0)
+    aim = q, which accepts every draw, up to rounding). q = None: point masses at `draft_ids`,
+    whose residual is `aim` with x̃ removed."""
+    residual = aim.scatter(-1, draft_ids.unsqueeze(-1), 0.0) if q is None else (aim - q).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), aim)
 
 
 def verify(
     p: torch.Tensor,
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     draft_ids: torch.Tensor,
     *,
     rule: Rule,
@@ -182,7 +226,8 @@ def verify(
     Args:
         p: Target probabilities, shape [k + 1, vocab]: rows 0..k-1 at the draft positions, row k
             for the bonus token.
-        q: Draft probabilities the draft tokens were drawn from, shape [k, vocab].
+        q: Draft probabilities the draft tokens were drawn from, shape [k, vocab]; None when
+            each draft token is a point mass, q_i = δ(x̃_i) (prompt lookup; module docstring).
         draft_ids: The draft tokens, shape [k] int64, on p's device.
         rule: "exact", "fuzzy", "pure" or "mixture".
         divergence_name: The divergence D used by "fuzzy" and "pure" (reported under every rule).
@@ -206,8 +251,14 @@ def verify(
     positions = torch.arange(k, device=p.device)
     p_draft = p[:k]
     p_x = p_draft[positions, draft_ids]
-    q_x = q[positions, draft_ids]
-    div = divergence(divergence_name, (p if p_full is None else p_full)[:k], q if q_full is None else q_full)
+    # Under truncation the divergences compare the untruncated laws (module docstring).
+    p_compared = (p if p_full is None else p_full)[:k]
+    if q is None:
+        q_x = torch.ones_like(p_x)
+        div = against_point_mass(divergence_name, p_compared[positions, draft_ids])
+    else:
+        q_x = q[positions, draft_ids]
+        div = divergence(divergence_name, p_compared, q if q_full is None else q_full)
     # At T = 0 every rule is the exact one (`pure` included, whose own test would accept nothing).
     rule = rule if threshold > 0 else "exact"
     # Per position: whether the relaxed test decides it, and the cost of the token it emits; both
@@ -233,15 +284,21 @@ def verify(
         # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
         exact = u * q_x <= p_x
         accept = exact
-        corrections = _residual(p_draft, q)
+        corrections = _residual(p_draft, q, draft_ids)
         if rule == "mixture":
-            q_bar = restrict(q, p_draft)
-            lam, costs = mixture_weight(p_draft, q_bar, threshold)
-            aim = p_draft + lam.unsqueeze(-1) * (q_bar - p_draft)
+            if q is None:
+                # q̄ = δ(x̃) on p's support (λ = 0 where p(x̃) = 0): r = (1 − λ)p + λδ(x̃).
+                lam, costs = point_mass_mixture_weight(p_x, threshold)
+                aim = p_draft * (1 - lam).unsqueeze(-1)
+                aim = aim.scatter_add(-1, draft_ids.unsqueeze(-1), lam.unsqueeze(-1))
+            else:
+                q_bar = restrict(q, p_draft)
+                lam, costs = mixture_weight(p_draft, q_bar, threshold)
+                aim = p_draft + lam.unsqueeze(-1) * (q_bar - p_draft)
             # Exact speculative sampling towards the mixture: it accepts whatever the exact test does.
             accept = u * q_x <= aim[positions, draft_ids]
             relaxed = costs > 0
-            corrections = _residual(aim, q)
+            corrections = _residual(aim, q, draft_ids)
         elif rule != "exact":
             relaxed = div <= threshold
             if rule == "pure":
@@ -249,11 +306,17 @@ def verify(
                 accept = relaxed & (p_x > 0)
             else:
                 accept = exact | (relaxed & (p_x > 0))
-            # The law of a relaxed position: q on the target's support, the rest of q's mass moved
-            # to the correction law (the draft token is rejected exactly when it falls outside).
-            on_support = torch.where(p_draft > 0, q, 0.0)
-            law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
-            costs = torch.where(relaxed, kl(law, p_draft), costs)
+            if q is None:
+                # A relaxed position emits x̃ for sure (law δ, cost −log p(x̃)) unless p(x̃) = 0,
+                # where the draft token is rejected and the correction is p's own law: cost 0.
+                costs = torch.where(relaxed & (p_x > 0), -p_x.log(), costs)
+            else:
+                # The law of a relaxed position: q on the target's support, the rest of q's mass
+                # moved to the correction law (the draft token is rejected exactly when it falls
+                # outside).
+                on_support = torch.where(p_draft > 0, q, 0.0)
+                law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
+                costs = torch.where(relaxed, kl(law, p_draft), costs)
         candidates = draw(torch.cat([corrections, p[k:]]), sampling, generator)
     n = accept.long().cumprod(0).sum()
     # Only the correction at position n (or the bonus) is used; drawing all k + 1 keeps n on the

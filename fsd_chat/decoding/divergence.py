@@ -55,6 +55,42 @@ DIVERGENCES: dict[DivergenceName, Callable[[torch.Tensor, torch.Tensor], torch.T
 }
 
 
+def against_point_mass(name: DivergenceName, p_x: torch.Tensor) -> torch.Tensor:
+    """D(p, δ_x) against a point mass q = δ_x (a prompt-lookup proposal), from a = p(x) alone.
+
+    With q = δ_x every divergence is a function of a = p(x) ∈ [0, 1]:
+
+    - kl: KL(p‖δ_x) = Σ_y p(y) log(p(y)/δ_x(y)) = +inf unless p = δ_x (a = 1, then 0): every
+      y ≠ x with p(y) > 0 has δ_x(y) = 0.
+    - reverse-kl: KL(δ_x‖p) = log(1/p(x)) = −log a (+inf at a = 0).
+    - js: with m = (p + δ_x)/2, m(x) = (1 + a)/2 and m(y) = p(y)/2 elsewhere,
+      KL(δ_x‖m) = log(2/(1 + a)) and KL(p‖m) = (1 − a) log 2 + a log(2a/(1 + a)), so
+      JS = log 2 + ½[a log a − (1 + a) log(1 + a)]: log 2 at a = 0, 0 at a = 1, decreasing.
+    - tv: ½[(1 − a) + Σ_{y≠x} p(y)] = 1 − a.
+
+    Args:
+        name: The divergence.
+        p_x: a = p(x) per row, shape [...] (probabilities, float).
+
+    Returns:
+        D(p, δ_x), shape [...], float32, in the divergence's units (clamped into its range).
+
+    Raises:
+        KeyError: unknown divergence name.
+    """
+    a = p_x.float().clamp(0.0, 1.0)
+    if name == "kl":
+        return torch.where(a >= 1.0, 0.0, math.inf)
+    if name == "reverse-kl":
+        return -a.log()
+    if name == "js":
+        half = 0.5 * (torch.special.xlogy(a, a) - (1 + a) * torch.log1p(a))
+        return (math.log(2.0) + half).clamp(0.0, math.log(2.0))
+    if name == "tv":
+        return 1.0 - a
+    raise KeyError(name)
+
+
 def divergence(name: DivergenceName, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """D(p, q) by name, over the last dimension: [..., vocab] × [..., vocab] -> [...].
 

@@ -113,19 +113,19 @@ class CostCurve:
         return v0 + (v1 - v0) * (width - w0) / (w1 - w0)
 
 
-def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, vocab_size: int) -> CostCurve:
+def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_size: int) -> CostCurve:
     """Time the draft's 1-token forward and the target's forward at `MEASURED_WIDTHS` on their
     devices, over a `MEASURE_CONTEXT`-token context, with caches of their own (a decoder's caches
     are not touched). Takes (1 + MEASURE_REPEATS) × (len(MEASURED_WIDTHS) + 1) forward passes,
     all eager (a compiled draft's forward is cheaper than measured: `cost` then drafts less than
-    it could)."""
-    t_model, d_model = CachedModel(target, vocab_size), CachedModel(draft, vocab_size)
+    it could). Without a draft model (prompt lookup) a draft position costs 0 seconds."""
+    t_model = CachedModel(target, vocab_size)
+    d_model = CachedModel(draft, vocab_size) if draft is not None else None
     longest = MEASURE_CONTEXT + MEASURED_WIDTHS[-1]
-    t_seq, d_seq = (
-        torch.arange(longest, device=m.device).remainder(vocab_size)[None] for m in (t_model, d_model)
-    )
+    t_seq = torch.arange(longest, device=t_model.device).remainder(vocab_size)[None]
     t_model.forward(t_seq, MEASURE_CONTEXT, keep=1)
-    d_model.forward(d_seq, MEASURE_CONTEXT, keep=1)
+    if d_model is not None:
+        d_model.forward(t_seq.to(d_model.device), MEASURE_CONTEXT, keep=1)
     clock = PhaseClock(t_model.device)
 
     def verify(width: int) -> float:
@@ -136,8 +136,10 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, vocab_size: i
         return seconds
 
     def draft_position() -> float:
+        if d_model is None:
+            return 0.0
         clock.lap()
-        d_model.forward(d_seq, MEASURE_CONTEXT + 1, keep=1).softmax(-1).max().item()
+        d_model.forward(t_seq.to(d_model.device), MEASURE_CONTEXT + 1, keep=1).softmax(-1).max().item()
         seconds = clock.lap()
         d_model.rollback(MEASURE_CONTEXT)
         return seconds

@@ -83,6 +83,8 @@ class StepStats:
         prefill_seconds: Wall-clock seconds encoding the prompt (first step only; not in `seconds`).
         cost: Sum of the costs (nats) of the tokens this step decided: the emitted ones, and the
             end-of-sequence token when it ends the reply (its law is part of the reply's).
+        lookup_hits: 1 when this step's draft tokens came from prompt lookup (an n-gram matched),
+            else 0.
     """
 
     drafted: int
@@ -100,6 +102,7 @@ class StepStats:
     draft_tokens: int
     prefill_seconds: float = 0.0
     cost: float = 0.0
+    lookup_hits: int = 0
 
     @property
     def accepted(self) -> int:
@@ -152,6 +155,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     cost: float = 0.0
     """Sum of the steps' costs in nats (see `StepStats.cost`)."""
+    lookup_hits: int = 0
+    """Steps whose draft tokens came from prompt lookup (see `StepStats.lookup_hits`)."""
     thresholds: list[float] = field(default_factory=list)
     """Distinct thresholds in force, in the order they were first used."""
 
@@ -170,6 +175,7 @@ class GenerationStats:
         self.other_seconds += s.other_seconds
         self.prefill_seconds += s.prefill_seconds
         self.cost += s.cost
+        self.lookup_hits += s.lookup_hits
         if s.threshold not in self.thresholds:
             self.thresholds.append(s.threshold)
 
@@ -230,5 +236,6 @@ class GenerationStats:
             "other_seconds": self.other_seconds,
             "prefill_seconds": self.prefill_seconds,
             "overhead_share": self.overhead_share,
+            "lookup_hits": self.lookup_hits,
             "thresholds": list(self.thresholds),
         }

@@ -30,6 +30,13 @@ CPU-scale pair (README, "Choosing the defaults"); below it fuzzy acceptances are
 
 MAX_DRAFT_TOKENS = 32
 
+DEFAULT_LOOKUP_NGRAM = 3
+"""Longest suffix (tokens) prompt lookup matches (`fsd_chat.decoding.lookup`), falling back to
+shorter ones; transformers' `max_matching_ngram_size` defaults to 2."""
+
+LOOKUP = "lookup"
+"""The `--draft` value that asks for prompt lookup (no draft model)."""
+
 MIN_TEMPERATURE = 1e-4
 """The smallest non-zero temperature: below it the division of float32 logits overflows (1e-40
 gives NaN probabilities), and sampling is already indistinguishable from greedy decoding."""

@@ -3,7 +3,9 @@
 One step (batch size 1; Leviathan et al. 2023, Algorithm 1, with the acceptance test of Holsman,
 Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 
-1. Draft: k forward passes of the draft model, x̃_i ~ q_i (argmax when greedy).
+1. Propose: up to k tokens x̃_i with their laws q_i (`fsd_chat.decoding.proposal`): k forward
+   passes of a draft model, x̃_i ~ q_i (argmax when greedy), or a prompt lookup, q_i = δ(x̃_i).
+   Nothing proposed (no n-gram matched): the step is a plain target step.
 2. Verify: one target forward pass over [last token, x̃_1..x̃_k] gives p_1..p_{k+1}.
 3. Accept the prefix of positions the rule accepts (see `acceptance.verify`).
 4. Correct: a resampled target token after a rejection, or a bonus token after k acceptances.
@@ -25,12 +27,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, Next, make_policy, measure_costs
+from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, make_policy, measure_costs
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
 from fsd_chat.decoding.memory import frees_memory_on_oom
+from fsd_chat.decoding.proposal import ModelDraft, Proposer
 from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, target_step
-from fsd_chat.decoding.sampling import draw, probabilities
+from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 
@@ -39,13 +42,13 @@ COMPILED_CONTEXT = 8192
 
 
 class SpeculativeDecoder:
-    """Draft-then-verify decoding of a target model with a smaller draft model.
+    """Draft-then-verify decoding of a target model with a smaller draft model or another proposer.
 
-    Both models must share the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`).
+    A draft model must share the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`).
 
     Args:
         target: The target model (the distribution to follow).
-        draft: The draft model (cheap proposals).
+        draft: The draft model (cheap proposals), or any `Proposer` (e.g. `PromptLookup`).
         tokenizer: The shared tokenizer.
         controls: Live settings and stop requests.
         vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
@@ -53,9 +56,11 @@ class SpeculativeDecoder:
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
         compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
-            (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens.
+            (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens. Only for a
+            draft model.
         costs: The device's draft and verify costs, asked for when the `cost` policy is first
-            used (default: measured on these models then, once; `ModelPair` keeps its own).
+            used (default: measured on these models then, once, a proposer without a draft model
+            costing nothing per position; `ModelPair` keeps its own).
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
@@ -65,7 +70,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: PreTrainedModel,
-        draft: PreTrainedModel,
+        draft: PreTrainedModel | Proposer,
         tokenizer: PreTrainedTokenizerBase,
         *,
         controls: Controls | None = None,
@@ -79,27 +84,35 @@ class SpeculativeDecoder:
         self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
-        contexts = [c for c in (context_length(target), context_length(draft)) if c is not None]
+        draft_model = draft if isinstance(draft, PreTrainedModel) else None
+        models = [m for m in (target, draft_model) if m is not None]
+        contexts = [c for c in map(context_length, models) if c is not None]
         self.context = min(contexts) if contexts else None
-        if compile_draft:
+        self.proposer: Proposer
+        if draft_model is None:
+            assert not isinstance(draft, PreTrainedModel)  # narrowed for mypy
+            self.proposer = draft
+        elif compile_draft:
             # The static cache is allocated whole: cap it, and the context with it.
             self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-            self.draft: CachedModel = CompiledModel(draft, vocab_size, self.context + MAX_DRAFT_TOKENS + 1)
+            self.proposer = ModelDraft(
+                CompiledModel(draft_model, vocab_size, self.context + MAX_DRAFT_TOKENS + 1)
+            )
         else:
-            self.draft = CachedModel(draft, vocab_size)
-        self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
-        self.costs = costs or cache(lambda: measure_costs(target, draft, vocab_size))
+            self.proposer = ModelDraft(CachedModel(draft_model, vocab_size))
+        self.eos_token_ids = eos_token_ids(tokenizer, *models)
+        self.costs = costs or cache(lambda: measure_costs(target, draft_model, vocab_size))
 
     @property
     def compile_error(self) -> str | None:
         """Why the compiled draft fell back to eager forward passes (None: it did not, or no
         compilation was asked for)."""
-        return self.draft.compile_error
+        return self.proposer.compile_error
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
         """The models whose KV caches this decoder fills."""
-        return (self.target, self.draft)
+        return (self.target, *self.proposer.cached_models)
 
     @frees_memory_on_oom
     def generate(
@@ -128,7 +141,7 @@ class SpeculativeDecoder:
         policy_name = self.controls.snapshot().draft_policy
         policy = make_policy(policy_name, self.costs)  # before the clock starts: it may measure
         start = begin(
-            [self.target, self.draft],
+            [self.target],
             prompt_ids,
             tokenizer=self.tokenizer,
             controls=self.controls,
@@ -141,35 +154,23 @@ class SpeculativeDecoder:
             time_phases=self.time_phases,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
-        prefill_seconds = start.prefill_seconds
+        self.proposer.prefill(reply)
+        prefill_seconds = start.prefill_seconds + clock.lap()
         while True:
             settings = self.controls.snapshot()
             if settings.draft_policy != policy_name:
                 policy, policy_name = make_policy(settings.draft_policy, self.costs), settings.draft_policy
                 clock.lap()  # a first measurement of the costs is no step's time
             k = policy.limit(settings, reply.room())
-            if k == 0:
-                step = target_step(
-                    self.target,
-                    reply,
-                    sampling=sampling,
-                    generator=generator,
-                    clock=clock,
-                    settings=settings,
-                    rule=settings.rule,
-                    prefill_seconds=prefill_seconds,
-                )
-            else:
-                step = self._speculative_step(
-                    reply, k, policy, settings, sampling, generator, clock, prefill_seconds
-                )
+            step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
+            if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
             prefill_seconds = 0.0
             yield step
             if step.stop_reason is not None:
                 return
 
-    def _speculative_step(
+    def _step(
         self,
         reply: Reply,
         limit: int,
@@ -180,36 +181,38 @@ class SpeculativeDecoder:
         clock: PhaseClock,
         prefill_seconds: float,
     ) -> Step:
+        """One step: propose up to `limit` tokens, verify them, emit the accepted prefix and the
+        target's token; a plain target step when nothing is proposed (or `limit` is 0)."""
         start = reply.length
         seq = reply.seq
-        # Under truncation the divergences compare the untruncated laws (see `acceptance`).
-        untruncated = sampling.untruncated() if sampling.truncates else None
-        q_rows: list[torch.Tensor] = []
-        q_full_rows: list[torch.Tensor] = []
-        for draft_forwards in range(1, limit + 1):
-            logits = self.draft.forward(seq, start + draft_forwards - 1, keep=1)
-            q = probabilities(logits[-1], sampling)
-            # The policy sees q before the draw: a kept position's token is still a draw from q.
-            then = policy.extend(q)
-            if then is Next.DROP:
-                break
-            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
-            q_rows.append(q)
-            if untruncated is not None:
-                q_full_rows.append(probabilities(logits[-1], untruncated))
-            if then is Next.STOP:
-                break
-        k = len(q_rows)
+        proposal = self.proposer.propose(reply, limit, policy, sampling, generator) if limit else None
+        if proposal is None or proposal.drafted == 0:
+            return target_step(
+                self.target,
+                reply,
+                sampling=sampling,
+                generator=generator,
+                clock=clock,
+                settings=settings,
+                rule=settings.rule,
+                prefill_seconds=prefill_seconds,
+            )
+        k = proposal.drafted
         draft_seconds = clock.lap()
 
         logits = self.target.forward(seq, start + k, keep=k + 1)
         p = probabilities(logits, sampling).to(device=seq.device)
-        p_full = None if untruncated is None else probabilities(logits[:k], untruncated).to(device=seq.device)
+        # Under truncation the divergences compare the untruncated laws (see `acceptance`).
+        p_full = (
+            probabilities(logits[:k], sampling.untruncated()).to(device=seq.device)
+            if sampling.truncates
+            else None
+        )
         target_seconds = clock.lap()
 
         verdict = verify(
             p,
-            torch.stack(q_rows),
+            proposal.q,
             seq[0, start : start + k],
             rule=settings.rule,
             divergence_name=settings.divergence,
@@ -217,13 +220,13 @@ class SpeculativeDecoder:
             sampling=sampling,
             generator=generator,
             p_full=p_full,
-            q_full=torch.stack(q_full_rows) if q_full_rows else None,
+            q_full=proposal.q_full,
         )
         n = verdict.accepted
         seq[0, start + n] = verdict.token_ids[-1]
         # Both caches must hold exactly the tokens before the last emitted one.
         self.target.rollback(start + n)
-        self.draft.rollback(start + n)
+        self.proposer.rollback(start + n)
         accepted_exact = sum(verdict.exact[:n])
         divergences: list[float | None] = [*verdict.divergences[:n]]
         divergences.append(verdict.divergences[n] if n < k else None)
@@ -233,7 +236,7 @@ class SpeculativeDecoder:
             accepted_fuzzy=n - accepted_exact,
             emitted=n + 1,
             target_forwards=1,
-            draft_forwards=draft_forwards,
+            draft_forwards=proposal.forwards,
             draft_seconds=draft_seconds,
             target_seconds=target_seconds,
             other_seconds=clock.lap(),
@@ -242,5 +245,6 @@ class SpeculativeDecoder:
             rule=settings.rule,
             draft_tokens=k,
             prefill_seconds=prefill_seconds,
+            lookup_hits=int(proposal.lookup),
         )
         return reply.commit(verdict.token_ids, verdict.origins(), divergences, verdict.costs, stats, clock)

@@ -229,6 +229,7 @@ class FsdChatApp(App[None]):
             decoder=self.decoder_factory(pair, self.controls),
             controls=self.controls,
             describe=pair.describe() + (" · autoregressive" if o.autoregressive else ""),
+            draft_kind=pair.draft_kind if pair.draft is None else None,
             sampling=o.sampling,
             max_new_tokens=o.max_new_tokens,
             raw=o.raw,

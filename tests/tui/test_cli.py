@@ -41,7 +41,7 @@ def test_chat_errors_before_the_tui_starts(
     code, _, err = run(["--target", str(missing), "--draft", str(target_dir)], capsys)
     assert code == 2 and err == f"fsd-chat: error: model path not found: {missing}\n"
     code, _, err = run(["chat"], capsys)
-    assert code == 2 and err.startswith("fsd-chat: error: no model pair: pass --target and --draft")
+    assert code == 2 and err.startswith("fsd-chat: error: no target model: pass --target")
     code, _, err = run(["chat", "--resume", "nope"], capsys)
     assert code == 2 and err.startswith("fsd-chat: error: no saved sessions yet")  # and none is created
     assert not sessions_path().exists()

@@ -7,11 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from textual.widgets import Static
 
 from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
 from fsd_chat.decoding.kv_cache import CompiledModel
-from fsd_chat.models import ModelPair
+from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.model_options import LoadOptions, ModelSpec
+from fsd_chat.models import ModelPair, load_pair
 from fsd_chat.store import SessionStore
+from fsd_chat.transcript import render_markdown
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat
@@ -47,7 +52,32 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
         decoder = app.screen.setup.decoder
         assert type(decoder) is decoder_type
         assert decoder.controls is app.controls  # type: ignore[attr-defined]
-        assert isinstance(getattr(decoder, "draft", None), CompiledModel) == compiled
+        assert isinstance(decoder.cached_models[-1], CompiledModel) == compiled  # type: ignore[attr-defined]
+
+
+async def test_a_target_alone_chats_with_prompt_lookup_and_says_so(target_dir: Path, tmp_path: Path) -> None:
+    pair = load_pair(ModelSpec(str(target_dir)), ModelSpec(LOOKUP), LoadOptions(device="cpu"))
+    options = ChatOptions(
+        target=pair.target_spec,
+        draft=pair.draft_spec,
+        store=SessionStore(tmp_path / "sessions.sqlite3"),
+        max_new_tokens=30,
+    )
+    app = FsdChatApp(options, loader=lambda progress: pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        assert isinstance(screen.setup.decoder, SpeculativeDecoder)
+        assert isinstance(screen.setup.decoder.proposer, PromptLookup)
+        header = screen.query_one("#header", Static).render()
+        assert "draft: prompt lookup (n ≤ 3), no draft model" in str(header)
+        legend = screen.query_one("#legend", Static).render()
+        assert str(legend).startswith("prompt lookup (n ≤ 3): ■ draft-exact")
+        await pilot.press(*"Lily had a red ball. Lily had a red ball. Lily had", "enter")
+        await wait_for(pilot, lambda: screen.streaming is None and len(screen.session.turns) == 2, 120)
+        assert screen.session.models["draft"] == LOOKUP
+        assert "lookup hits" in render_markdown(screen.session)
 
 
 async def test_a_failed_compilation_is_told_once_and_the_chat_goes_on(

@@ -76,6 +76,8 @@ class ChatSetup:
         decoder: Built once over the loaded pair; reused for every reply.
         controls: Shared with the decoder.
         describe: The header line (models, quantization, device).
+        draft_kind: The kind of draft the legend names (`ModelPair.draft_kind`); None for a draft
+            model, which the origins' names already say.
         sampling: Sampling settings.
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even when the tokenizer has a chat template.
@@ -92,6 +94,7 @@ class ChatSetup:
     decoder: Decoder
     controls: Controls
     describe: str
+    draft_kind: str | None
     sampling: SamplingConfig
     max_new_tokens: int
     raw: bool
@@ -139,7 +142,7 @@ class ChatScreen(Screen[None]):
         """Header, conversation, legend, dial and stats, prompt, footer."""
         yield Static(Content.assemble(("fsd-chat ", "bold $accent"), self.setup.describe), id="header")
         yield VerticalScroll(id="conversation")
-        yield Legend(self.setup.autoregressive, id="legend")
+        yield Legend(self.setup.autoregressive, draft_kind=self.setup.draft_kind, id="legend")
         with Horizontal(id="controls"):
             yield ThresholdDial(id="dial")
             yield StatsStrip(id="stats")

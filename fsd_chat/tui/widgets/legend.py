@@ -22,8 +22,11 @@ def legend_content(origins: tuple[Origin, ...]) -> Content:
 
 
 class Legend(Static):
-    """One line naming the colour of each origin in use."""
+    """One line naming the colour of each origin in use, after the kind of draft when it is not a
+    draft model (`draft_kind`, e.g. "prompt lookup (n ≤ 3)": then "draft" tokens were copied)."""
 
-    def __init__(self, autoregressive: bool, *, id: str | None = None) -> None:
-        origins = (Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS
-        super().__init__(legend_content(origins), id=id)
+    def __init__(self, autoregressive: bool, *, draft_kind: str | None = None, id: str | None = None) -> None:
+        content = legend_content((Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS)
+        if draft_kind is not None and not autoregressive:
+            content = Content.assemble((f"{draft_kind}: ", "$text-muted"), content)
+        super().__init__(content, id=id)

@@ -59,6 +59,8 @@ class StatsStrip(Horizontal):
             f"{w.tokens_per_second:5.0f} tok/s  ",
             cost_figure(w.cost_per_token),
             f"  acc {w.acceptance_rate:4.0%}  τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}",
+            # Prompt lookup drafts only where an n-gram matched: the share of steps it did.
+            f"  lookup {w.lookup_hits}/{w.steps}" if w.lookup_hits else "",
         )
 
     def add(self, steps: Iterable[Step]) -> None:

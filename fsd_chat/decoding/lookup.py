@@ -1,0 +1,104 @@
+"""Prompt lookup: draft tokens copied from the context itself, no draft model.
+
+At each step the context (prompt and reply so far) is searched for an earlier occurrence of its
+last n tokens; the tokens that followed that occurrence are proposed, up to k of them. Text that
+repeats, revises or quotes its prompt (code edits, summaries with names, retold stories) is
+proposed for free. Where no n-gram matches, nothing is proposed and the step is a plain target step.
+
+The match: the longest suffix of the context, of at most `ngram` tokens, that occurred before
+(falling back to shorter n-grams down to one token, as transformers does); among the occurrences of
+that length the latest, whose continuation is the most recent text. Sources: Saxena, "Prompt Lookup
+Decoding" (2023); transformers' `PromptLookupCandidateGenerator` (`prompt_lookup_num_tokens`,
+`max_matching_ngram_size`), which takes the earliest occurrence instead; llama.cpp's n-gram drafts
+(`--spec-type ngram-*`), which search the context's history the same way.
+
+The proposal is deterministic given the context: its law is a point mass q_i = δ(x̃_i), passed to
+the rules as `Proposal.q = None` (`fsd_chat.decoding.acceptance` derives each rule for it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsd_chat.decoding.draft_policy import DraftPolicy
+from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.proposal import DraftKind, Proposal
+from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, SamplingConfig
+
+
+def find_continuation(tokens: torch.Tensor, ngram: int, limit: int) -> tuple[int, int]:
+    """Where the continuation of the latest earlier occurrence of the context's longest matching
+    suffix (≤ `ngram` tokens) starts, and how many tokens of it to propose.
+
+    Vectorised over the context: every position's window of `ngram` tokens is compared with the
+    last window at once ([L, ngram] comparisons), the length of agreement is counted back from each
+    window's end, and the best (longest agreement, then latest) is chosen by one argmax. One host
+    read, of the two results.
+
+    Args:
+        tokens: The context, shape [L] int64 (prompt and reply so far; any device).
+        ngram: The longest suffix to match, in tokens (≥ 1).
+        limit: The most tokens to propose (≥ 1).
+
+    Returns:
+        (start, count): propose tokens[start : start + count]; count = 0 when nothing matches.
+    """
+    length = tokens.shape[0]
+    if length < 2:
+        return 0, 0
+    padded = torch.cat([tokens.new_full((ngram - 1,), -1), tokens])
+    windows = padded.unfold(0, ngram, 1)  # [L, ngram]: row e ends at tokens[e]
+    agree = (windows == windows[-1]).flip(-1).long().cumprod(-1).sum(-1)  # [L]
+    ends = torch.arange(length, device=tokens.device)
+    # Padding agrees with padding: no agreement runs past the context's start.
+    agree = agree.minimum(ends + 1)[:-1]  # the last window is the suffix itself: not an earlier one
+    best = (agree * length + ends[:-1]).argmax()
+    found, end = torch.stack([agree[best], best]).tolist()
+    if found == 0:
+        return 0, 0
+    start = end + 1
+    return start, min(limit, length - start)
+
+
+class PromptLookup:
+    """Proposals copied from the context (module docstring); no model, no cache.
+
+    Args:
+        ngram: The longest suffix matched, in tokens (≥ 1).
+
+    Raises:
+        ValueError: ngram < 1.
+    """
+
+    kind: DraftKind = "lookup"
+    cached_models: tuple[CachedModel, ...] = ()
+    compile_error: str | None = None
+
+    def __init__(self, ngram: int = DEFAULT_LOOKUP_NGRAM) -> None:
+        if ngram < 1:
+            raise ValueError(f"the lookup n-gram must be ≥ 1 token, got {ngram}")
+        self.ngram = ngram
+
+    def prefill(self, reply: Reply) -> None:
+        """Nothing to encode: the context is searched at each step."""
+
+    def propose(
+        self,
+        reply: Reply,
+        limit: int,
+        policy: DraftPolicy,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """Copy up to `limit` tokens of the matched continuation to seq[0, length:]. The policy
+        only caps the length (`limit`): a copied token's law, δ, says nothing of its acceptance."""
+        length = reply.length
+        start, count = find_continuation(reply.seq[0, :length], self.ngram, limit)
+        if count:
+            # start + count ≤ length: source and destination do not overlap.
+            reply.seq[0, length : length + count] = reply.seq[0, start : start + count]
+        return Proposal(drafted=count, q=None, forwards=0, lookup=count > 0)
+
+    def rollback(self, length: int) -> None:
+        """Nothing to roll back."""

@@ -1,0 +1,160 @@
+"""Where draft tokens come from: a `Proposer` gives each speculative step up to k proposed tokens
+and the law q each was drawn from; the acceptance rules (`fsd_chat.decoding.acceptance`) need
+nothing else of it.
+
+- `ModelDraft`: a draft model sharing the target's vocabulary; q_i is its next-token distribution
+  (rows over the target's vocabulary), x̃_i ~ q_i.
+- `fsd_chat.decoding.lookup.PromptLookup`: no model; the continuation of an earlier occurrence of
+  the context's last n-gram, a deterministic proposal whose law is a point mass q_i = δ(x̃_i),
+  represented by `Proposal.q = None` (the rules then use closed forms in p(x̃) alone).
+
+A proposer writes its tokens into the reply's buffer at seq[length : length + k]; the decoder runs
+the target over them, accepts a prefix, and calls `rollback` with the accepted length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from fsd_chat.decoding.draft_policy import DraftPolicy, Next
+from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.sampling import draw, probabilities
+from fsd_chat.decoding.settings import SamplingConfig
+
+DraftKind = Literal["model", "lookup"]
+"""What proposes: a draft model, or prompt lookup (no model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """One step's proposed tokens, already written at seq[0, length : length + drafted].
+
+    Attributes:
+        drafted: k, the number of proposed tokens (0: nothing to propose; the step is a plain
+            target step).
+        q: The proposal law of each token, shape [k, vocab] float32 on the reply's device; None
+            when every token is a point mass, q_i = δ(x̃_i) (a deterministic proposal).
+        q_full: Under truncated sampling, the draft's untruncated laws (temperature only), shape
+            [k, vocab], which the divergences compare (see `acceptance`); None otherwise, and for
+            point masses (truncation leaves a point mass unchanged).
+        forwards: Draft forward passes spent (0 without a draft model).
+        lookup: Proposed by prompt lookup (a lookup hit, counted in the step's stats).
+    """
+
+    drafted: int
+    q: torch.Tensor | None
+    forwards: int
+    lookup: bool = False
+    q_full: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """A source of draft tokens for `SpeculativeDecoder` (see the module docstring)."""
+
+    kind: DraftKind
+
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """The models whose KV caches this proposer fills (freed on out-of-memory)."""
+        ...
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why compiled draft forward passes fell back to eager ones (None: they did not, or none)."""
+        ...
+
+    def prefill(self, reply: Reply) -> None:
+        """Start a reply: forget the previous one and read the prompt, seq[0, : length − 1] (the
+        last prompt token is fed by the first step)."""
+        ...
+
+    def propose(
+        self,
+        reply: Reply,
+        limit: int,
+        policy: DraftPolicy,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """Write up to `limit` (≥ 1) proposed tokens at reply.seq[0, length:] and say what they are.
+
+        `policy.extend` is asked after each drafted position by proposers that draw position by
+        position (a draft model); a deterministic proposal is cut at `limit` alone.
+        """
+        ...
+
+    def rollback(self, length: int) -> None:
+        """The reply now holds its first `length` tokens plus one emitted token not yet fed."""
+        ...
+
+
+class ModelDraft:
+    """Proposals of a draft model that shares the target's vocabulary.
+
+    Args:
+        model: The draft, bound to its KV cache (`CachedModel` or `CompiledModel`).
+    """
+
+    kind: DraftKind = "model"
+
+    def __init__(self, model: CachedModel) -> None:
+        self.model = model
+
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """The draft model."""
+        return (self.model,)
+
+    @property
+    def compile_error(self) -> str | None:
+        """See `Proposer.compile_error`."""
+        return self.model.compile_error
+
+    def prefill(self, reply: Reply) -> None:
+        """Reset the draft's cache and encode the prompt but its last token."""
+        self.model.reset()
+        if reply.length > 1:
+            self.model.forward(reply.seq, reply.length - 1, keep=1)
+
+    def propose(
+        self,
+        reply: Reply,
+        limit: int,
+        policy: DraftPolicy,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """Up to `limit` draft forward passes, x̃_i ~ q_i, the policy deciding after each."""
+        start = reply.length
+        seq = reply.seq
+        untruncated = sampling.untruncated() if sampling.truncates else None
+        q_rows: list[torch.Tensor] = []
+        q_full_rows: list[torch.Tensor] = []
+        forwards = 0
+        for forwards in range(1, limit + 1):
+            logits = self.model.forward(seq, start + forwards - 1, keep=1)
+            q = probabilities(logits[-1], sampling)
+            # The policy sees q before the draw: a kept position's token is still a draw from q.
+            then = policy.extend(q)
+            if then is Next.DROP:
+                break
+            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
+            q_rows.append(q)
+            if untruncated is not None:
+                q_full_rows.append(probabilities(logits[-1], untruncated))
+            if then is Next.STOP:
+                break
+        return Proposal(
+            drafted=len(q_rows),
+            q=torch.stack(q_rows) if q_rows else None,
+            forwards=forwards,
+            q_full=torch.stack(q_full_rows) if q_full_rows else None,
+        )
+
+    def rollback(self, length: int) -> None:
+        """Crop the draft's cache to `length` tokens."""
+        self.model.rollback(length)
