@@ -25,7 +25,7 @@ def generate(
     from fsd_chat.generate import prompt_text, run_generate
 
     settings = o.decoding_settings(values)
-    sampling = o.sampling_config(values)
+    sampling = o.sampling_request(values)
     specs = o.model_specs(o.TARGET.of(values), o.DRAFT.of(values), values)
     text = prompt_text(prompt, sys.stdin.buffer)
     quiet_libraries()

@@ -75,7 +75,8 @@ class ChatSetup:
         decoder: Built once over the loaded pair; reused for every reply.
         controls: Shared with the decoder.
         describe: The header line (models, quantization, device).
-        sampling: Sampling settings.
+        sampling: Sampling settings (also shown in the header line).
+        sampling_source: Where they came from, and the model's processors not applied (help screen).
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even when the tokenizer has a chat template.
         autoregressive: Target-only decoding (the dial is off).
@@ -91,6 +92,7 @@ class ChatSetup:
     controls: Controls
     describe: str
     sampling: SamplingConfig
+    sampling_source: str
     max_new_tokens: int
     raw: bool
     autoregressive: bool
@@ -444,4 +446,5 @@ class ChatScreen(Screen[None]):
 
     def action_help(self) -> None:
         """Open the help screen."""
-        self.app.push_screen(HelpScreen(self.setup.keymap))
+        sampling = f"{self.setup.sampling.describe()}: {self.setup.sampling_source}"
+        self.app.push_screen(HelpScreen(self.setup.keymap, sampling))
