@@ -103,7 +103,7 @@ def chat(
             "or --resume a session"
         )
     settings = o.decoding_settings(v)
-    sampling = o.sampling_config(v)
+    sampling = o.sampling_request(v)
     for source in (target_source, draft_source):
         _check_local(source)
     specs = o.model_specs(target_source, draft_source, v)

@@ -31,6 +31,7 @@ from fsd_chat.decoding.settings import (
     DraftPolicyName,
     Rule,
     SamplingConfig,
+    SamplingRequest,
 )
 from fsd_chat.errors import FsdChatError, SettingsError
 from fsd_chat.model_options import (
@@ -326,10 +327,39 @@ AUTOREGRESSIVE = Option(
     "Target-only decoding (no draft: the baseline).",
     DECODING,
 )
-TEMPERATURE = Option("temperature", ("--temperature",), float, _SAMPLING.temperature, "0 = greedy.", SAMPLING)
-TOP_P = Option("top_p", ("--top-p",), float, _SAMPLING.top_p, "Nucleus sampling mass (1 = off).", SAMPLING)
+_MODELS_OWN = " Default: the target's generation_config, else {}."
+TEMPERATURE = Option(
+    "temperature",
+    ("--temperature",),
+    float,
+    None,
+    "0 = greedy." + _MODELS_OWN.format(f"{_SAMPLING.temperature:g} (greedy)"),
+    SAMPLING,
+)
+TOP_P = Option(
+    "top_p",
+    ("--top-p",),
+    float,
+    None,
+    "Nucleus sampling mass (1 = off)." + _MODELS_OWN.format("off"),
+    SAMPLING,
+)
 TOP_K = Option(
-    "top_k", ("--top-k",), int, _SAMPLING.top_k, "Keep the k most likely tokens (0 = off).", SAMPLING
+    "top_k",
+    ("--top-k",),
+    int,
+    None,
+    "Keep the k most likely tokens (0 = off)." + _MODELS_OWN.format("off"),
+    SAMPLING,
+)
+MIN_P = Option(
+    "min_p",
+    ("--min-p",),
+    float,
+    None,
+    "Keep tokens at least min-p times as likely as the most likely one (0 = off)."
+    + _MODELS_OWN.format("off"),
+    SAMPLING,
 )
 SEED = Option("seed", ("--seed",), int, None, "Random seed.", SAMPLING)
 MAX_NEW_TOKENS = Option(
@@ -346,7 +376,7 @@ RAW = Option("raw", ("--raw/--no-raw",), bool, False, "Plain text, no chat templ
 MODEL_OPTIONS: tuple[Option[Any], ...] = (QUANTIZE_TARGET, QUANTIZE_DRAFT, DEVICE, DTYPE, TRUST_REMOTE_CODE)
 """The model options that `pair_specs` reads, besides --target and --draft."""
 DECODING_OPTIONS: tuple[Option[Any], ...] = (THRESHOLD, DIVERGENCE, RULE, DRAFT_TOKENS, DRAFT_POLICY)
-SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, SEED)
+SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED)
 REPLY_OPTIONS: tuple[Option[Any], ...] = (
     *DECODING_OPTIONS,
     COMPILE_DRAFT,
@@ -421,15 +451,17 @@ def decoding_settings(values: Mapping[str, object]) -> DecodingSettings:
     )
 
 
-def sampling_config(values: Mapping[str, object]) -> SamplingConfig:
-    """A command's sampling options (`SAMPLING_OPTIONS` in `values`) -> `SamplingConfig`.
+def sampling_request(values: Mapping[str, object]) -> SamplingRequest:
+    """A command's sampling options (`SAMPLING_OPTIONS` in `values`) -> `SamplingRequest` (what is
+    not given is left to the target's generation_config).
 
     Raises:
         SettingsError: a value out of range.
     """
-    return SamplingConfig(
-        temperature=TEMPERATURE.of(values),
-        top_k=TOP_K.of(values),
-        top_p=TOP_P.of(values),
+    return SamplingRequest(
+        temperature=TEMPERATURE.get(values),
+        top_k=TOP_K.get(values),
+        top_p=TOP_P.get(values),
+        min_p=MIN_P.get(values),
         seed=SEED.get(values),
     )

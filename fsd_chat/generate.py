@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import BinaryIO
 
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from fsd_chat.chat_template import Message, prompt_ids
-from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, Step
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step
+from fsd_chat.decoding.settings import SamplingRequest
 from fsd_chat.models import LoadOptions, ModelSpec, load_pair
 from fsd_chat.text import TextError, decode_utf8, require_utf8, to_json, visible
 from fsd_chat.themes import default_origin_styles
@@ -70,7 +73,7 @@ def run_generate(
     options: LoadOptions,
     *,
     settings: DecodingSettings,
-    sampling: SamplingConfig,
+    sampling: SamplingRequest,
     max_new_tokens: int,
     raw: bool,
     as_json: bool,
@@ -87,6 +90,11 @@ def run_generate(
         OSError: standard output cannot be written (a full disk).
     """
     pair = load_pair(target, draft, options)
+    resolved = sampling.resolve(pair.target.generation_config, Path(target.source).name)
+    if resolved.not_applied and not as_json:
+        sys.stderr.write(
+            f"fsd-chat: not applied (the model's generation_config): {', '.join(resolved.not_applied)}\n"
+        )
     if pair.device.type == "cpu":
         apply_threads(threads)
     controls = Controls(settings)
@@ -99,7 +107,7 @@ def run_generate(
     token_ids: list[int] = []
     texts: list[str] = []
     stop_reason = None
-    for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling):
+    for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=resolved.config):
         totals.add(step)
         token_ids += [t.id for t in step.tokens]
         texts.append(step.text)
@@ -121,7 +129,9 @@ def run_generate(
                 "text": "".join(texts),
                 "stop_reason": None if stop_reason is None else str(stop_reason),
                 "settings": asdict(settings),
-                "sampling": asdict(sampling),
+                "sampling": asdict(resolved.config),
+                "sampling_source": resolved.source,
+                "not_applied": list(resolved.not_applied),
                 "stats": totals.to_dict(),
             }
         )
@@ -131,7 +141,8 @@ def run_generate(
             console.print(
                 f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · "
                 f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
-                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token"
+                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token · "
+                f"{resolved.config.describe()} ({escape(resolved.source)})"
                 + (
                     f" · lookup hits {totals.lookup_hits} of {totals.steps} steps"
                     if totals.lookup_hits

@@ -26,7 +26,7 @@ def generate(
     from fsd_chat.generate import prompt_text, run_generate
 
     settings = o.decoding_settings(values)
-    sampling = o.sampling_config(values)
+    sampling = o.sampling_request(values)
     specs = o.model_specs(o.TARGET.of(values), o.DRAFT.get(values) or LOOKUP, values)
     text = prompt_text(prompt, sys.stdin.buffer if sys.stdin is not None else None)
     quiet_libraries()

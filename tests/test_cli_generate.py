@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,7 @@ def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path,
         (["--dtype", "float64"], "unknown dtype 'float64'; use auto, float32, bfloat16, float16"),
         (["--draft-tokens", "0"], "draft length k"),
         (["--top-p", "1.5"], "top-p"),
+        (["--min-p", "1.5"], "min-p"),
         (["--device", "cuda"], "no CUDA GPU"),
         (["--threads", "0"], "--threads must be ≥ 1, got 0"),
     ],
@@ -180,3 +182,43 @@ def test_missing_bitsandbytes_is_one_line(target_dir: Path, draft_dir: Path, tmp
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "8bit quantization" in lines[0], result.stderr
+
+
+def test_sampling_defaults_come_from_the_generation_config(
+    target_dir: Path, draft_dir: Path, tmp_path: Path, capsys
+) -> None:
+    # A chat model's folder: its generation_config asks for sampling with top-p 0.9 and a
+    # repetition penalty, which fsd-chat names as not applied.
+    target = tmp_path / "chat-target"
+    shutil.copytree(target_dir, target)
+    config = json.loads((target / "generation_config.json").read_text())
+    config |= {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05}
+    (target / "generation_config.json").write_text(json.dumps(config))
+
+    def sampling(*flags: str) -> dict[str, object]:
+        args = ["generate", *pair_args(target, draft_dir), "--json", "--max-new-tokens", "8", *flags, "Once"]
+        code, out, _ = run_cli(args, capsys)
+        assert code == 0
+        return json.loads(out.splitlines()[-1])
+
+    own = sampling("--seed", "1")
+    assert own["sampling"] == {"temperature": 0.6, "top_k": 0, "top_p": 0.9, "min_p": 0.0, "seed": 1}
+    assert own["sampling_source"] == "chat-target's generation_config: temperature 0.6, top-p 0.9"
+    assert own["not_applied"] == ["repetition_penalty 1.05"]
+    given = sampling("--top-p", "1", "--min-p", "0.1")
+    assert given["sampling"] | {"seed": None} == {
+        "temperature": 0.6,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.1,
+        "seed": None,
+    }
+    assert given["sampling_source"].endswith("given: top-p 1, min-p 0.1")
+    assert sampling("--temperature", "0")["sampling"]["temperature"] == 0.0  # greedy
+    # The offline target's own config asks for nothing: greedy, the built-in default.
+    plain = json.loads(
+        run_cli(
+            ["generate", *pair_args(target_dir, draft_dir), "--json", "--max-new-tokens", "4", "Once"], capsys
+        )[1].splitlines()[-1]
+    )
+    assert plain["sampling"]["temperature"] == 0.0 and plain["sampling_source"] == "built-in default"

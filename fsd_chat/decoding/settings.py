@@ -160,3 +160,96 @@ class SamplingConfig:
         parts += [f"top-p {self.top_p:g}"] if self.top_p < 1.0 else []
         parts += [f"min-p {self.min_p:g}"] if self.min_p > 0.0 else []
         return ", ".join(parts)
+
+
+NOT_APPLIED: dict[str, object] = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+}
+"""generation_config fields whose logits processors fsd-chat does not apply, with their "off"
+values: each would have to reach p and q alike at every draft position, which the decoders do not
+do; a model that asks for one is told so in one line (`ResolvedSampling.not_applied`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedSampling:
+    """The sampling in force, and where it came from.
+
+    Attributes:
+        config: The sampling settings.
+        source: One line for people, e.g. "stories260K's generation_config: temperature 0.6,
+            top-p 0.9 · given: top-k 40" (given: by a flag or config.toml).
+        not_applied: The model's generation_config processors that are not applied, e.g.
+            ("repetition_penalty 1.05",).
+    """
+
+    config: SamplingConfig
+    source: str
+    not_applied: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """The sampling asked for by flags or config.toml; None leaves a value to the target's
+    `generation_config`, else to `SamplingConfig`'s default, as `transformers.generate` does.
+
+    Raises:
+        SettingsError: a given value out of range (checked at once, before any model loads).
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        given = {name: value for name, value in self._fields().items() if value is not None}
+        SamplingConfig(**given)  # type: ignore[arg-type]
+
+    def _fields(self) -> dict[str, float | int | None]:
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+        }
+
+    def resolve(self, generation_config: object | None, model: str) -> ResolvedSampling:
+        """The sampling in force for a target whose `generation_config` (a transformers
+        `GenerationConfig`, or None) is the model's own.
+
+        The model samples when its config says `do_sample`: then its temperature (1 when unset),
+        top-k, top-p and min-p apply; otherwise it is greedy (transformers' rule). A given value
+        overrides the model's; truncation applies only when sampling.
+
+        Args:
+            generation_config: The target's `generation_config`, or None.
+            model: The target's name, for `ResolvedSampling.source`.
+        """
+        own: dict[str, float | int] = {}
+        if generation_config is not None and getattr(generation_config, "do_sample", None):
+            own["temperature"] = getattr(generation_config, "temperature", None) or 1.0
+            for name in ("top_k", "top_p", "min_p"):
+                value = getattr(generation_config, name, None)
+                if value is not None:
+                    own[name] = value
+        given = {name: value for name, value in self._fields().items() if value is not None}
+        from_model = {name: value for name, value in own.items() if name not in given}
+        config = SamplingConfig(**{**from_model, **given}, seed=self.seed)  # type: ignore[arg-type]
+
+        def listed(values: dict[str, float | int]) -> str:
+            return ", ".join(f"{name.replace('_', '-')} {value:g}" for name, value in values.items())
+
+        parts = [f"{model}'s generation_config: {listed(from_model)}"] if from_model else []
+        parts += [f"given: {listed(given)}"] if given else []
+        not_applied = tuple(
+            f"{name} {getattr(generation_config, name):g}"
+            for name, off in NOT_APPLIED.items()
+            if generation_config is not None and getattr(generation_config, name, None) not in (None, off)
+        )
+        return ResolvedSampling(config, " · ".join(parts) or "built-in default", not_applied)

@@ -24,7 +24,12 @@ from textual.worker import Worker, WorkerState
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.settings import DEFAULT_MAX_NEW_TOKENS, DecodingSettings, SamplingConfig
+from fsd_chat.decoding.settings import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DecodingSettings,
+    SamplingConfig,
+    SamplingRequest,
+)
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
 from fsd_chat.session import Session, new_session_id, now
@@ -50,7 +55,7 @@ class ChatOptions:
     Attributes:
         target, draft, load: The models and how to load them.
         settings: Decoding settings at the start (the dial moves them).
-        sampling: Sampling settings.
+        sampling: The sampling asked for; the rest comes from the target's generation_config.
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even for chat models.
         autoregressive: Target-only decoding.
@@ -70,7 +75,7 @@ class ChatOptions:
     store: SessionStore
     load: LoadOptions = field(default_factory=LoadOptions)
     settings: DecodingSettings = field(default_factory=DecodingSettings)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     raw: bool = False
     autoregressive: bool = False
@@ -223,25 +228,30 @@ class FsdChatApp(App[None]):
 
     def _setup(self, pair: ModelPair) -> ChatSetup:
         o = self.options
+        resolved = o.sampling.resolve(pair.target.generation_config, Path(o.target.source).name)
         return ChatSetup(
             tokenizer=pair.tokenizer,
             vocab_size=pair.vocab_size,
             decoder=self.decoder_factory(pair, self.controls),
             controls=self.controls,
-            describe=pair.describe() + (" · autoregressive" if o.autoregressive else ""),
+            describe=pair.describe()
+            + (" · autoregressive" if o.autoregressive else "")
+            + f" · {resolved.config.describe()}",
             draft_kind=pair.draft_kind if pair.draft is None else None,
-            sampling=o.sampling,
+            sampling=resolved.config,
+            sampling_source=resolved.source
+            + (f"; not applied: {', '.join(resolved.not_applied)}" if resolved.not_applied else ""),
             max_new_tokens=o.max_new_tokens,
             raw=o.raw,
             autoregressive=o.autoregressive,
             store=o.store,
-            session=o.resume or self._new_session(pair),
+            session=o.resume or self._new_session(pair, resolved.config),
             transcripts_dir=o.transcripts_dir,
             keymap=o.keymap,
             tracebacks=self.tracebacks,
         )
 
-    def _new_session(self, pair: ModelPair) -> Session:
+    def _new_session(self, pair: ModelPair, sampling: SamplingConfig) -> Session:
         o = self.options
         models = {
             "target": o.target.source,
@@ -253,7 +263,7 @@ class FsdChatApp(App[None]):
         }
         settings = {
             **asdict(o.settings),
-            **asdict(o.sampling),
+            **asdict(sampling),
             "max_new_tokens": o.max_new_tokens,
             "mode": "autoregressive" if o.autoregressive else "speculative",
         }

@@ -68,9 +68,12 @@ async def test_the_real_loader_reports_progress_then_opens_the_chat(
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         assert seen[-1] == "ready" and any("loading target model stories260K" in s for s in seen)
-        assert "target stories260K (none) · draft stories260K-draft (none) · cpu float32" in str(
-            app.screen.query_one("#header", Static).content
-        )
+        header = str(app.screen.query_one("#header", Static).content)
+        assert "target stories260K (none) · draft stories260K-draft (none) · cpu float32" in header
+        # The sampling in force: the offline target's generation_config asks for none, so greedy.
+        assert header.endswith(" · greedy")
+        await pilot.press("f1")
+        assert str(app.screen.query_one("#help-sampling", Static).content) == "greedy: built-in default"
 
 
 async def test_user_theme_is_offered_and_broken_theme_falls_back(pair: ModelPair, tmp_path: Path) -> None:

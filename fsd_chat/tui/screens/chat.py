@@ -78,7 +78,8 @@ class ChatSetup:
         describe: The header line (models, quantization, device).
         draft_kind: The kind of draft the legend names (`ModelPair.draft_kind`); None for a draft
             model, which the origins' names already say.
-        sampling: Sampling settings.
+        sampling: Sampling settings (also shown in the header line).
+        sampling_source: Where they came from, and the model's processors not applied (help screen).
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even when the tokenizer has a chat template.
         autoregressive: Target-only decoding (the dial is off).
@@ -96,6 +97,7 @@ class ChatSetup:
     describe: str
     draft_kind: str | None
     sampling: SamplingConfig
+    sampling_source: str
     max_new_tokens: int
     raw: bool
     autoregressive: bool
@@ -450,4 +452,5 @@ class ChatScreen(Screen[None]):
 
     def action_help(self) -> None:
         """Open the help screen."""
-        self.app.push_screen(HelpScreen(self.setup.keymap))
+        sampling = f"{self.setup.sampling.describe()}: {self.setup.sampling_source}"
+        self.app.push_screen(HelpScreen(self.setup.keymap, sampling))

@@ -16,8 +16,8 @@ from fsd_chat.tui.keys import key_rows
 from fsd_chat.tui.themes import origin_style
 
 COLOURS: dict[Origin, str] = {
-    Origin.DRAFT_EXACT: "draft token accepted by the exact speculative test: follows the target's distribution",
-    Origin.DRAFT_FUZZY: "draft token accepted only because D(p, q) ≤ T: here the text may depart from the target",
+    Origin.DRAFT_EXACT: "draft token accepted by the exact speculative test: follows the target's distribution, costs 0",
+    Origin.DRAFT_FUZZY: "draft token kept where the relaxed test decided (D ≤ T, or mixture's blend): the text may depart from the target",
     Origin.TARGET_RESAMPLED: "token drawn from the target after it rejected a draft token",
     Origin.TARGET_BONUS: "the target's extra token after all k draft tokens were accepted",
     Origin.TARGET: "plain target token: autoregressive mode, and a reply's last token when no room is left to draft",
@@ -37,8 +37,8 @@ target alone would write. A change applies from the next decoding step and is ma
 reply. Each divergence has its own units and step: kl and reverse-kl in nats (0–2 on the dial),
 js in nats (0–ln 2), tv a probability (0–1).
 
-**T = 0** (ctrl+r) is exact speculative decoding: only the exact test accepts, so the replies
-follow the target model's own distribution — lossless, only faster than decoding with the target alone.
+**T = 0** (ctrl+r) is exact speculative decoding under every rule, pure included: only the exact
+test accepts, so the replies follow the target model's own distribution — lossless, only faster than decoding with the target alone.
 
 **What a token costs.** Every token is drawn from some law r — the draft's where the fuzzy test
 decided, the target's otherwise — and its **cost** is KL(r ‖ p) in nats: 0 for every token that
@@ -48,9 +48,11 @@ stats strip shows it per token beside tokens/s, so the dial shows both sides of 
 
 **The rules** (ctrl+g): **fuzzy** (FSD, the default), **mixture**, **pure** (the paper's released
 code: D ≤ T alone decides) and **exact**. Under **mixture** the target's law at each position is
-replaced by the blend (1 − λ)p + λq with the largest λ whose KL from p stays within T, and exact
-speculative sampling runs against that blend; so T is a hard budget, in nats, on every token's
-cost, and the dial reads in the same units as the cost figure.
+replaced by the blend (1 − λ)p + λq̄ (q̄: the draft's law on the tokens the target's top-k /
+top-p / min-p keep) with the largest λ whose KL from p stays within T, and exact speculative
+sampling runs against that blend; so T is a hard budget, in nats, on every token's cost, and the
+dial reads in the same units as the cost figure. Under truncated sampling, fuzzy and pure compare
+the models' untruncated laws, so T means the same with or without top-k, top-p and min-p.
 
 What T costs, in nats per token (sampling at temperature 1 · greedy), measured on the offline pair
 with k = 5 (README, "The divergences' scales"); under mixture every token costs at most T:
@@ -87,9 +89,10 @@ class HelpScreen(ModalScreen[None]):
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,f1,q", "app.pop_screen", "Close")]
 
-    def __init__(self, keymap: dict[str, str]) -> None:
+    def __init__(self, keymap: dict[str, str], sampling: str = "") -> None:
         super().__init__()
         self.keymap = keymap
+        self.sampling = sampling
 
     def compose(self) -> ComposeResult:
         """The help text."""
@@ -98,3 +101,7 @@ class HelpScreen(ModalScreen[None]):
             yield Markdown("## Colours")
             yield Static(colours_content(), id="help-colours")
             yield Markdown(DIAL)
+            if self.sampling:
+                yield Markdown("## Sampling in force")
+                # Plain content: the line holds the model's folder name, shown literally.
+                yield Static(Content(self.sampling), id="help-sampling")
