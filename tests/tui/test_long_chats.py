@@ -3,6 +3,7 @@ off the UI thread. Real pair, real SQLite file, real Textual pilot."""
 
 from __future__ import annotations
 
+import copy
 import sqlite3
 import time
 from pathlib import Path
@@ -10,10 +11,12 @@ from pathlib import Path
 from textual import events
 from textual.keys import _character_to_key
 
+from fsd_chat.chat_template import PromptBuilder
 from fsd_chat.models import ModelPair
 from fsd_chat.session import Session, Turn, now
 from fsd_chat.store import SessionStore
 from fsd_chat.tui.screens.chat import ChatScreen
+from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.widgets.prompt import PromptInput
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 
@@ -85,3 +88,35 @@ async def test_quitting_with_a_locked_store_keeps_the_exchange_in_a_transcript(
     text = transcript.read_text()
     assert "Hello there" in text and reply in text
     assert [s.id for s in SessionStore(path).summaries()] == [earlier.id]  # the store did not have it
+
+
+LOOPING_TEMPLATE = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+
+
+async def test_a_runaway_template_leaves_the_chat_working(pair: ModelPair, tmp_path: Path) -> None:
+    app = make_app(pair, tmp_path, max_new_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        tokenizer = copy.deepcopy(pair.tokenizer)
+        tokenizer.chat_template = LOOPING_TEMPLATE
+        screen.prompts = PromptBuilder(tokenizer, raw=False)
+        await pilot.press(*"Hello", "enter")
+        await pilot.pause(0.3)
+        await pilot.press("f1")  # the UI answers while the template runs
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        app.pop_screen()
+        await pilot.press("escape")  # cancels the render
+        await wait_for(pilot, lambda: screen.streaming is None)
+        (note,) = [n for n in app._notifications if n.title == "Message not sent"]
+        assert note.message == "stopped while the chat template was rendering"
+        assert screen.query_one(PromptInput).text == "Hello" and not screen.session.turns
+        screen.prompts = PromptBuilder(tokenizer, raw=False, seconds=0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.streaming is None and len(app._notifications) == 2)
+        assert list(app._notifications)[-1].message == "the chat template ran past 0.3 s"
+        screen.prompts = PromptBuilder(pair.tokenizer, raw=False)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.streaming is None and len(screen.session.turns) == 2)
+        assert screen.session.turns[0].content == "Hello"
