@@ -54,6 +54,8 @@ class SpeculativeDecoder:
             verdict comes back (see `PhaseClock`).
         compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
             (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens.
+        reuse_prefix: Keep both KV caches between replies and prefill only what a prompt does not
+            share with the last sequence (see `begin`).
         costs: The device's draft and verify costs, asked for when the `cost` policy is first
             used (default: measured on these models then, once; `ModelPair` keeps its own).
 
@@ -72,11 +74,13 @@ class SpeculativeDecoder:
         vocab_size: int | None = None,
         time_phases: bool = False,
         compile_draft: bool = False,
+        reuse_prefix: bool = True,
         costs: Callable[[], CostCurve] | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
         self.time_phases = time_phases
+        self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
         contexts = [c for c in (context_length(target), context_length(draft)) if c is not None]
@@ -139,6 +143,7 @@ class SpeculativeDecoder:
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
             time_phases=self.time_phases,
+            reuse_prefix=self.reuse_prefix,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         prefill_seconds = start.prefill_seconds
