@@ -292,15 +292,25 @@ def _too_long(
     return f"the last message needs {len(ids)} tokens{with_system}, but {window}: shorten it"
 
 
+TRIM_TO = 0.5
+"""When the conversation outgrows the window, the oldest exchanges go until the kept turns use at
+most this share of the room: the prompts after it start alike, and reuse the KV caches, until the
+window fills again (llama.cpp's context shift drops half the same way)."""
+
+
 class PromptBuilder:
     """The chat's prompts: the conversation fitted into the context window, in time linear in the
-    conversation.
+    conversation, keeping the prompt's start while it fits.
 
     Each turn's text is tokenised once (cached by its text). Walking back from the last turn, the
     turns are kept while their own tokens fit; only that suffix, about the window's size, is then
     built into a prompt (template included) by `fit_to_context`, which drops what still does not fit.
     A turn's own tokens can undercount what it adds to the prompt (template markup), never by much
     overcount it: one token per turn is allowed for a merge across a boundary.
+
+    The first kept turn is remembered: the next prompt starts from it again while that fits, so
+    consecutive prompts share their start (and the decoder's prefix reuse applies); when it no
+    longer fits, the conversation is trimmed to `TRIM_TO` of the room at once.
 
     Args:
         tokenizer: The shared tokenizer.
@@ -322,6 +332,8 @@ class PromptBuilder:
         self.seconds = seconds
         self.size = size
         self._counts: dict[str, int] = {}
+        self._first: tuple[int, Message] | None = None
+        """Index (among the turns) and message of the last prompt's first kept turn."""
 
     def _count(self, text: str) -> int:
         count = self._counts.get(text)
@@ -329,6 +341,29 @@ class PromptBuilder:
             ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
             count = self._counts[text] = max(len(ids) - 1, 0)
         return count
+
+    def _start(self, head: list[Message], turns: list[Message], room: int) -> int:
+        """The first turn to keep: the remembered one if the turns from it fit `room` by their own
+        tokens, else the earliest user turn from which they fit (all of them), else the earliest
+        from which they fit `TRIM_TO` of it."""
+        room -= sum(self._count(m.content) for m in [*head, turns[-1]])
+        fits = trimmed = len(turns) - 1
+        used = 0
+        for i in range(len(turns) - 2, -1, -1):
+            used += self._count(turns[i].content)
+            if used > room:
+                break
+            if turns[i].role == "user":
+                fits = i
+                if used <= TRIM_TO * room:
+                    trimmed = i
+        if fits == 0:
+            return 0
+        if self._first is not None:
+            index, message = self._first
+            if fits <= index < len(turns) - 1 and turns[index] == message:
+                return index
+        return trimmed
 
     def build(
         self,
@@ -350,17 +385,7 @@ class PromptBuilder:
         """
         head = messages[:1] if messages and messages[0].role == "system" else []
         turns = messages[len(head) :]
-        start = len(turns) - 1
-        if context is not None:
-            room = context - reserve - sum(self._count(m.content) for m in [*head, turns[-1]])
-            for i in range(len(turns) - 2, -1, -1):
-                room -= self._count(turns[i].content)
-                if room < 0:
-                    break
-                if turns[i].role == "user":
-                    start = i
-        else:
-            start = 0
+        start = 0 if context is None else self._start(head, turns, context - reserve)
         limits = RenderLimits(self.seconds, self.size, cancelled)
         kept, ids = fit_to_context(
             self.tokenizer,
@@ -370,4 +395,6 @@ class PromptBuilder:
             raw=self.raw,
             limits=limits,
         )
+        first = len(messages) - len(kept) + len(head)
+        self._first = (first - len(head), messages[first]) if first < len(messages) - 1 else None
         return len(messages) - len(kept), ids

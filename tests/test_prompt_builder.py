@@ -16,7 +16,6 @@ from fsd_chat.chat_template import (
     RenderLimits,
     TemplateLimitError,
     check_template,
-    fit_to_context,
     prompt_ids,
 )
 from fsd_chat.models import ModelPair
@@ -57,26 +56,27 @@ def conversation(turns: int) -> list[Message]:
 
 
 @pytest.mark.parametrize("templated", [False, True], ids=["plain", "template"])
-def test_a_long_conversation_is_fitted_like_before_with_work_bounded_by_the_window(
+def test_a_long_conversation_is_fitted_with_work_bounded_by_the_window(
     pair: ModelPair, templated: bool
 ) -> None:
     tokenizer = copy.deepcopy(pair.tokenizer)
     tokenizer.chat_template = TEMPLATE if templated else None
     counting = CountingTokenizer(tokenizer)
-    builder = PromptBuilder(counting, raw=False)  # type: ignore[arg-type]
     for turns in (100, 600):
+        builder = PromptBuilder(counting, raw=False)  # type: ignore[arg-type]
         messages = conversation(turns)
         counting.calls = 0
         dropped, ids = builder.build(messages, context=512, reserve=128)
         # The window holds about 20 turns: the work is that, whatever the conversation's length.
         assert counting.calls < 40
-        kept, expected = fit_to_context(tokenizer, messages, context=512, reserve=128)
-        assert ids == expected and dropped == len(messages) - len(kept)
-        assert len(ids) + 128 <= 512
+        kept = [messages[0], *messages[1 + dropped :]]
+        assert kept[1].role == "user" and ids == prompt_ids(tokenizer, kept)
+        # Trimmed to half the room at once: far from full, yet more than a few turns.
+        assert 128 < len(ids) <= 512 - 128
     # The next send tokenises only what is new (three texts) and builds a window-sized prompt a few
     # times (a template's markup is not in the turns' own counts, so a few more exchanges go).
     messages = [
-        *conversation(600)[:-1],
+        *messages[:-1],
         Message("user", "And?"),
         Message("assistant", "A dog came."),
         Message("user", "Who?"),
@@ -84,6 +84,23 @@ def test_a_long_conversation_is_fitted_like_before_with_work_bounded_by_the_wind
     counting.calls = 0
     builder.build(messages, context=512, reserve=128)
     assert counting.calls <= 10
+
+
+def test_the_prompt_keeps_its_start_until_the_window_is_full(pair: ModelPair) -> None:
+    builder = PromptBuilder(pair.tokenizer, raw=False)
+    messages = conversation(60)
+    dropped, ids = builder.build(messages, context=512, reserve=128)
+    starts = []
+    for i in range(12):
+        messages = [*messages, Message("assistant", f"The end of part {i}."), Message("user", "More?")]
+        again, longer = builder.build(messages, context=512, reserve=128)
+        starts.append(again)
+        if again == dropped:  # the same first turn: the new prompt extends the old one
+            assert longer[: len(ids) - 4] == ids[: len(ids) - 4]
+        else:  # trimmed again, to about half the room
+            assert again > dropped and len(longer) < len(ids)
+        dropped, ids = again, longer
+    assert len(set(starts)) < len(starts) // 2  # most prompts kept their start
 
 
 @pytest.mark.parametrize(
