@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from fsd_chat.chat_template import Message, PromptBuilder
-from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, SpeculativeDecoder
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.session import ReplyRecord, Session, Turn, new_session_id, now
 from fsd_chat.store import SessionStore
@@ -40,6 +40,22 @@ QUESTIONS = [
 """User messages of about the same length (12 to 13 tokens), asked in turn."""
 
 
+def count_prefill(decoder: SpeculativeDecoder) -> list[int]:
+    """Tokens fed by the target's forward passes that keep one position's logits (a reply's
+    prefill comes first; verifying steps keep k + 1), recorded by wrapping its real forward."""
+    target = decoder.target
+    forward = target.forward
+    counts: list[int] = []
+
+    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        if keep == 1:  # only a prefill keeps one position's logits: a step keeps k + 1
+            counts.append(upto - target.seen)
+        return forward(seq, upto, keep)
+
+    target.forward = counting  # type: ignore[method-assign]
+    return counts
+
+
 def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[str, float | int]]:
     """Per reply: the prompt's length, the tokens dropped from it, and both decoders' first-token
     seconds."""
@@ -47,6 +63,7 @@ def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[
     reusing = pair.speculative(Controls(settings))
     fresh = pair.speculative(Controls(settings))
     fresh.reuse_prefix = False
+    prefilled = {name: count_prefill(d) for name, d in (("reuse", reusing), ("fresh", fresh))}
     context = reusing.context
     assert context is not None
     builder = PromptBuilder(pair.tokenizer, raw=False)
@@ -60,6 +77,7 @@ def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[
         order = ("reuse", "fresh") if turn % 2 == 0 else ("fresh", "reuse")
         for name in order:
             decoder = reusing if name == "reuse" else fresh
+            prefilled[name].clear()
             stats = GenerationStats()
             text = []
             for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingConfig()):
@@ -73,13 +91,16 @@ def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[
                 "reply": turn + 1,
                 "prompt_tokens": len(ids),
                 "dropped_messages": dropped,
+                "prefilled_tokens_fresh": prefilled["fresh"][0] if prefilled["fresh"] else 0,
+                "prefilled_tokens_reuse": prefilled["reuse"][0] if prefilled["reuse"] else 0,
                 "first_token_seconds_fresh": seconds["fresh"],
                 "first_token_seconds_reuse": seconds["reuse"],
             }
         )
         r = rows[-1]
         print(
-            f"reply {turn + 1:2d}: prompt {len(ids):3d} tokens, {dropped:2d} messages dropped; first token "
+            f"reply {turn + 1:2d}: prompt {len(ids):3d} tokens ({r['prefilled_tokens_reuse']:3d} prefilled "
+            f"with reuse), {dropped:2d} messages dropped; first token "
             f"{seconds['fresh']:.3f} s without reuse, {seconds['reuse']:.3f} s with "
             f"(×{r['first_token_seconds_fresh'] / r['first_token_seconds_reuse']:.1f})",
             flush=True,
