@@ -1,18 +1,20 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
-A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass, and the worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the
-UI only when the buffer was empty. The UI takes everything buffered as one batch when its
+A message is sent through the generation worker (a thread), which first builds the prompt
+(`PromptBuilder`: the chat template under time and size limits, the conversation fitted into the
+context window) and then decodes: the decoder yields one `Step` per target forward pass, and the
+worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the UI only when the buffer was
+empty. The UI takes everything buffered as one batch when its
 `BatchPacer` allows: about 30 batches a second at most, fewer when drawing is costly. A batch goes
 to the streaming `ReplyView`, which adds its steps to the reply and re-renders only its live tail
 (the text after its last finished line), and to the stats strip, which refreshes once. The reply
 is rendered whole once, when it ends. Keys change the shared `Controls`, which the decoder reads at
 the start of every step.
 
-Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
-together with the reply it asks for (stored as `streaming`), so the stored session always
-alternates; the reply's row is rewritten at most once a second while it streams and once when it
-ends (stopped, if a new chat, quit or a signal cut it short).
+Saving runs in a `SessionWriter` thread, never on the UI thread: once its prompt is built, a
+message is appended together with the reply it asks for (stored as `streaming`), so the stored
+session always alternates; the reply's row is rewritten at most once a second while it streams and
+once when it ends (stopped, if a new chat, quit or a signal cut it short).
 """
 
 from __future__ import annotations
