@@ -66,6 +66,8 @@ def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[
     prefilled = {name: count_prefill(d) for name, d in (("reuse", reusing), ("fresh", fresh))}
     context = reusing.context
     assert context is not None
+    for decoder in (reusing, fresh):  # the first forward passes of a process pay for set-up
+        list(decoder.generate(pair.tokenizer("The end.").input_ids, max_new_tokens=4))
     builder = PromptBuilder(pair.tokenizer, raw=False)
     messages: list[Message] = []
     rows: list[dict[str, float | int]] = []
