@@ -138,7 +138,9 @@ def chat(
     if debug:
         for text in app.tracebacks:
             sys.stderr.write(text)
-    if app.return_code:  # a crash (1) or an ending signal (128 + its number)
+    for note in app.exit_notes:
+        print(note, file=sys.stderr)
+    if app.return_code:  # a crash or an unsaved session (1), or an ending signal (128 + its number)
         raise SystemExit(app.return_code)
 
 

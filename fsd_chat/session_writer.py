@@ -1,15 +1,17 @@
 """Saving a chat session off the UI thread: one writer thread applies the saves in order.
 
 A save that fails (the file locked past the busy timeout, a full disk) stays at the head of the
-queue: it is reported once, and retried with everything after it on the next save (or `close`),
-so nothing is lost while the chat goes on. A streaming reply's rows are written as snapshots;
-only the latest pending snapshot of a turn is kept. An update that finds its row gone (the data
-folder deleted mid-reply) saves the session's written turns again instead of counting as done.
+queue: it is reported once, and retried with everything after it on the next save, so nothing is
+lost while the chat goes on; `close` retries until its time is up. A streaming reply's rows are
+written as snapshots; only the latest pending snapshot of a turn is kept. An update that finds its
+row gone (the data folder deleted mid-reply) saves the session's written turns again instead of
+counting as done.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +19,10 @@ from dataclasses import dataclass
 from fsd_chat.errors import FsdChatError
 from fsd_chat.session import Session, Turn
 from fsd_chat.store import SessionStore
+
+RETRY_SECONDS = 0.25
+"""Pause between two tries of a failed save while closing (each try also waits the store's busy
+timeout)."""
 
 
 @dataclass(slots=True)
@@ -64,6 +70,7 @@ class SessionWriter:
         self._puts = 0
         self._failing = False
         self._closing = False
+        self._close_deadline = 0.0
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="session-writer", daemon=True)
         self._thread.start()
@@ -100,13 +107,16 @@ class SessionWriter:
             return len(self._queue)
 
     def close(self, timeout: float) -> bool:
-        """Write what is pending (waiting at most `timeout` seconds) and stop the thread.
+        """Write what is pending, retrying failed saves for at most `timeout` seconds, and stop the
+        thread.
 
         Returns:
             Whether everything was written.
         """
         with self._wake:
-            self._closing = True
+            if not self._closing:
+                self._closing = True
+                self._close_deadline = time.monotonic() + timeout
             self._wake.notify()
         self._thread.join(timeout)
         return self.pending() == 0
@@ -132,7 +142,11 @@ class SessionWriter:
                     if isinstance(op, _Update):
                         op.in_flight = False
                     if self._closing:
-                        return
+                        left = self._close_deadline - time.monotonic()
+                        if left <= 0:
+                            return
+                        self._wake.wait(min(left, RETRY_SECONDS))
+                        continue
                     # Retried on the next save (or close), not in a busy loop.
                     while self._puts == puts and not self._closing:
                         self._wake.wait()

@@ -91,12 +91,14 @@ def cost_summary(cost: float, tokens: int) -> str:
 
 
 def reply_summary(record: ReplyRecord) -> str:
-    """A reply's statistics in one line (tokens, tokens/s, acceptance, τ, fuzzy share, T, cost,
-    end)."""
+    """A reply's statistics in one line (tokens, tokens/s, time to the first token, acceptance, τ,
+    fuzzy share, T, cost, end)."""
     s = record.stats
     if not s:
         return "no tokens"
     parts = [f"{s['tokens']} tokens", f"{s['tokens_per_second']:.1f} tokens/s"]
+    if "first_token_seconds" in s:  # absent from sessions saved before it was measured
+        parts.append(f"first token {s['first_token_seconds']:.2f} s")
     if s["drafted"]:
         parts += [
             f"acceptance {s['acceptance_rate']:.0%}",

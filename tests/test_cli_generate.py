@@ -58,6 +58,14 @@ def test_json_lines(target_dir: Path, draft_dir: Path, pair, capsys) -> None:
         "target_forwards",
     ):
         assert key in stats
+    # The first token comes after the prefill and the first step.
+    first_step = steps[0]["stats"]
+    assert stats["first_token_seconds"] == pytest.approx(
+        stats["prefill_seconds"]
+        + first_step["draft_seconds"]
+        + first_step["target_seconds"]
+        + first_step["other_seconds"]
+    )
     assert len(final["token_ids"]) == 40
     assert stats["target_forwards"] == len(steps)
     assert stats["mean_accepted_length"] == pytest.approx(40 / len(steps))

@@ -27,6 +27,7 @@ class AutoregressiveDecoder:
             each step's stats.
         vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
         time_phases: Synchronise the device at each phase (see `SpeculativeDecoder`).
+        reuse_prefix: Keep the KV cache between replies (see `SpeculativeDecoder`).
     """
 
     rule = "autoregressive"
@@ -39,9 +40,11 @@ class AutoregressiveDecoder:
         controls: Controls | None = None,
         vocab_size: int | None = None,
         time_phases: bool = False,
+        reuse_prefix: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.time_phases = time_phases
+        self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size or len(tokenizer))
         self.context = context_length(target)
@@ -86,6 +89,7 @@ class AutoregressiveDecoder:
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
             time_phases=self.time_phases,
+            reuse_prefix=self.reuse_prefix,
         )
         prefill_seconds = start.prefill_seconds
         while True:

@@ -157,12 +157,17 @@ class GenerationStats:
     """Sum of the steps' costs in nats (see `StepStats.cost`)."""
     lookup_hits: int = 0
     """Steps whose draft tokens came from prompt lookup (see `StepStats.lookup_hits`)."""
+    first_token_seconds: float = 0.0
+    """Wall-clock seconds from the start of the reply to its first step's tokens: the prompt's
+    prefill and the first step (of the first generation, when several are added)."""
     thresholds: list[float] = field(default_factory=list)
     """Distinct thresholds in force, in the order they were first used."""
 
     def add(self, step: Step) -> None:
         """Fold one step's statistics into the totals."""
         s = step.stats
+        if not self.steps:
+            self.first_token_seconds = s.prefill_seconds + s.seconds
         self.tokens += s.emitted
         self.drafted += s.drafted
         self.accepted_exact += s.accepted_exact
@@ -235,6 +240,7 @@ class GenerationStats:
             "target_seconds": self.target_seconds,
             "other_seconds": self.other_seconds,
             "prefill_seconds": self.prefill_seconds,
+            "first_token_seconds": self.first_token_seconds,
             "overhead_share": self.overhead_share,
             "lookup_hits": self.lookup_hits,
             "thresholds": list(self.thresholds),

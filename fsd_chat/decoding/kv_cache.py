@@ -1,4 +1,6 @@
-"""A causal LM bound to its KV cache: feed only unseen tokens, roll back to an accepted prefix.
+"""A causal LM bound to its KV cache: feed only unseen tokens, roll back to an accepted prefix, and
+keep what a new sequence shares with the last one (prefix reuse: a chat's next prompt starts with
+its previous one).
 
 Uses transformers' `DynamicCache`. Rollback is `DynamicCache.crop(-n)` (drop the last n tokens). A
 model is admitted only when transformers says its cache can be cropped without a trace
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from fsd_chat.errors import UnsupportedCacheError
+
+COMPILED_TOKENS = 2
+"""Longest forward pass `CompiledModel` compiles: one token per draft step, two for a catch-up."""
 
 
 def context_length(model: PreTrainedModel) -> int | None:
@@ -40,7 +45,7 @@ def input_device(model: PreTrainedModel) -> torch.device:
 class CachedModel:
     """One model and the KV cache of the sequence it has seen.
 
-    Invariant: the cache holds the first `seen` tokens of the caller's sequence buffer.
+    Invariant: the cache holds the first `seen` tokens of the last sequence buffer fed (`fed`).
 
     Args:
         model: A causal LM (transformers `PreTrainedModel`).
@@ -62,6 +67,8 @@ class CachedModel:
         self.device = input_device(model)
         self.cache: Cache = self._new_cache()
         self.seen = 0
+        self.fed: torch.Tensor | None = None
+        """The buffer of the last forward pass (shape [1, capacity]): the cache holds its first `seen` tokens."""
         self._check_rollback()
 
     def _new_cache(self) -> Cache:
@@ -71,6 +78,34 @@ class CachedModel:
         """Start a new sequence with an empty cache."""
         self.cache = self._new_cache()
         self.seen = 0
+
+    def _prefix_reusable(self) -> bool:
+        # A sliding-window layer keeps only its window once it trims its recorded past: it cannot
+        # go back to an arbitrary earlier prefix. Exactly DynamicLayer: sliding layers subclass it.
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def keep_prefix(self, seq: torch.Tensor, length: int) -> int:
+        """Start the sequence `seq[0, :length]`, keeping the cached tokens it begins with: the cache
+        is rolled back to the longest common prefix of the cached sequence and the new one (emptied
+        when the model's layers cannot be rolled back that far).
+
+        Args:
+            seq: The new token buffer, shape [1, capacity] int64 on the model's device.
+            length: Its tokens to compare (those the caller will feed).
+
+        Returns:
+            The tokens kept (the new `seen`).
+        """
+        common = 0
+        if self.fed is not None and self.seen and self._prefix_reusable():
+            n = min(self.seen, length)
+            differ = torch.nonzero(self.fed[0, :n] != seq[0, :n])
+            common = int(differ[0, 0]) if len(differ) else n
+        if common == 0:
+            self.reset()
+        else:
+            self.rollback(common)
+        return self.seen
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
@@ -100,6 +135,7 @@ class CachedModel:
                 "which speculative decoding needs to roll back rejected tokens"
             )
         self.seen = upto
+        self.fed = seq
         if first:
             self.cache.activate_past_recording()
         return out.logits[0, -keep:, : self.vocab_size].float()
@@ -133,8 +169,9 @@ class CompiledModel(CachedModel):
     launches on a GPU; compiling it (on CUDA with CUDA graphs, mode "reduce-overhead") removes most
     of both. The static cache (transformers' `StaticCache`) keeps tensor shapes and addresses fixed:
     rolling back only moves each layer's write position, and the slots beyond it are masked out
-    until they are overwritten. Multi-token forward passes (the prompt, a catch-up after a fully
-    accepted block) run eagerly over the same cache.
+    until they are overwritten. A 2-token forward pass (the draft's catch-up after a fully accepted
+    block) is compiled too, as a second graph; longer ones (the prompt) run eagerly over the same
+    cache.
 
     If compilation fails (no C++ compiler, an unsupported operator), the model runs eagerly from
     then on and `compile_error` says why.
@@ -175,7 +212,7 @@ class CompiledModel(CachedModel):
             "logits_to_keep": keep,
         }
         out = None
-        if upto - self.seen == 1 and self.compile_error is None:
+        if upto - self.seen <= COMPILED_TOKENS and self.compile_error is None:
             try:
                 out = self._compiled(**kwargs)
             except Exception as exc:  # compilation failures come in many types; fall back to eager
@@ -183,6 +220,7 @@ class CompiledModel(CachedModel):
         if out is None:
             out = self.model(**kwargs)
         self.seen = upto
+        self.fed = seq
         return out.logits[0, -keep:, : self.vocab_size].float()
 
     def rollback(self, length: int) -> None:
@@ -196,6 +234,9 @@ class CompiledModel(CachedModel):
                 # In place: CUDA graphs captured the tensor's address.
                 layer.cumulative_length.fill_(length)
         self.seen = length
+
+    def _prefix_reusable(self) -> bool:
+        return True  # rolling back only moves the write position
 
     def _check_rollback(self) -> None:
         # Exactly StaticLayer: the sliding-window static layers subclass it.

@@ -68,8 +68,8 @@ class Proposer(Protocol):
         ...
 
     def prefill(self, reply: Reply) -> None:
-        """Start a reply: forget the previous one and read the prompt, seq[0, : length − 1] (the
-        last prompt token is fed by the first step)."""
+        """Start a reply whose prompt is seq[0, : length] (the last prompt token is fed by the
+        first step), after `reply.begin` has prefilled the `cached_models`."""
         ...
 
     def propose(
@@ -115,10 +115,8 @@ class ModelDraft:
         return self.model.compile_error
 
     def prefill(self, reply: Reply) -> None:
-        """Reset the draft's cache and encode the prompt but its last token."""
-        self.model.reset()
-        if reply.length > 1:
-            self.model.forward(reply.seq, reply.length - 1, keep=1)
+        """Nothing more: `reply.begin` prefills the draft's cache (a `cached_models` entry) as the
+        target's, keeping the prefix it shares with the last reply."""
 
     def propose(
         self,

@@ -181,10 +181,13 @@ def begin(
     eos_token_ids: frozenset[int],
     stop_strings: tuple[str, ...],
     time_phases: bool,
+    reuse_prefix: bool,
 ) -> Start:
-    """Start a reply: reset the models' caches and prefill them with all prompt tokens but the last
-    (each step feeds the last token itself). `time_phases`: synchronise the device at each phase so
-    that draft, target and other seconds are exact (see `PhaseClock`).
+    """Start a reply: prefill the models' caches with all prompt tokens but the last (each step
+    feeds the last token itself). With `reuse_prefix`, each cache keeps the tokens the prompt
+    shares with what it holds (`CachedModel.keep_prefix`) and only the rest is fed; else the caches
+    start empty. `time_phases`: synchronise the device at each phase so that draft, target and
+    other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -203,8 +206,11 @@ def begin(
     )
     clock = PhaseClock(device, synchronize=time_phases)
     for model in models:
-        model.reset()
-        if reply.length > 1:
+        if reuse_prefix:
+            model.keep_prefix(reply.seq, reply.length - 1)
+        else:
+            model.reset()
+        if reply.length - 1 > model.seen:
             model.forward(reply.seq, reply.length - 1, keep=1)
     return Start(reply, seeded_generator(sampling, device), clock, clock.lap())
 

@@ -58,6 +58,8 @@ class SpeculativeDecoder:
         compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
             (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens. Only for a
             draft model.
+        reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
+            share with the last sequence (see `begin`).
         costs: The device's draft and verify costs, asked for when the `cost` policy is first
             used (default: measured on these models then, once, a proposer without a draft model
             costing nothing per position; `ModelPair` keeps its own).
@@ -77,11 +79,13 @@ class SpeculativeDecoder:
         vocab_size: int | None = None,
         time_phases: bool = False,
         compile_draft: bool = False,
+        reuse_prefix: bool = True,
         costs: Callable[[], CostCurve] | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
         self.time_phases = time_phases
+        self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
         draft_model = draft if isinstance(draft, PreTrainedModel) else None
@@ -141,7 +145,7 @@ class SpeculativeDecoder:
         policy_name = self.controls.snapshot().draft_policy
         policy = make_policy(policy_name, self.costs)  # before the clock starts: it may measure
         start = begin(
-            [self.target],
+            self.cached_models,
             prompt_ids,
             tokenizer=self.tokenizer,
             controls=self.controls,
@@ -152,6 +156,7 @@ class SpeculativeDecoder:
             eos_token_ids=self.eos_token_ids,
             stop_strings=stop_strings,
             time_phases=self.time_phases,
+            reuse_prefix=self.reuse_prefix,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         self.proposer.prefill(reply)

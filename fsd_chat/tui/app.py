@@ -33,7 +33,7 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
 from fsd_chat.session import Session, new_session_id, now
-from fsd_chat.store import BUSY_TIMEOUT, SessionStore
+from fsd_chat.store import SessionStore
 from fsd_chat.text import one_line
 from fsd_chat.themes import DEFAULT_THEME, load_themes
 from fsd_chat.threads import apply_threads
@@ -118,6 +118,9 @@ class FsdChatApp(App[None]):
         self.theme_errors: list[str] = []
         self.tracebacks: list[str] = []
         """Tracebacks of unexpected errors (also in the log file; `--debug` prints them)."""
+        self.exit_notes: list[str] = []
+        """Lines for stderr once the terminal is restored (what could not be saved, and where it is)."""
+        self._ending = False
         self._register_themes()
 
     def notify(
@@ -192,13 +195,35 @@ class FsdChatApp(App[None]):
     def end_on_signal(self, signum: int) -> None:
         """SIGTERM / SIGHUP: save the reply in flight as stopped, restore the terminal, and exit
         with 128 + the signal's number, as a shell reports a process ended by it."""
-        self._shut_down_chat()
-        self.exit(return_code=128 + signum)
+        self.call_later(self._end, 128 + signum)
 
-    def _shut_down_chat(self) -> None:
+    async def _end(self, return_code: int = 0) -> None:
+        """Stop any reply and save; exit with `return_code`. A session that cannot be saved (the
+        store fails past its retries) is said to be unsaved, written as a transcript beside the
+        store (`exit_notes` name it, for stderr), and the exit code is 1 if it was 0."""
+        if self._ending:
+            return
+        self._ending = True
         for screen in self.screen_stack:  # under any dialog
-            if isinstance(screen, ChatScreen):
-                screen.shut_down(BUSY_TIMEOUT + 1)
+            if not isinstance(screen, ChatScreen):
+                continue
+            screen.stop_generation()
+            timeout = 2 * screen.setup.store.busy_timeout + 1  # two tries at least
+            closing = asyncio.ensure_future(asyncio.to_thread(screen.writer.close, timeout))
+            done, _ = await asyncio.wait({closing}, timeout=0.3)
+            if not done:
+                self.notify(
+                    f"Saving the session before quitting: retrying for up to {timeout:g} s.",
+                    title="Session not saved yet",
+                    severity="warning",
+                )
+            if not await closing:
+                note = screen.keep_unsaved()
+                self.exit_notes.append(
+                    f"fsd-chat: the last exchange could not be saved to {screen.setup.store.path}; {note}"
+                )
+                return_code = return_code or 1
+        self.exit(return_code=return_code)
 
     @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> ModelPair:
@@ -282,6 +307,6 @@ class FsdChatApp(App[None]):
                 )
 
     async def action_quit(self) -> None:
-        """Stop any reply (kept, as stopped; the decoder ends within one step), save, then quit."""
-        self._shut_down_chat()
-        self.exit()
+        """Stop any reply (kept, as stopped; the decoder ends within one step), save, then quit
+        (see `_end`)."""
+        await self._end()

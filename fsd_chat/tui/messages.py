@@ -33,3 +33,21 @@ class SaveFailed(Message):
 
 class SaveRecovered(Message):
     """Saving works again after a failure: everything pending was written."""
+
+
+class PromptReady(Message):
+    """Generation number `generation` built its prompt, leaving out the `dropped` oldest messages."""
+
+    def __init__(self, generation: int, dropped: int) -> None:
+        super().__init__()
+        self.generation = generation
+        self.dropped = dropped
+
+
+class PromptFailed(Message):
+    """Generation number `generation` could not build its prompt (`error` says why)."""
+
+    def __init__(self, generation: int, error: Exception) -> None:
+        super().__init__()
+        self.generation = generation
+        self.error = error

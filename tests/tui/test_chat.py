@@ -187,7 +187,11 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
     assert "## System\n\n```text\nTell a story.\n```\n" in text
     assert f"## User\n\n```text\n{PROMPT}\n```\n" in text
     assert f"## Assistant\n\n```text\n{reply.text}\n```\n" in text
-    assert f"> 30 tokens · {reply.stats['tokens_per_second']:.1f} tokens/s · acceptance" in text
+    stats = reply.stats
+    assert (
+        f"> 30 tokens · {stats['tokens_per_second']:.1f} tokens/s · "
+        f"first token {stats['first_token_seconds']:.2f} s · acceptance"
+    ) in text
     assert "<details><summary>Provenance</summary>" in text
     assert not list(suggested.parent.glob(".*.tmp"))  # the atomic write left no temporary file
 

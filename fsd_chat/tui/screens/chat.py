@@ -1,18 +1,20 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
-A message is sent through the generation worker (a thread): the decoder yields one `Step` per
-target forward pass, and the worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the
-UI only when the buffer was empty. The UI takes everything buffered as one batch when its
+A message is sent through the generation worker (a thread), which first builds the prompt
+(`PromptBuilder`: the chat template under time and size limits, the conversation fitted into the
+context window) and then decodes: the decoder yields one `Step` per target forward pass, and the
+worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the UI only when the buffer was
+empty. The UI takes everything buffered as one batch when its
 `BatchPacer` allows: about 30 batches a second at most, fewer when drawing is costly. A batch goes
 to the streaming `ReplyView`, which adds its steps to the reply and re-renders only its live tail
 (the text after its last finished line), and to the stats strip, which refreshes once. The reply
 is rendered whole once, when it ends. Keys change the shared `Controls`, which the decoder reads at
 the start of every step.
 
-Saving runs in a `SessionWriter` thread, never on the UI thread: sending appends the user's turn
-together with the reply it asks for (stored as `streaming`), so the stored session always
-alternates; the reply's row is rewritten at most once a second while it streams and once when it
-ends (stopped, if a new chat, quit or a signal cut it short).
+Saving runs in a `SessionWriter` thread, never on the UI thread: once its prompt is built, a
+message is appended together with the reply it asks for (stored as `streaming`), so the stored
+session always alternates; the reply's row is rewritten at most once a second while it streams and
+once when it ends (stopped, if a new chat, quit or a signal cut it short).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from textual.timer import Timer
 from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from fsd_chat.chat_template import Message, fit_to_context
+from fsd_chat.chat_template import Message, PromptBuilder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
@@ -44,7 +46,7 @@ from fsd_chat.session_writer import SessionWriter
 from fsd_chat.store import BUSY_TIMEOUT, SessionStore
 from fsd_chat.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.tui.keys import CHAT_BINDINGS
-from fsd_chat.tui.messages import SaveFailed, SaveRecovered, StepsReady
+from fsd_chat.tui.messages import PromptFailed, PromptReady, SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.stream import BatchPacer, StepBuffer
@@ -126,6 +128,11 @@ class ChatScreen(Screen[None]):
         self.reply_turn: Turn | None = None
         """The streaming reply's turn (in `session.turns` and stored)."""
         self._sent_text = ""
+        self._question: Turn | None = None
+        self._stored = False
+        """Whether the message in flight is in `session.turns` (its prompt was built)."""
+        self._sent_widgets: tuple[UserMessage, ReplyView] | None = None
+        self.prompts = PromptBuilder(setup.tokenizer, raw=setup.raw, vocab_size=setup.vocab_size)
         self._last_save = 0.0
         self._buffer = StepBuffer()
         self._pacer = BatchPacer()
@@ -204,66 +211,54 @@ class ChatScreen(Screen[None]):
     # --- sending and streaming -------------------------------------------------------------
 
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
-        """Send the prompt's text, unless a reply is streaming or the text cannot fit the context."""
+        """Send the prompt's text, unless a reply is streaming. The prompt is built in the worker;
+        the message is stored once it is (`on_prompt_ready`), or given back (`on_prompt_failed`)."""
         text = event.text.strip()
         if not text:
             return
         if self.streaming is not None:
             self.notify("A reply is streaming: wait for it, or press Esc to stop it.", severity="warning")
+            self.query_one(PromptInput).give_back(event.text)
             return
         messages = [*self.session.messages(), Message("user", text)]
-        context = self.setup.decoder.context
-        # Keep half the window for the prompt at least: a large --max-new-tokens must not make
-        # every prompt impossible (the reply then ends at the window's edge instead).
-        reserve = (
-            self.setup.max_new_tokens if context is None else min(self.setup.max_new_tokens, context // 2)
-        )
-        try:
-            kept, ids = fit_to_context(
-                self.setup.tokenizer,
-                messages,
-                context=context,
-                reserve=reserve,
-                raw=self.setup.raw,
-                vocab_size=self.setup.vocab_size,
-            )
-        except FsdChatError as exc:
-            self.notify(str(exc), title="Message not sent", severity="error")
-            return
-        except Exception as exc:  # e.g. a chat template that rejects the conversation
-            self.notify(
-                self.unexpected(exc, "building the prompt"), title="Message not sent", severity="error"
-            )
-            return
-        if len(kept) < len(messages):
-            self.notify(
-                f"{len(messages) - len(kept)} earlier message(s) no longer fit the model's context "
-                f"({context} tokens) and were left out of the prompt.",
-                severity="warning",
-            )
-        self.query_one(PromptInput).clear()
         # Cleared here, not when decoding starts: Esc pressed before the first step still counts.
         self.controls.clear_stop()
         reply = ReplyView()
-        question = Turn("user", text)
+        self._question = Turn("user", text)
         self.reply_turn = Turn("assistant", "", reply=reply.record)
-        self.session.turns += [question, self.reply_turn]
-        self.writer.append(self.session, [question, self.reply_turn])
-        self._last_save = time.monotonic()
+        self._stored = False
         self._sent_text = text
+        self._sent_widgets = (UserMessage(text), reply)
         self.streaming = reply
         self.generation += 1
         self._buffer = StepBuffer()
         self._pacer = BatchPacer()
-        self.query_one("#conversation", VerticalScroll).mount_all([UserMessage(text), reply])
-        self._trim_turns()
-        self._generate(ids, self.generation, self._buffer)
+        self.query_one("#conversation", VerticalScroll).mount_all(self._sent_widgets)
+        self._generate(messages, self.generation, self._buffer)
+
+    def _reserve(self) -> int:
+        """Tokens kept for the reply: half the window at most, so that a large --max-new-tokens
+        does not make every prompt impossible (the reply then ends at the window's edge instead)."""
+        context = self.setup.decoder.context
+        return self.setup.max_new_tokens if context is None else min(self.setup.max_new_tokens, context // 2)
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
-    def _generate(self, ids: list[int], generation: int, buffer: StepBuffer) -> None:
-        """Decode one reply in this thread into `buffer`, waking the UI when it was empty."""
+    def _generate(self, messages: list[Message], generation: int, buffer: StepBuffer) -> None:
+        """Build the prompt, then decode one reply in this thread into `buffer`, waking the UI when
+        it was empty."""
         worker = get_current_worker()
         with self._decoder_lock:
+            try:
+                dropped, ids = self.prompts.build(
+                    messages,
+                    context=self.setup.decoder.context,
+                    reserve=self._reserve(),
+                    cancelled=lambda: worker.is_cancelled or self.controls.stop_requested,
+                )
+            except Exception as exc:  # any failure of the template is this message's, not the chat's
+                self.post_message(PromptFailed(generation, exc))
+                return
+            self.post_message(PromptReady(generation, dropped))
             steps = self.setup.decoder.generate(
                 ids, max_new_tokens=self.setup.max_new_tokens, sampling=self.setup.sampling
             )
@@ -273,6 +268,45 @@ class ChatScreen(Screen[None]):
                 if worker.is_cancelled:
                     return
         self.post_message(StepsReady(generation, ended=True))
+
+    def on_prompt_ready(self, message: PromptReady) -> None:
+        """The prompt is built: store the message with the reply it asks for (as `streaming`)."""
+        if message.generation != self.generation or self.reply_turn is None:
+            return
+        assert self._question is not None
+        turns = [self._question, self.reply_turn]
+        self.session.turns += turns
+        self.writer.append(self.session, turns)
+        self._stored = True
+        self._last_save = time.monotonic()
+        self._trim_turns()
+        if message.dropped:
+            self.notify(
+                f"{message.dropped} earlier message(s) no longer fit the model's context "
+                f"({self.setup.decoder.context} tokens) and were left out of the prompt.",
+                severity="warning",
+            )
+
+    def on_prompt_failed(self, message: PromptFailed) -> None:
+        """The prompt could not be built (too long, a failing or runaway template, Esc): the
+        message goes back to the prompt, nothing is stored."""
+        if message.generation != self.generation or self.streaming is None:
+            return
+        self.controls.clear_stop()  # an Esc that cut the template short is spent
+        error = message.error
+        reason = (
+            str(error) if isinstance(error, FsdChatError) else self.unexpected(error, "building the prompt")
+        )
+        self.notify(reason, title="Message not sent", severity="error")
+        self._withdraw()
+
+    def _withdraw(self) -> None:
+        """Take back the message whose prompt was never built: off the screen, into the prompt."""
+        assert self._sent_widgets is not None
+        for widget in self._sent_widgets:
+            widget.remove()
+        self.streaming = self.reply_turn = None
+        self.query_one(PromptInput).give_back(self._sent_text)
 
     def on_steps_ready(self, message: StepsReady) -> None:
         """Show the buffered steps: now, or when the pacer allows the next batch."""
@@ -321,7 +355,11 @@ class ChatScreen(Screen[None]):
         return f"{type(error).__name__} while {doing}: {error} (details in {log_path()})"
 
     def _finish_reply(self, error: str | None = None) -> None:
-        """End the streaming reply (stopped, unless it has its own reason) and save it."""
+        """End the streaming reply (stopped, unless it has its own reason) and save it; a message
+        whose prompt was still building is taken back."""
+        if not self._stored:
+            self._withdraw()
+            return
         reply, turn = self.streaming, self.reply_turn
         assert reply is not None and turn is not None
         self.streaming = self.reply_turn = None
@@ -340,7 +378,7 @@ class ChatScreen(Screen[None]):
             )
         prompt = self.query_one(PromptInput)
         if error is not None and not turn.content and not prompt.text:
-            prompt.text = self._sent_text  # nothing came of it: the message can be sent again
+            prompt.give_back(self._sent_text)  # nothing came of it: the message can be sent again
 
     def on_save_failed(self, message: SaveFailed) -> None:
         """Say once that saving fails; the writer retries on the next save."""
@@ -440,6 +478,25 @@ class ChatScreen(Screen[None]):
         """
         self.stop_generation()
         return self.writer.close(timeout)
+
+    def keep_unsaved(self) -> str:
+        """Write the session as a Markdown transcript beside the session store (in the
+        transcripts folder if that fails), for when saving it failed.
+
+        Returns:
+            One line for the user: where the transcript is, or, when it could not be written
+            anywhere, the transcript itself.
+        """
+        text = render_markdown(self.session)
+        folders = (self.setup.store.path.parent, self.setup.transcripts_dir)
+        for folder in folders:
+            path = default_path(folder, self.session)
+            try:
+                written = write_atomic(path.with_name("unsaved-" + path.name), text)
+            except FsdChatError:
+                continue
+            return f"the unsaved session is in {written}"
+        return "the unsaved session could not be written to a file either; here it is:\n" + text
 
     def action_export(self) -> None:
         """Open the export dialog."""
