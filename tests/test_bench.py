@@ -40,6 +40,8 @@ pytestmark = pytest.mark.slow  # runs benchmark sweeps
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 MIXTURE_LOW, MIXTURE_HIGH = 0.05, 0.5
 """The mixture rule's budgets in the sweep (nats per token; greedy: regret)."""
+ENSEMBLE_WEIGHT = 0.6
+"""hf-ensemble's weight in the sweep: far enough from 1 that its tokens cost something."""
 REQUIRED_KEYS = {
     "method",
     "divergence",
@@ -55,8 +57,8 @@ REQUIRED_KEYS = {
 
 @pytest.fixture(scope="module")
 def report(target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """One tiny sweep through the real CLI: greedy and sampling, three baselines, fuzzy js at three
-    thresholds and mixture at two budgets."""
+    """One tiny sweep through the real CLI: greedy and sampling, four baselines (transformers' lossy
+    hf-ensemble among them), fuzzy js at three thresholds and mixture at two budgets."""
     out = tmp_path_factory.mktemp("bench")
     threads = torch.get_num_threads()  # --threads sets a process-wide value: give it back after
     main(
@@ -72,6 +74,8 @@ def report(target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathF
             "--divergences", "js",
             "--rules", "fuzzy,mixture",
             "--mixture-thresholds", f"{MIXTURE_LOW},{MIXTURE_HIGH}",
+            "--baselines", "autoregressive,exact,hf-assisted,hf-ensemble",
+            "--ensemble-weights", str(ENSEMBLE_WEIGHT),
             "--draft-tokens", "3",
             "--temperature", "0,1",
             "--device", "cpu",
@@ -99,8 +103,9 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
     assert env["packages"]["torch"] and env["packages"]["transformers"]
     assert env["device"] == ["cpu"] and env["torch_threads"] == 1
     assert data["interrupted"] is False
-    # 2 temperatures × (autoregressive, exact, hf-assisted, fuzzy at 3 thresholds, mixture at 2)
-    assert len(data["configs"]) == 16
+    # 2 temperatures × (autoregressive, exact, hf-assisted, hf-ensemble, fuzzy at 3 thresholds,
+    # mixture at 2)
+    assert len(data["configs"]) == 18
     for config in data["configs"]:
         assert config.keys() >= REQUIRED_KEYS
         assert config["runs"] == 3 and config["tokens"] > 0 and config["tokens_per_second"] > 0
@@ -114,7 +119,7 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
     autoregressive = _config(data, 0, "autoregressive")
     assert autoregressive["target_forwards_per_token"] == 1.0 and autoregressive["acceptance_rate"] is None
     methods = {c["method"] for c in data["configs"]}
-    assert methods == {"autoregressive", "exact", "hf-assisted", "fuzzy", "mixture"}
+    assert methods == {"autoregressive", "exact", "hf-assisted", "hf-ensemble", "fuzzy", "mixture"}
     assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "report.md").read_text()
     assert "| setup | temp | method |" in markdown and "hf-assisted" in markdown
@@ -149,18 +154,38 @@ def test_cost_rises_with_threshold(report: tuple[dict, Path], temperature: float
     assert costs[0] == 0.0 < costs[1] < costs[2]
 
 
+def test_hf_ensemble_costs_something_and_is_a_curve(report: tuple[dict, Path]) -> None:
+    data, _ = report
+    for temperature in (0, 1):
+        config = _config(data, temperature, "hf-ensemble", ENSEMBLE_WEIGHT)
+        assert config["label"] == f"hf-ensemble w={ENSEMBLE_WEIGHT:g} k=3"
+        assert config["quality"]["cost_per_token"] > 0 and config["fuzzy_share"] == 0.0
+    # Sampling: v = w·p + (1 − w)·q accepts more than p alone (1 − w of the rejections turn to acceptances).
+    assert (
+        _config(data, 1, "hf-ensemble", ENSEMBLE_WEIGHT)["acceptance_rate"]
+        >= _config(data, 1, "hf-assisted")["acceptance_rate"]
+    )
+
+
 def test_curves_compared_in_the_report(report: tuple[dict, Path]) -> None:
     data, _ = report
-    clocks = ["wall clock", "forward work"]
+    clocks = ["wall clock", "forward work", "τ"]
     assert [(v["temperature"], v["clock"]) for v in data["curves"]] == [
         (t, c) for t in (0, 1) for c in clocks
     ]
+    curves = {"fuzzy js k=3", "mixture k=3", "hf-ensemble k=3"}
     for verdict in data["curves"]:
-        (comparison,) = verdict["comparisons"]  # fuzzy js k=3 against mixture k=3
-        assert {comparison["a"], comparison["b"]} == {"fuzzy js k=3", "mixture k=3"}
-        assert comparison["ratio"] >= 1 and comparison["prompts"] == 3
-        assert verdict["leader"] == comparison["a"]  # the faster of the two leads
-        assert comparison["ci95"] is None and comparison["winner"] is None  # 3 prompts: no interval
+        pairs = [{c["a"], c["b"]} for c in verdict["comparisons"]]
+        # Every two curves with a common cost range: the mixture's and hf-ensemble's costs start
+        # from 0 but may not reach fuzzy's first point, so some pairs may have none.
+        assert all(pair <= curves and len(pair) == 2 for pair in pairs) and pairs
+        for comparison in verdict["comparisons"]:
+            assert comparison["ratio"] >= 1 and comparison["prompts"] == 3
+            assert comparison["ci95"] is None and comparison["winner"] is None  # 3 prompts: no interval
+            top = comparison["levels"][-1]["cost"]
+            assert [level["cost"] for level in comparison["at_costs"]] == [
+                c for c in (0.01, 0.02, 0.05) if c <= top
+            ]
 
 
 def test_report_is_rebuilt_from_its_json_without_torch(report: tuple[dict, Path], tmp_path: Path) -> None:
@@ -302,6 +327,11 @@ def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> N
             ["--prompts", "tinystories", "--mixture-thresholds", "0.1,-0.1"],
             "--mixture-thresholds: threshold must be a finite",
         ),
+        (
+            ["--prompts", "tinystories", "--ensemble-weights", "0.9,1"],
+            "--ensemble-weights: an ensemble weight must lie in the open interval (0, 1)",
+        ),
+        (["--prompts", "tinystories", "--top-p", "0"], "top-p must be in"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

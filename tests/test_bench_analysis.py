@@ -184,10 +184,12 @@ def test_curves_are_compared_at_matched_cost_from_the_data() -> None:
 
     def verdict_of(speed: Callable[[Configuration, int], float]) -> Verdict:
         runs = _constructed_runs(speed, CURVE_COSTS)
-        # The constructed runs time no forward passes, so only the wall clock has anything to compare.
-        (verdict,) = compare_curves(summarize(configs, runs), runs)
-        assert verdict.clock == "wall clock"
-        return verdict
+        # The constructed runs time no forward passes, so the forward-work clock has nothing to
+        # compare; every run has τ = 2.5, so on that clock only the order of the curves is arbitrary.
+        verdicts = compare_curves(summarize(configs, runs), runs)
+        assert [v.clock for v in verdicts] == ["wall clock", "τ"]
+        assert all(c.ratio == pytest.approx(1.0) for c in verdicts[1].comparisons)
+        return verdicts[0]
 
     verdict = verdict_of(lambda c, prompt: speeds[c] * factors[prompt])
     (comparison,) = verdict.comparisons
@@ -211,3 +213,39 @@ def test_curves_are_compared_at_matched_cost_from_the_data() -> None:
     # mixture faster on some prompts, slower on others: a leader by the median, but no dominance.
     verdict = verdict_of(lambda c, prompt: speeds[c] * (0.7 if c.method == "mixture" and prompt % 2 else 1.0))
     assert verdict.leader == "mixture k=5" and not verdict.dominates and verdict.comparisons[0].winner is None
+
+
+def test_hf_ensemble_curve_starts_from_hf_assisted_and_is_quoted_at_round_costs() -> None:
+    """transformers' hf-ensemble curve (through its weights w) starts at cost 0 from hf-assisted,
+    not from exact SD; its costs come from the runs' recorded per-token costs; and the comparison
+    quotes the paired ratio at 0.01, 0.02 and 0.05 nats/token."""
+    hf, e1, e2 = (
+        Configuration(SETUP, 1.0, "hf-assisted", 5),
+        Configuration(SETUP, 1.0, "hf-ensemble", 5, None, 0.9),
+        Configuration(SETUP, 1.0, "hf-ensemble", 5, None, 0.6),
+    )
+    costs = {CURVE_EXACT: 0.0, A1: 0.1, A2: 0.3, hf: 0.0, e1: 0.02, e2: 0.3}
+    speeds = {CURVE_EXACT: 100.0, A1: 150.0, A2: 180.0, hf: 80.0, e1: 88.0, e2: 110.0}
+    runs = []
+    for prompt in range(7):
+        for config, cost in costs.items():
+            seconds = 10 / (speeds[config] * FACTORS[prompt])
+            if config.method.startswith("hf-"):
+                # As transformers' runs are: no step statistics, costs recorded per token (hf-ensemble).
+                per_token = [cost] * 10 if config.method == "hf-ensemble" else None
+                generation = Generation([0] * 10, seconds, None, ForwardTally(4), ForwardTally(), per_token)
+            else:
+                stats = GenerationStats(tokens=10, cost=10 * cost, target_forwards=4)
+                generation = Generation([0] * 10, seconds, stats, ForwardTally(), ForwardTally())
+            runs.append(Measurement(config, prompt, 0, [1], generation, 20.0, None))
+    summaries = summarize(list(costs), runs)
+    assert [s.quality.cost_per_token for s in summaries] == pytest.approx(list(costs.values()))
+    assert [s.config.label for s in summaries][-2:] == ["hf-ensemble w=0.9 k=5", "hf-ensemble w=0.6 k=5"]
+    wall = next(v for v in compare_curves(summaries, runs) if v.clock == "wall clock")
+    (comparison,) = wall.comparisons
+    assert (comparison.a, comparison.b) == ("mixture k=5", "hf-ensemble k=5")
+    # mixture: 100 + 500·c up to 0.1; hf-ensemble: 80 + 400·c up to 0.02, then 88 + (22 / 0.28)·(c − 0.02).
+    expected = {0.01: 105 / 84, 0.02: 110 / 88, 0.05: 125 / (88 + 22 * 0.03 / 0.28)}
+    assert [level.cost for level in comparison.at_costs] == list(expected)
+    assert [level.ratio for level in comparison.at_costs] == pytest.approx(list(expected.values()))
+    assert comparison.at_costs[1].ci95 == pytest.approx((110 / 88, 110 / 88))

@@ -2,8 +2,10 @@
 
 A curve is one rule (and divergence, for fuzzy/pure) at one k, through its thresholds: the points
 (cost per token, tokens/s), where cost is the configuration's mean over prompts (`Quality`). Exact SD
-with the same k is every curve's point at cost 0 (T = 0 of every rule is exact SD), so each curve
-starts there.
+with the same k is every fsd-chat curve's point at cost 0 (T = 0 of every rule is exact SD), so each
+curve starts there; transformers' `hf-ensemble` curve (through its ensemble weights w) starts from
+`hf-assisted` with the same k, its lossless end (w → 1). Points of infinite cost (a lossy law with
+mass where the target's truncated law has none) are left out.
 
 Two curves a and b are compared at matched cost, paired by prompt:
 
@@ -15,9 +17,12 @@ Two curves a and b are compared at matched cost, paired by prompt:
 3. Per level: the median over prompts of that ratio with its distribution-free 95% interval
    (`median_ci95`). Overall: per prompt, the geometric mean of its ratios over the levels; then the
    median over prompts of that, with its interval: "a is x times as fast as b at equal cost".
+4. The same paired ratio at the round costs of `COST_LEVELS` that both curves reach, for reports
+   that quote speed at a given cost ("at 0.02 nats/token").
 
-Every comparison is made on both of the bench's clocks (`metrics`): wall clock, and forward work
-(forward counts × per-forward costs shared by the whole group), which a busy machine cannot disturb.
+Every comparison is made on each of `CLOCKS` (`metrics`): wall clock; forward work (forward counts
+× per-forward costs shared by the whole group), which a busy machine cannot disturb; and τ, tokens
+per target forward, which no timing enters at all.
 
 The intervals cover the prompt-to-prompt spread of speed, not the uncertainty of the costs' means,
 which is an order of magnitude smaller (the cost is computed exactly at each position). a
@@ -35,21 +40,45 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from fsd_chat.bench.metrics import RunRate, Summary, median_ci95, run_rate, trial_key, work_rate
+from fsd_chat.bench.metrics import (
+    RunRate,
+    Summary,
+    median_ci95,
+    run_rate,
+    tau_rate,
+    trial_key,
+    work_rate,
+)
 from fsd_chat.bench.records import Configuration, Measurement, Setup
 
 Trial = tuple[int, int]
 
+TAU = "τ"
 CLOCKS: dict[str, Callable[[list[Measurement]], RunRate]] = {
     "wall clock": lambda _runs: run_rate,
     "forward work": work_rate,
+    TAU: lambda _runs: tau_rate,
 }
-"""The clocks curves are compared on, by name: each makes a run's tokens/s from all the runs."""
+"""The clocks curves are compared on, by name: each makes a run's speed (tokens/s; τ: tokens per
+target forward) from all the runs."""
+
+COST_LEVELS = (0.01, 0.02, 0.05)
+"""Round costs, nats/token, at which every comparison also quotes its paired ratio."""
 
 
 def _interval(bounds: list[float] | None) -> tuple[float, float] | None:
     """A confidence interval from JSON's [low, high] list (None stays None)."""
     return None if bounds is None else (bounds[0], bounds[1])
+
+
+def _levels(data: list[Mapping[str, Any]]) -> list[Level]:
+    """Levels back from JSON."""
+    return [Level(level["cost"], level["ratio"], _interval(level["ci95"])) for level in data]
+
+
+def _ratio_text(ratio: float, ci95: tuple[float, float] | None) -> str:
+    """×1.10 [1.02–1.19]."""
+    return f"×{ratio:.2f}" + ("" if ci95 is None else f" [{ci95[0]:.2f}–{ci95[1]:.2f}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +110,7 @@ class Comparison:
         ratio: Median over prompts of each prompt's geometric-mean ratio a/b over the levels.
         ci95: Its distribution-free 95% confidence interval (None below 6 prompts).
         prompts: Paired trials (prompt × repeat) it is computed from.
+        at_costs: The paired ratio at each of `COST_LEVELS` that both curves reach.
     """
 
     setup: str
@@ -92,6 +122,7 @@ class Comparison:
     ratio: float
     ci95: tuple[float, float] | None
     prompts: int
+    at_costs: list[Level]
 
     @property
     def winner(self) -> str | None:
@@ -145,11 +176,14 @@ class Verdict:
         """
         comparisons = [
             Comparison(
-                **{f.name: item[f.name] for f in fields(Comparison) if f.name not in ("levels", "ci95")},
-                levels=[
-                    Level(level["cost"], level["ratio"], _interval(level["ci95"])) for level in item["levels"]
-                ],
+                **{
+                    f.name: item[f.name]
+                    for f in fields(Comparison)
+                    if f.name not in ("levels", "ci95", "at_costs")
+                },
+                levels=_levels(item["levels"]),
                 ci95=_interval(item["ci95"]),
+                at_costs=_levels(item["at_costs"]),
             )
             for item in data["comparisons"]
         ]
@@ -170,11 +204,13 @@ class Verdict:
             )
             head = f"{where}: {self.leader} is the fastest curve at matched cost ({strength})"
         lines = [head]
+        quantity = "τ" if self.clock == TAU else "tokens/s"
         for c in self.comparisons:
-            ci = "" if c.ci95 is None else f" [{c.ci95[0]:.2f}–{c.ci95[1]:.2f}]"
+            at = "".join(f"; at {x.cost:g}: {_ratio_text(x.ratio, x.ci95)}" for x in c.at_costs)
             lines.append(
-                f"- {c.a} vs {c.b}: ×{c.ratio:.2f}{ci} tokens/s at equal cost ({len(c.levels)} levels, "
-                f"{c.levels[0].cost:.4f}–{c.levels[-1].cost:.4f} nats/token, {c.prompts} prompts)"
+                f"- {c.a} vs {c.b}: {_ratio_text(c.ratio, c.ci95)} {quantity} at equal cost "
+                f"({len(c.levels)} levels, {c.levels[0].cost:.4f}–{c.levels[-1].cost:.4f} nats/token, "
+                f"{c.prompts} prompts){at}"
             )
         return lines
 
@@ -200,22 +236,25 @@ class _Curve:
 def _curves(
     members: list[Summary], runs_of: dict[Configuration, list[Measurement]], rate: RunRate
 ) -> list[_Curve]:
-    """The group's curves (each with exact SD of its k as the cost-0 point), in configuration order.
+    """The group's curves (each with its lossless method at its k as the cost-0 point: exact SD, or
+    hf-assisted for hf-ensemble), in configuration order.
 
-    Points are ordered by cost; of points with equal cost only the first (smallest T, or exact SD)
-    is kept, so that interpolation is well defined (e.g. tv at small T accepts nothing and is exact).
+    Points are ordered by cost; of points with equal cost only the first (nearest the lossless end:
+    smallest T, largest w, or the anchor) is kept, so that interpolation is well defined (e.g. tv at
+    small T accepts nothing and is exact).
     """
-    exact = {s.config.draft_tokens: s for s in members if s.config.method == "exact"}
+    lossless = {(s.config.method, s.config.draft_tokens): s for s in members if s.config.curve is None}
     by_curve: dict[str, list[Summary]] = defaultdict(list)
     for s in members:
-        if s.config.curve is not None and s.quality.cost_per_token is not None:
+        cost = s.quality.cost_per_token
+        if s.config.curve is not None and cost is not None and math.isfinite(cost):
             by_curve[s.config.curve].append(s)
     curves = []
     for name, points in by_curve.items():
-        anchor = exact.get(points[0].config.draft_tokens)
+        anchor = lossless.get((points[0].config.lossless, points[0].config.draft_tokens))
         if anchor is None:
             continue
-        ordered = sorted(points, key=lambda s: (s.quality.cost_per_token, s.config.threshold))
+        ordered = sorted(points, key=lambda s: (s.quality.cost_per_token, s.config.relaxation))
         costs: list[float] = [0.0]
         rates = [{trial_key(r): rate(r) for r in runs_of[anchor.config]}]
         for s in ordered:
@@ -243,6 +282,10 @@ def _compare(setup: str, temperature: float, clock: str, a: _Curve, b: _Curve) -
         values = [r[i] for r in ratios]
         matched.append(Level(cost, statistics.median(values), median_ci95(values)))
     pooled = [math.exp(statistics.fmean(math.log(x) for x in r)) for r in ratios]
+    at_costs = []
+    for cost in (c for c in COST_LEVELS if c <= top):
+        values = [a.rate_at(cost, t) / b.rate_at(cost, t) for t in sorted(trials)]
+        at_costs.append(Level(cost, statistics.median(values), median_ci95(values)))
     return Comparison(
         setup,
         temperature,
@@ -253,6 +296,7 @@ def _compare(setup: str, temperature: float, clock: str, a: _Curve, b: _Curve) -
         statistics.median(pooled),
         median_ci95(pooled),
         len(trials),
+        at_costs,
     )
 
 

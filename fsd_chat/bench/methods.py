@@ -9,7 +9,21 @@ same call with the assistant's generation config left as it is, i.e. transformer
 `assistant_confidence_threshold` 0.4, tuned online from a ROC curve only when scikit-learn is
 installed). `hf-prompt-lookup` is transformers' prompt lookup decoding
 (`generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)`, n = fsd-chat's lookup n-gram),
-the baseline of a pair loaded with `--draft lookup`.
+the baseline of a pair loaded with `--draft lookup`; `hf-ensemble` is `hf-assisted` with transformers' own lossy verification,
+`assistant_ensemble_weight` w ("static ensemble", transformers ≥ 5.23).
+
+**What an hf-ensemble token costs.** transformers' `_speculative_sampling` accepts a draft token x
+iff u ≤ 1 − w + w·p(x)/q(x) = v(x)/q(x) with v = w·p + (1 − w)·q, and after a rejection draws from
+norm(max(0, p − q)) = norm(max(0, v − q)): exact speculative sampling against v. So every token it
+emits at a draft position (accepted, or the correction after a rejection) has law v, and the bonus
+token after k acceptances has law p: costs KL(v ‖ p) and 0 — fsd-chat's `mixture` rule with one
+fixed λ = 1 − w instead of the largest λ within a per-token budget. `EnsembleTrace` records the very
+p and q rows its verification used (a wrapper around `_speculative_sampling` that only keeps
+references; the costs are computed after the clock stops), so the cost is exact, not re-derived.
+Greedy, transformers accepts x iff x = argmax v and corrects with argmax v (bonus: argmax p); a
+greedy token's cost is its regret log p(argmax p) − log p(x), a function of the text and the target
+alone, computed from one target forward over the reply after the run.
+
 Wall-clock time covers the whole call, prompt prefill included, for every method alike (transformers
 does not separate its prefill from the first verification).
 """
@@ -17,14 +31,19 @@ does not separate its prefill from the first verification).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
+from transformers import PreTrainedModel
+from transformers.generation import utils as generation_utils
 
 from fsd_chat.bench.meter import ForwardMeter
 from fsd_chat.bench.records import HF_ASSISTED, RULE_OF, Configuration, ForwardTally, Generation
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
+from fsd_chat.decoding.divergence import kl
 from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
@@ -57,6 +76,60 @@ def assistant_settings(pair: ModelPair, k: int | None) -> Iterator[None]:
             setattr(config, key, value)
 
 
+@dataclass
+class EnsembleTrace:
+    """What transformers' speculative sampling saw at each step (while `recording`): the draft's
+    processed logits [1, γ, vocab], the target's [1, γ + 1, vocab] and the accepted count n."""
+
+    steps: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Wrap `transformers.generation.utils._speculative_sampling` (looked up by name at each
+        step of assisted generation) for the duration."""
+        original = generation_utils._speculative_sampling
+
+        def traced(
+            candidate_input_ids: torch.Tensor,
+            candidate_logits: torch.Tensor,
+            candidate_length: int,
+            new_logits: torch.Tensor,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens, n = original(
+                candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs
+            )
+            # n is already on the host: transformers branches on it.
+            self.steps.append((candidate_logits, new_logits, int(n)))
+            return tokens, n
+
+        with mock.patch.object(generation_utils, "_speculative_sampling", traced):
+            yield
+
+    def costs(self, weight: float) -> list[float]:
+        """Each emitted token's cost in nats, in order: KL(v ‖ p) at the n accepted positions and at
+        the correction (v = w·p + (1 − w)·q), 0 for a bonus token (see the module docstring)."""
+        emitted: list[float] = []
+        for candidate_logits, new_logits, n in self.steps:
+            q = candidate_logits[0].float().softmax(-1)
+            p = new_logits[0, : q.shape[0]].float().softmax(-1)
+            position = kl(weight * p + (1 - weight) * q, p).tolist()
+            emitted += position[: n + 1] if n < len(position) else [*position, 0.0]
+        return emitted
+
+
+def greedy_regrets(target: PreTrainedModel, prompt_ids: list[int], reply_ids: list[int]) -> list[float]:
+    """Each reply token's regret log p(argmax p) − log p(x) under the target (temperature 1), nats,
+    from one teacher-forced forward pass over prompt + reply."""
+    ids = torch.tensor([prompt_ids + reply_ids], device=target.device)
+    with torch.inference_mode():
+        logits = target(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    log_p = logits.log_softmax(-1)
+    chosen = log_p.gather(-1, torch.tensor(reply_ids, device=log_p.device).unsqueeze(-1)).squeeze(-1)
+    regrets: list[float] = (log_p.max(-1).values - chosen).clamp_min(0.0).tolist()
+    return regrets
+
+
 class PairRunner:
     """Runs any configuration's method on one loaded pair, metering both models' forward passes.
 
@@ -81,17 +154,24 @@ class PairRunner:
         max_new_tokens: int,
         seed: int,
         stop_strings: tuple[str, ...],
+        top_p: float = 1.0,
     ) -> Generation:
-        """Generate a reply to `prompt_ids` with `config`'s method and time it."""
-        sampling = SamplingConfig(temperature=config.temperature, seed=seed)
+        """Generate a reply to `prompt_ids` with `config`'s method (sampling with its temperature
+        and `top_p`) and time it."""
+        sampling = SamplingConfig(temperature=config.temperature, top_p=top_p, seed=seed)
         target = self._target_meter.start()
         draft = self._draft_meter.start() if self._draft_meter is not None else ForwardTally()
         try:
-            return self._run(config, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft)
+            generation = self._run(config, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft)
         finally:
             self._target_meter.stop()
             if self._draft_meter is not None:
                 self._draft_meter.stop()
+        if config.method == "hf-ensemble" and sampling.greedy and generation.token_ids:
+            # After the meters stop: this forward pass is no part of the run.
+            costs = greedy_regrets(self.pair.target, prompt_ids, generation.token_ids)
+            generation = replace(generation, costs=costs)
+        return generation
 
     def _run(
         self,
@@ -104,19 +184,34 @@ class PairRunner:
         draft: ForwardTally,
     ) -> Generation:
         if config.method in HF_ASSISTED:
+            weight = config.threshold if config.method == "hf-ensemble" else None
+            trace = EnsembleTrace()
             clock = PhaseClock(self.pair.device)
-            with assistant_settings(self.pair, config.draft_tokens):
+            with (
+                assistant_settings(self.pair, config.draft_tokens),
+                trace.recording() if weight is not None else nullcontext(),
+            ):
                 ids = self._hf_generate(
-                    prompt_ids, {"assistant_model": self.pair.draft}, sampling, max_new_tokens, stop_strings
+                    prompt_ids,
+                    {"assistant_model": self.pair.draft},
+                    sampling,
+                    max_new_tokens,
+                    stop_strings,
+                    weight,
                 )
-            return Generation(ids, clock.lap(), None, target, draft)
+            seconds = clock.lap()
+            costs = None
+            if weight is not None and not sampling.greedy:
+                # A last token drawn with no room left to draft comes from p (cost 0), unrecorded.
+                costs = (trace.costs(weight) + [0.0] * len(ids))[: len(ids)]
+            return Generation(ids, seconds, None, target, draft, costs)
         if config.method == "hf-prompt-lookup":
             clock = PhaseClock(self.pair.device)
             lookup = {
                 "prompt_lookup_num_tokens": config.draft_tokens,
                 "max_matching_ngram_size": DEFAULT_LOOKUP_NGRAM,
             }
-            ids = self._hf_generate(prompt_ids, lookup, sampling, max_new_tokens, stop_strings)
+            ids = self._hf_generate(prompt_ids, lookup, sampling, max_new_tokens, stop_strings, None)
             return Generation(ids, clock.lap(), None, target, draft)
         defaults = DecodingSettings()
         controls = Controls(
@@ -149,6 +244,7 @@ class PairRunner:
         sampling: SamplingConfig,
         max_new_tokens: int,
         stop_strings: tuple[str, ...],
+        ensemble_weight: float | None,
     ) -> list[int]:
         pair = self.pair
         if self.context is not None:
@@ -158,7 +254,12 @@ class PairRunner:
             options: dict[str, Any] = {"do_sample": False}
         else:
             # top_k=0 switches off transformers' default top-k of 50: fsd-chat samples the full vocabulary.
-            options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
+            options = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_k": 0,
+                "top_p": sampling.top_p,
+            }
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
@@ -170,6 +271,7 @@ class PairRunner:
                 **drafting,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=min(self.eos) if self.eos else None,
+                assistant_ensemble_weight=ensemble_weight,
                 **options,
             )
         ids: list[int] = out[0, len(prompt_ids) :].tolist()

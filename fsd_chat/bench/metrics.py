@@ -37,8 +37,10 @@ from typing import Any
 
 from fsd_chat.bench.records import BASELINES, Configuration, Measurement, Method, Setup
 
-SPEEDUP_BASELINES: tuple[Method, ...] = BASELINES
-"""The methods every configuration's speed-up is paired against (when the sweep ran them)."""
+SPEEDUP_BASELINES: tuple[Method, ...] = tuple(m for m in BASELINES if m != "hf-ensemble")
+"""The methods every configuration's speed-up is paired against (when the sweep ran them):
+the lossless baselines (hf-ensemble, a curve through its weights, is compared at matched cost in
+`curves`)."""
 NLL_REFERENCES: tuple[Method, ...] = ("autoregressive", "exact")
 """The methods target_nll_change is relative to, the first one the sweep ran."""
 
@@ -74,7 +76,8 @@ class Quality:
             divergence of the tokens' laws from the target's, summed over the reply and divided by
             its tokens; greedy: log-probability regret). Exactly 0 for autoregressive decoding and
             exact SD; hf-assisted is exact speculative sampling too and counts 0 by construction
-            (transformers reports no per-token laws, so it is not measured).
+            (transformers reports no per-token laws, so it is not measured); hf-ensemble's is
+            computed from the laws its verification used (`bench.methods`).
         cost_per_token_ci95: Half-width of its 95% confidence interval (normal approximation over
             prompts); None with fewer than 2 prompts.
         target_nll: Mean target negative log-likelihood per generated token (nats).
@@ -219,6 +222,12 @@ def run_rate(run: Measurement) -> float:
     return len(run.generation.token_ids) / run.generation.seconds if run.generation.seconds > 0 else 0.0
 
 
+def tau_rate(run: Measurement) -> float:
+    """Tokens per target forward of one run, τ (0.0 for a run without one)."""
+    forwards = _Counts.of(run).target
+    return len(run.generation.token_ids) / forwards if forwards else 0.0
+
+
 def trial_key(run: Measurement) -> tuple[int, int]:
     """(prompt, repeat): runs of different configurations with the same key are paired (same
     prompt, same seed)."""
@@ -227,9 +236,9 @@ def trial_key(run: Measurement) -> tuple[int, int]:
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
     """Mean of a non-empty sample and the half-width of its 95% confidence interval by the normal
-    approximation, Z95 · s / √n (None for n < 2)."""
+    approximation, Z95 · s / √n (None for n < 2, or when a value is infinite: an infinite cost)."""
     mean = statistics.fmean(values)
-    if len(values) < 2:
+    if len(values) < 2 or not all(map(math.isfinite, values)):
         return mean, None
     return mean, Z95 * statistics.stdev(values) / math.sqrt(len(values))
 
@@ -244,8 +253,14 @@ def per_prompt(pairs: Iterable[tuple[int, float]]) -> list[float]:
 
 
 def _cost_per_token(run: Measurement) -> float:
-    """The run's cost per token (nats); 0 for hf-assisted, which is lossless (see `Quality`)."""
-    return run.generation.stats.cost_per_token if run.generation.stats is not None else 0.0
+    """The run's cost per token (nats): fsd-chat's own, hf-ensemble's recorded costs, or 0 for
+    hf-assisted, which is lossless (see `Quality`)."""
+    g = run.generation
+    if g.stats is not None:
+        return g.stats.cost_per_token
+    if g.costs:
+        return statistics.fmean(g.costs)
+    return 0.0
 
 
 def _reference(config: Configuration, method: Method) -> Configuration:
@@ -504,11 +519,13 @@ Speed = Callable[[Summary], float | None]
 def trade_off_points(
     summaries: list[Summary], speed: Speed = lambda s: s.tokens_per_second.median
 ) -> list[tuple[Summary, float, float]]:
-    """(summary, speed, cost per token) of every summary whose speed and cost are known."""
+    """(summary, speed, cost per token) of every summary whose speed and finite cost are known."""
     return [
-        (s, v, s.quality.cost_per_token)
+        (s, v, cost)
         for s in summaries
-        if s.quality.cost_per_token is not None and (v := speed(s)) is not None
+        if (cost := s.quality.cost_per_token) is not None
+        and math.isfinite(cost)
+        and (v := speed(s)) is not None
     ]
 
 

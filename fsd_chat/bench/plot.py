@@ -3,8 +3,8 @@ wall-clock tokens/s (what a user sees), and the paired speed-up over exact SD on
 clock (forward counts at shared per-forward costs, which other processes on the machine cannot
 disturb; see `metrics`).
 
-In each panel: one curve per lossy rule × divergence (fuzzy, pure) or rule (mixture) × k through its
-thresholds, each point with its cost's 95% interval as a horizontal bar, the baselines as marked
+In each panel: one curve per lossy rule × divergence (fuzzy, pure) or rule (mixture, transformers'
+hf-ensemble) × k through its thresholds (hf-ensemble: its weights w, labelled "w=…"), each point with its cost's 95% interval as a horizontal bar, the baselines as marked
 points (lossless: at cost 0), and the Pareto front (the points no other point beats on both speed
 and cost) joined by a wide dashed grey line. Up and left is better.
 """
@@ -64,13 +64,17 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
                     label=c.label,
                     edgecolors="black",
                 )
-        exact = {
-            s.config.draft_tokens: (speed, cost) for s, speed, cost in points if s.config.method == "exact"
+        lossless = {
+            (s.config.method, s.config.draft_tokens): (speed, cost)
+            for s, speed, cost in points
+            if s.config.curve is None
         }
         for label, curve in curves.items():
-            curve.sort(key=lambda item: item[0].config.threshold or 0.0)
-            # Every rule at T = 0 is exact SD: the curve starts at exact SD's point of the same k.
-            start = [exact[k]] if (k := curve[0][0].config.draft_tokens) in exact else []
+            curve.sort(key=lambda item: item[0].config.relaxation)
+            # Every rule at T = 0 is exact SD (hf-ensemble as w → 1 is hf-assisted): the curve starts
+            # at that lossless point of the same k.
+            first = curve[0][0].config
+            start = [lossless[key]] if (key := (first.lossless, first.draft_tokens)) in lossless else []
             ax.errorbar(
                 [cost for _, cost in start] + [cost for _, _, cost in curve],
                 [speed for speed, _ in start] + [speed for _, speed, _ in curve],
@@ -82,7 +86,7 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
             )
             for s, speed, cost in curve:
                 ax.annotate(
-                    f"{s.config.threshold:g}",
+                    f"{'w=' if s.config.method == 'hf-ensemble' else ''}{s.config.threshold:g}",
                     (cost, speed),
                     textcoords="offset points",
                     xytext=(4, 4),

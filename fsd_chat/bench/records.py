@@ -21,6 +21,7 @@ Method = Literal[
     "hf-assisted",
     "hf-assisted-default",
     "hf-prompt-lookup",
+    "hf-ensemble",
     "fuzzy",
     "pure",
     "mixture",
@@ -31,13 +32,21 @@ BASELINES: tuple[Method, ...] = (
     "hf-assisted",
     "hf-assisted-default",
     "hf-prompt-lookup",
+    "hf-ensemble",
 )
-HF_ASSISTED: tuple[Method, ...] = ("hf-assisted", "hf-assisted-default")
+"""The methods of `--baselines`. `hf-ensemble` is transformers' own lossy verification
+(`generate(assistant_model=..., assistant_ensemble_weight=w)`), run at every `--ensemble-weights` w."""
+HF_ASSISTED: tuple[Method, ...] = ("hf-assisted", "hf-assisted-default", "hf-ensemble")
 """The baselines that run transformers' assisted generation with the draft model."""
 FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")
-RULE_OF: dict[Method, Rule] = {"exact": "exact", "fuzzy": "fuzzy", "pure": "pure", "mixture": "mixture"}
-"""The acceptance rule of each method that runs fsd-chat's speculative decoder."""
 """The lossy rules a sweep can run (`--rules`); each draws one curve per divergence (if any) and k."""
+RULE_OF: dict[Method, Rule] = {
+    "exact": "exact",
+    "fuzzy": "fuzzy",
+    "pure": "pure",
+    "mixture": "mixture",
+}
+"""The acceptance rule of each method that runs fsd-chat's speculative decoder."""
 DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
 """The rules whose threshold is a divergence bound, swept over `--divergences` × `--thresholds`."""
 
@@ -68,12 +77,15 @@ class Configuration:
     Attributes:
         setup: How the models are loaded.
         temperature: Sampling temperature (0 = greedy).
-        method: autoregressive, exact, hf-assisted, hf-assisted-default, hf-prompt-lookup, fuzzy,
-            pure or mixture.
+        method: autoregressive, exact, hf-assisted, hf-assisted-default, hf-prompt-lookup,
+            hf-ensemble, fuzzy, pure or mixture.
         draft_tokens: Draft length k (None for autoregressive and hf-assisted-default).
         divergence: D of the fuzzy test (fuzzy/pure only).
-        threshold: T: in the divergence's units (fuzzy/pure), or the per-token KL budget in nats
-            (mixture; the log-probability regret budget when greedy). None for the baselines.
+        threshold: The dial of a lossy method. T: in the divergence's units (fuzzy/pure), or the
+            per-token KL budget in nats (mixture; the log-probability regret budget when greedy);
+            for hf-ensemble, transformers' `assistant_ensemble_weight` w ∈ (0, 1), the target's
+            weight in the law it verifies against (w·p + (1 − w)·q; lossless as w → 1). None for
+            the lossless baselines.
         draft_policy: fsd-chat's draft-length policy (exact and the lossy rules; "fixed" otherwise).
     """
 
@@ -93,7 +105,7 @@ class Configuration:
         if self.divergence is not None:
             parts.append(self.divergence)
         if self.threshold is not None:
-            parts.append(f"T={self.threshold:g}")
+            parts.append(f"{'w' if self.method == 'hf-ensemble' else 'T'}={self.threshold:g}")
         if self.draft_tokens is not None:
             parts.append(f"k={self.draft_tokens}")
         if self.draft_policy != "fixed":
@@ -108,13 +120,27 @@ class Configuration:
     @property
     def curve(self) -> str | None:
         """The trade-off curve this configuration lies on (its rule, divergence and k, through the
-        thresholds, and its draft-length policy), e.g. "fuzzy js k=4" or "mixture k=4 cost"; None for
-        the baselines."""
-        if self.method not in FSD_RULES:
+        thresholds, and its draft-length policy), e.g. "fuzzy js k=4", "mixture k=4 cost" or
+        "hf-ensemble k=4"; None for the lossless baselines."""
+        if self.method not in (*FSD_RULES, "hf-ensemble"):
             return None
         divergence = "" if self.divergence is None else f" {self.divergence}"
         policy = "" if self.draft_policy == "fixed" else f" {self.draft_policy}"
         return f"{self.method}{divergence} k={self.draft_tokens}{policy}"
+
+    @property
+    def lossless(self) -> Method:
+        """The lossless method this configuration's curve starts from at cost 0: hf-assisted for
+        hf-ensemble (w → 1), exact SD for fsd-chat's rules (T = 0)."""
+        return "hf-assisted" if self.method == "hf-ensemble" else "exact"
+
+    @property
+    def relaxation(self) -> float:
+        """How far along its curve the configuration lies from the lossless end (0): T, or 1 − w
+        for hf-ensemble (the draft's weight λ); 0 for the lossless baselines."""
+        if self.threshold is None:
+            return 0.0
+        return 1.0 - self.threshold if self.method == "hf-ensemble" else self.threshold
 
 
 @dataclass(slots=True)
@@ -141,9 +167,12 @@ class Generation:
     Attributes:
         token_ids: Generated token ids (EOS excluded).
         seconds: Wall-clock seconds of the whole call (prefill included).
-        stats: fsd-chat's own step statistics (None for hf-assisted and hf-assisted-default).
+        stats: fsd-chat's own step statistics (None for transformers' methods).
         target: The target's forward passes.
         draft: The draft's forward passes.
+        costs: Each token's cost in nats (KL of its law from the target's; greedy: regret), for
+            hf-ensemble, whose costs transformers does not report (see `bench.methods`); None
+            otherwise (fsd-chat's decoders carry theirs in `stats`; hf-assisted is lossless).
     """
 
     token_ids: list[int]
@@ -151,6 +180,7 @@ class Generation:
     stats: GenerationStats | None
     target: ForwardTally
     draft: ForwardTally
+    costs: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,6 +197,7 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
         "×exact work: the same against exact SD on the forward-work clock (each run's forward counts × the "
         "median per-forward costs of its setup, temperature and k: immune to other processes, blind to "
         "time outside forward passes). limit: tokens/s with zero overhead from the measured forward costs. "
+        "T: hf-ensemble's is transformers' assistant_ensemble_weight w. "
         "policy: fsd-chat's draft-length policy. τ: tokens per target forward. mean k: drafted tokens per "
         "target forward. accept: accepted / drafted. fuzzy: share of tokens accepted only by "
         "D ≤ T. cost/tok: mean over prompts of the cost per token in nats (KL divergence of each token's law "
@@ -213,10 +214,12 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
             "",
             "## Curves at matched cost",
             "",
-            "Each lossy rule's curve (through its thresholds, from exact SD at cost 0) against each other "
-            "one: per prompt, tokens/s interpolated linearly in cost at the cost levels both curves reach, "
-            "the ratio's geometric mean over the levels, then its median over prompts with a "
-            "distribution-free 95% interval (fsd_chat/bench/curves.py).",
+            "Each lossy rule's curve (through its thresholds, from exact SD at cost 0; transformers' "
+            "hf-ensemble through its weights w, from hf-assisted) against each other one: per prompt, "
+            "tokens/s (τ: tokens per target forward) interpolated linearly in cost at the cost levels both "
+            "curves reach, the ratio's geometric mean over the levels, then its median over prompts with a "
+            "distribution-free 95% interval; and the same ratio at 0.01, 0.02 and 0.05 nats/token where "
+            "both curves reach them (fsd_chat/bench/curves.py).",
         ]
         for verdict in report.verdicts:
             lines += ["", *verdict.lines()]

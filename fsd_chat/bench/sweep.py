@@ -2,7 +2,9 @@
 
 Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
 engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same constant k),
-`hf-assisted-default` (the same at transformers' own defaults, whatever k), FSD's `fuzzy` / `pure`
+`hf-assisted-default` (the same at transformers' own defaults, whatever k), `hf-ensemble`
+(transformers' lossy static-ensemble verification at every `--ensemble-weights` w, same k), FSD's
+`fuzzy` / `pure`
 rules at every divergence × threshold, and the `mixture` rule at every per-token KL budget of its
 own list (nats; it has no divergence, so it is not multiplied by the divergences). Speculative
 methods run at every k asked for; fsd-chat's own (exact and the lossy rules) with every
@@ -74,6 +76,14 @@ def _threshold(text: str) -> float:
     return DecodingSettings(threshold=float(text)).threshold
 
 
+def _ensemble_weight(text: str) -> float:
+    # transformers' own rule (GenerationConfig.validate): w in the open interval (0, 1).
+    weight = float(text)
+    if not 0.0 < weight < 1.0:
+        raise SettingsError(f"an ensemble weight must lie in the open interval (0, 1), got {text}")
+    return weight
+
+
 def _temperature(text: str) -> float:
     return SamplingConfig(temperature=float(text)).temperature
 
@@ -92,6 +102,7 @@ class SweepSpec:
     draft_tokens: str
     draft_policies: str
     mixture_thresholds: str
+    ensemble_weights: str
     temperatures: str
     baselines: str
     dtypes: str
@@ -111,6 +122,7 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     divergences = parse_choices(spec.divergences, "--divergences", DIVERGENCE_NAMES)
     rules = [] if spec.rules.strip() == "none" else parse_choices(spec.rules, "--rules", FSD_RULES)
     budgets = parse_list(spec.mixture_thresholds, "--mixture-thresholds", _threshold)
+    weights = parse_list(spec.ensemble_weights, "--ensemble-weights", _ensemble_weight)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
     policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
@@ -137,6 +149,8 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
                     for m in ("hf-assisted", "hf-prompt-lookup")
                     if m in baselines
                 ]
+                if "hf-ensemble" in baselines:
+                    configs += [Configuration(setup, temperature, "hf-ensemble", k, None, w) for w in weights]
                 for policy in policies:
                     if "exact" in baselines:
                         configs.append(Configuration(setup, temperature, "exact", k, draft_policy=policy))
