@@ -125,11 +125,11 @@ class CachedModel:
         first = self.seen == 0
         out = self.model(
             input_ids=seq[:, self.seen : upto],
-            past_key_values=self.cache,
+            cache=self.cache,
             use_cache=True,
             logits_to_keep=keep,
         )
-        if getattr(out, "past_key_values", None) is not self.cache:
+        if getattr(out, "cache", None) is not self.cache:
             raise UnsupportedCacheError(
                 f"{type(self.model).__name__} does not use a transformers DynamicCache, "
                 "which speculative decoding needs to roll back rejected tokens"
@@ -153,8 +153,8 @@ class CachedModel:
     def _check_rollback(self) -> None:
         cache = self._new_cache()
         probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        out = self.model(input_ids=probe, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        if getattr(out, "past_key_values", None) is not cache or not cache.is_croppable:
+        out = self.model(input_ids=probe, cache=cache, use_cache=True, logits_to_keep=1)
+        if getattr(out, "cache", None) is not cache or not cache.is_croppable:
             kinds = sorted({type(layer).__name__ for layer in cache.layers})
             raise UnsupportedCacheError(
                 f"{type(self.model).__name__} keeps state ({', '.join(kinds)}) that cannot be "
@@ -205,7 +205,7 @@ class CompiledModel(CachedModel):
             # A view whose strides do not depend on the buffer's length: the compiled function is
             # guarded on strides, and each reply's buffer has its own length.
             "input_ids": seq[0, self.seen : upto].unsqueeze(0),
-            "past_key_values": self.cache,
+            "cache": self.cache,
             # Given explicitly: the model would otherwise read the write position back from the device.
             "cache_position": torch.arange(self.seen, upto, device=self.device),
             "use_cache": True,
