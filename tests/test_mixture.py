@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
-from fsd_chat.decoding.acceptance import mixture_weight, verify
+from fsd_chat.decoding.acceptance import mixture_weight
 from fsd_chat.decoding.divergence import kl, tv
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.models import ModelPair
 from tests.decoding_helpers import DIFFERENCE_ROUNDING, collect
 from tests.test_acceptance import TEXT
-from tests.test_sampling_lossless import chi_square_p_value
+from tests.test_sampling_lossless import chi_square_p_value, emitted
 
 SAMPLING = SamplingConfig(temperature=1.0)
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
@@ -106,22 +106,10 @@ def test_first_token_follows_the_mixture(pair: ModelPair) -> None:
     assert 0.2 < lam < 0.9, "the budget must bind: the law differs from both p and q"
     r = (1 - lam) * p1 + lam * q1
 
+    # 20,000 independent draws of the first position's rule, judged at once (see `emitted`).
     generator = torch.Generator().manual_seed(1234)
-    p = torch.stack([p1, p1])  # the second row stands for the bonus position
-    counts = torch.zeros(pair.vocab_size, dtype=torch.long)
-    for _ in range(samples):
-        draft = torch.multinomial(q1, 1, generator=generator)
-        verdict = verify(
-            p,
-            q1[None],
-            draft,
-            rule="mixture",
-            divergence_name="js",
-            threshold=budget,
-            sampling=SAMPLING,
-            generator=generator,
-        )
-        counts[verdict.token_ids[0]] += 1
+    tokens = emitted(p1.expand(samples, -1), q1.expand(samples, -1), "mixture", budget, generator, SAMPLING)
+    counts = torch.bincount(tokens, minlength=pair.vocab_size)
     assert chi_square_p_value(counts, r) > 1e-3
     assert chi_square_p_value(counts, p1) < 1e-6
     assert chi_square_p_value(counts, q1) < 1e-6

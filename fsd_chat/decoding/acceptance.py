@@ -118,6 +118,27 @@ class Verdict:
         return [*drafted, self.next_origin]
 
 
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """Each draft position of a block judged on its own, as device tensors (see `judge`).
+
+    Attributes:
+        accept: Whether the position's draft token passes the rule, shape [k] bool.
+        draft_exact: Whether a draft token accepted there is `draft-exact` (the exact test passed
+            where the relaxed test did not decide), shape [k] bool.
+        divergences: D(p_i°, q_i°) of the untruncated laws, shape [k], in the divergence's units.
+        costs: Cost in nats of the token the position emits (draft token or correction), shape [k].
+        candidates: The target's token after a rejection at each position, then the bonus token
+            after k acceptances, shape [k + 1] int64.
+    """
+
+    accept: torch.Tensor
+    draft_exact: torch.Tensor
+    divergences: torch.Tensor
+    costs: torch.Tensor
+    candidates: torch.Tensor
+
+
 def restrict(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """q̄: q restricted to p's support and renormalised, [..., vocab] -> [..., vocab]; p itself in
     rows where q has no mass on p's support (so that aiming at q̄ there changes nothing)."""
@@ -208,7 +229,7 @@ def _residual(aim: torch.Tensor, q: torch.Tensor | None, draft_ids: torch.Tensor
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), aim)
 
 
-def verify(
+def judge(
     p: torch.Tensor,
     q: torch.Tensor | None,
     draft_ids: torch.Tensor,
@@ -220,8 +241,11 @@ def verify(
     generator: torch.Generator,
     p_full: torch.Tensor | None = None,
     q_full: torch.Tensor | None = None,
-) -> Verdict:
-    """Accept a prefix of the draft block, choose the target's next token, and cost each token.
+) -> Judgement:
+    """Judge each draft position on its own: whether its draft token passes, the target's token
+    after a rejection there, and what the emitted token costs (`verify` then keeps the prefix up to
+    the first rejection). The positions are independent given their rows, so k rows that repeat one
+    (p, q) pair are k independent draws of that position's rule: the statistical tests use this.
 
     Args:
         p: Target probabilities, shape [k + 1, vocab]: rows 0..k-1 at the draft positions, row k
@@ -241,11 +265,7 @@ def verify(
         q_full: The draft's untruncated probabilities, [k, vocab]; default q.
 
     Returns:
-        The `Verdict`, read back from the device in one transfer at the end: the call's only host
-        synchronisation. Nothing before it reads a device value (n stays on the device, and
-        `torch.multinomial` has checked its input with device-side asserts since torch 2.5).
-        Counted on the CPU, reads from torch's C++ code included, by `tests/test_host_syncs.py`,
-        and on a GPU by `make gpu-check`.
+        The `Judgement`, on p's device; nothing is read back to the host.
     """
     k = draft_ids.shape[0]
     positions = torch.arange(k, device=p.device)
@@ -318,18 +338,58 @@ def verify(
                 law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
                 costs = torch.where(relaxed, kl(law, p_draft), costs)
         candidates = draw(torch.cat([corrections, p[k:]]), sampling, generator)
-    n = accept.long().cumprod(0).sum()
+    return Judgement(accept, exact & ~relaxed, div, costs, candidates)
+
+
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_ids: torch.Tensor,
+    *,
+    rule: Rule,
+    divergence_name: DivergenceName,
+    threshold: float,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    p_full: torch.Tensor | None = None,
+    q_full: torch.Tensor | None = None,
+) -> Verdict:
+    """Accept a prefix of the draft block, choose the target's next token, and cost each token.
+
+    Args: as `judge`.
+
+    Returns:
+        The `Verdict`, read back from the device in one transfer at the end: the call's only host
+        synchronisation. Nothing before it reads a device value (n stays on the device, and
+        `torch.multinomial` has checked its input with device-side asserts since torch 2.5).
+        Counted on the CPU, reads from torch's C++ code included, by `tests/test_host_syncs.py`,
+        and on a GPU by `make gpu-check`.
+    """
+    judged = judge(
+        p,
+        q,
+        draft_ids,
+        rule=rule,
+        divergence_name=divergence_name,
+        threshold=threshold,
+        sampling=sampling,
+        generator=generator,
+        p_full=p_full,
+        q_full=q_full,
+    )
+    k = draft_ids.shape[0]
+    n = judged.accept.long().cumprod(0).sum()
     # Only the correction at position n (or the bonus) is used; drawing all k + 1 keeps n on the
     # device. The other draws are independent of everything emitted, so the law is unchanged.
-    next_token = candidates.index_select(0, n.view(1))
+    next_token = judged.candidates.index_select(0, n.view(1))
     block = torch.cat(
         [
             n.view(1).double(),
             next_token.double(),
             draft_ids.double(),
-            (exact & ~relaxed).double(),
-            div.double(),
-            costs.double(),
+            judged.draft_exact.double(),
+            judged.divergences.double(),
+            judged.costs.double(),
         ]
     ).tolist()
     accepted, chosen = int(block[0]), int(block[1])
