@@ -355,8 +355,7 @@ def verify(
     q_full: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept a prefix of the draft block, choose the target's next token, and cost each token.
-
-    Args: as `judge`.
+    The arguments are `judge`'s; the draft positions are judged there.
 
     Returns:
         The `Verdict`, read back from the device in one transfer at the end: the call's only host
