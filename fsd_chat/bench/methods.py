@@ -78,7 +78,13 @@ class PairRunner:
         stop_strings: tuple[str, ...],
     ) -> Generation:
         """Generate a reply to `prompt_ids` with `config`'s method and time it."""
-        sampling = SamplingConfig(temperature=config.temperature, seed=seed)
+        sampling = SamplingConfig(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            min_p=config.min_p,
+            seed=seed,
+        )
         target, draft = self._target_meter.start(), self._draft_meter.start()
         try:
             return self._run(config, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft)
@@ -139,8 +145,14 @@ class PairRunner:
         if sampling.greedy:
             options: dict[str, Any] = {"do_sample": False}
         else:
-            # top_k=0 switches off transformers' default top-k of 50: fsd-chat samples the full vocabulary.
-            options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
+            # The same truncation as fsd-chat's (top_k=0 switches off an older default top-k of 50).
+            options = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k,
+                "top_p": sampling.top_p,
+                "min_p": sampling.min_p or None,
+            }
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}

@@ -109,7 +109,7 @@ def run_bench(
             progress.update(
                 task,
                 advance=1,
-                description=f"{phase} · {config.setup.label} · t={config.temperature:g} · {config.label}",
+                description=f"{phase} · {config.setup.label} · {config.sampling} · {config.label}",
             )
 
         result: SweepResult = run_sweep(
