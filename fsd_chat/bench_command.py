@@ -78,6 +78,9 @@ DIVERGENCES = o.DIVERGENCE.replace(default=None).listed("--divergences")
 DRAFT_TOKENS = o.DRAFT_TOKENS.replace(default=None).listed()
 DRAFT_POLICIES = o.DRAFT_POLICY.replace(default=None).listed("--draft-policies")
 TEMPERATURES = o.TEMPERATURE.replace(default=0.0).listed()
+TOP_KS = o.TOP_K.replace(default=0, help="Keep the k most likely tokens (0 = off).").listed()
+TOP_PS = o.TOP_P.replace(default=1.0, help="Nucleus sampling mass (1 = off).").listed()
+MIN_PS = o.MIN_P.replace(default=0.0, help="min-p (0 = off).").listed()
 DTYPES = o.DTYPE.listed()
 QUANTIZE_TARGET = o.QUANTIZE_TARGET.listed()
 QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
@@ -92,7 +95,9 @@ QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
     DRAFT_TOKENS,
     DRAFT_POLICIES,
     TEMPERATURES,
-    o.TOP_P,
+    TOP_KS,
+    TOP_PS,
+    MIN_PS,
     QUANTIZE_TARGET,
     QUANTIZE_DRAFT,
     o.DEVICE,
@@ -164,6 +169,9 @@ def bench(
         draft_tokens=draft_tokens if draft_tokens is not None else preset.draft_tokens,
         draft_policies=draft_policies if draft_policies is not None else preset.draft_policies,
         temperatures=TEMPERATURES.of(values),
+        top_ks=TOP_KS.of(values),
+        top_ps=TOP_PS.of(values),
+        min_ps=MIN_PS.of(values),
         baselines=baselines,
         dtypes=DTYPES.of(values),
         quantize_target=QUANTIZE_TARGET.of(values),
@@ -178,7 +186,6 @@ def bench(
         limit=limit if limit is not None else preset.limit,
         max_new_tokens=max_new_tokens if max_new_tokens is not None else preset.max_new_tokens,
         spec=spec,
-        top_p=o.TOP_P.of(values),
         seed=seed,
         repeats=repeats if repeats is not None else preset.repeats,
         output=output,

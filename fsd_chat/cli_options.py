@@ -286,7 +286,7 @@ RULE = Option(
     str,
     _DEFAULTS.rule,
     "exact (standard SD), fuzzy (SD test or D ≤ T; FSD), pure (D ≤ T only; the paper's code) "
-    "or mixture (SD against (1 − λ)p + λq, at most T nats per token).",
+    "or mixture (SD against (1 − λ)p + λq̄, at most T nats per token).",
     DECODING,
     one_of("rule", RULES),
     RULES,

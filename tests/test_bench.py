@@ -122,7 +122,7 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
     assert methods == {"autoregressive", "exact", "hf-assisted", "hf-ensemble", "fuzzy", "mixture"}
     assert (out / "tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "report.md").read_text()
-    assert "| setup | temp | method |" in markdown and "hf-assisted" in markdown
+    assert "| setup | sampling | method |" in markdown and "hf-assisted" in markdown
     assert "cost/tok (±95%)" in markdown and "## Curves at matched cost" in markdown
 
 
@@ -331,7 +331,8 @@ def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> N
             ["--prompts", "tinystories", "--ensemble-weights", "0.9,1"],
             "--ensemble-weights: an ensemble weight must lie in the open interval (0, 1)",
         ),
-        (["--prompts", "tinystories", "--top-p", "0"], "top-p must be in"),
+        (["--prompts", "tinystories", "--top-p", "1,1.5"], "--top-p: top-p must be in"),
+        (["--prompts", "tinystories", "--min-p", "x"], "--min-p: bad value 'x'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -423,3 +424,38 @@ def test_results_are_shown_even_when_the_reports_cannot_be_written(
         )
     out = capsys.readouterr().out
     assert "[/] run of [bold]x␛[2J" in out and "autoregressive" in out
+
+
+def test_truncations_are_each_measured(target_dir: Path, draft_dir: Path, tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    out = tmp_path / "bench-truncation"
+    main(
+        [
+            "bench",
+            "--target", str(target_dir),
+            "--draft", str(draft_dir),
+            "--prompts", "tinystories",
+            "--data-dir", str(DATA_DIR),
+            "--limit", "2",
+            "--max-new-tokens", "24",
+            "--rules", "mixture",
+            "--mixture-thresholds", "0.1",
+            "--baselines", "exact",
+            "--draft-tokens", "3",
+            "--temperature", "0.8",
+            "--top-p", "1,0.9",
+            "--min-p", "0,0.1",
+            "--device", "cpu",
+            "--threads", "1",
+            "--output", str(out),
+        ]
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    configs = json.loads((out / "report.json").read_text())["configs"]
+    measured = {(c["method"], c["top_p"], c["min_p"]) for c in configs}
+    assert measured == {(m, p, q) for m in ("exact", "mixture") for p in (1.0, 0.9) for q in (0.0, 0.1)}
+    for c in configs:
+        # Each truncation keeps the mixture live, within its budget, and exact SD lossless.
+        cost = c["quality"]["cost_per_token"]
+        assert cost == 0.0 if c["method"] == "exact" else 0.0 < cost <= 0.1
+    assert "top-p 0.9 · min-p 0.1" in (out / "report.md").read_text()

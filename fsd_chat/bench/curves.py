@@ -306,24 +306,26 @@ def compare_curves(summaries: list[Summary], runs: list[Measurement]) -> list[Ve
     runs_of: dict[Configuration, list[Measurement]] = defaultdict(list)
     for run in runs:
         runs_of[run.config].append(run)
-    groups: dict[tuple[Setup, float], list[Summary]] = defaultdict(list)
+    groups: dict[tuple[Setup, float, int, float, float], list[Summary]] = defaultdict(list)
     for s in summaries:
         groups[s.config.group].append(s)
     verdicts = []
-    for (setup, temperature), members in groups.items():
+    for (setup, temperature, *_), members in groups.items():
+        # The truncation, if any, is named with the setup (it is the same for the whole group).
+        where = " · ".join([setup.label, *members[0].config.sampling.split(" · ")[1:]])
         for clock, make_rate in CLOCKS.items():
             curves = _curves(members, runs_of, make_rate(runs))
             comparisons = []
             for i, first in enumerate(curves):
                 for second in curves[i + 1 :]:
-                    comparison = _compare(setup.label, temperature, clock, first, second)
+                    comparison = _compare(where, temperature, clock, first, second)
                     if comparison is not None and comparison.ratio < 1:
                         # the faster curve first, so that every ratio reads "a is x times as fast as b"
-                        comparison = _compare(setup.label, temperature, clock, second, first)
+                        comparison = _compare(where, temperature, clock, second, first)
                     if comparison is not None:
                         comparisons.append(comparison)
             if comparisons:
-                verdicts.append(_verdict(setup.label, temperature, clock, comparisons))
+                verdicts.append(_verdict(where, temperature, clock, comparisons))
     return verdicts
 
 

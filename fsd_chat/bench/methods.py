@@ -154,11 +154,15 @@ class PairRunner:
         max_new_tokens: int,
         seed: int,
         stop_strings: tuple[str, ...],
-        top_p: float = 1.0,
     ) -> Generation:
-        """Generate a reply to `prompt_ids` with `config`'s method (sampling with its temperature
-        and `top_p`) and time it."""
-        sampling = SamplingConfig(temperature=config.temperature, top_p=top_p, seed=seed)
+        """Generate a reply to `prompt_ids` with `config`'s method and time it."""
+        sampling = SamplingConfig(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            min_p=config.min_p,
+            seed=seed,
+        )
         target = self._target_meter.start()
         draft = self._draft_meter.start() if self._draft_meter is not None else ForwardTally()
         try:
@@ -253,12 +257,13 @@ class PairRunner:
         if sampling.greedy:
             options: dict[str, Any] = {"do_sample": False}
         else:
-            # top_k=0 switches off transformers' default top-k of 50: fsd-chat samples the full vocabulary.
+            # The same truncation as fsd-chat's (top_k=0 switches off an older default top-k of 50).
             options = {
                 "do_sample": True,
                 "temperature": sampling.temperature,
-                "top_k": 0,
+                "top_k": sampling.top_k,
                 "top_p": sampling.top_p,
+                "min_p": sampling.min_p or None,
             }
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:

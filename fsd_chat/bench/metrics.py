@@ -32,7 +32,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 from fsd_chat.bench.records import BASELINES, Configuration, Measurement, Method, Setup
@@ -187,8 +187,14 @@ class Summary:
             TypeError: a field has the wrong shape.
         """
         setup = Setup(**{f.name: data[f.name] for f in fields(Setup)})
+        # A field with a default may be missing: report.json written before it existed.
         config = Configuration(
-            setup=setup, **{f.name: data[f.name] for f in fields(Configuration) if f.name != "setup"}
+            setup=setup,
+            **{
+                f.name: data[f.name] if f.name in data or f.default is MISSING else f.default
+                for f in fields(Configuration)
+                if f.name != "setup"
+            },
         )
         own = {f.name: data[f.name] for f in fields(cls) if f.name not in ("config", "tokens_per_second")}
         return cls(
@@ -267,7 +273,9 @@ def _reference(config: Configuration, method: Method) -> Configuration:
     """The baseline `method` that `config` is compared with (same group; same k, fixed, for SD
     baselines but hf-assisted-default, which drafts as transformers decides)."""
     k = None if method in ("autoregressive", "hf-assisted-default") else config.draft_tokens
-    return Configuration(config.setup, config.temperature, method, k)
+    return replace(
+        config, method=method, draft_tokens=k, divergence=None, threshold=None, draft_policy="fixed"
+    )
 
 
 @dataclass(frozen=True, slots=True)

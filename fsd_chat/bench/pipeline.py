@@ -37,14 +37,13 @@ EXIT_INTERRUPTED = 130
 
 
 def _sweep_record(
-    spec: SweepSpec, prompts: str, count: int, max_new_tokens: int, top_p: float, seed: int, repeats: int
+    spec: SweepSpec, prompts: str, count: int, max_new_tokens: int, seed: int, repeats: int
 ) -> dict[str, object]:
     """What was asked for, as report.json's `sweep`."""
     return {
         "prompts": prompts,
         "prompt_count": count,
         "max_new_tokens": max_new_tokens,
-        "top_p": top_p,
         "seed": seed,
         "repeats": repeats,
         **asdict(spec),
@@ -63,13 +62,11 @@ def run_bench(
     seed: int,
     repeats: int,
     output: Path,
-    top_p: float = 1.0,
     device: str,
     threads: int | None,
     trust_remote_code: bool,
 ) -> int:
     """Run the benchmark; returns the exit status (0, or 130 when Ctrl-C cut the sweep short).
-    Every sampled run (temperature > 0) keeps the top-p nucleus `top_p` of both models' laws.
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -87,7 +84,7 @@ def run_bench(
         raise FsdChatError(f"--repeats must be ≥ 1, got {repeats}")
     # Prompt i runs with seed + i: the last one must still be a valid seed.
     for prompt_seed in (seed, seed + len(prompt_set.items) - 1):
-        SamplingConfig(seed=prompt_seed, top_p=top_p)
+        SamplingConfig(seed=prompt_seed)
     if resolve_device(device).type == "cpu":
         apply_threads(threads)
     check_writable(output)
@@ -117,7 +114,7 @@ def run_bench(
             progress.update(
                 task,
                 advance=1,
-                description=f"{phase} · {config.setup.label} · t={config.temperature:g} · {config.label}",
+                description=f"{phase} · {config.setup.label} · {config.sampling} · {config.label}",
             )
 
         result: SweepResult = run_sweep(
@@ -127,7 +124,6 @@ def run_bench(
             max_new_tokens=max_new_tokens,
             seed=seed,
             repeats=repeats,
-            top_p=top_p,
             on_run=advance,
         )
     write_outputs(
@@ -135,14 +131,10 @@ def run_bench(
         runs=result.runs,
         configs=configs,
         pairs=pairs,
-        sweep=_sweep_record(
-            spec, prompt_set.name, len(prompt_set.items), max_new_tokens, top_p, seed, repeats
-        ),
+        sweep=_sweep_record(spec, prompt_set.name, len(prompt_set.items), max_new_tokens, seed, repeats),
         interrupted=result.interrupted,
         title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
-        f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens"
-        + ("" if top_p == 1.0 else f", top-p {top_p:g}")
-        + ")",
+        f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",
     )
     return EXIT_INTERRUPTED if result.interrupted else 0
 

@@ -42,7 +42,7 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
     """Draw the trade-off of `summaries` into a PNG at `path`."""
     groups: dict[str, list[Summary]] = defaultdict(list)
     for s in summaries:
-        groups[f"{s.config.setup.label} · temperature {s.config.temperature:g}"].append(s)
+        groups[f"{s.config.setup.label} · {s.config.sampling}"].append(s)
     fig, axes = plt.subplots(len(SPEEDS), len(groups), figsize=(6.4 * len(groups), 9.6), squeeze=False)
     for (row, (ylabel, speed_of)), (column, (name, members)) in itertools.product(
         enumerate(SPEEDS.items()), enumerate(groups.items())

@@ -87,6 +87,7 @@ class Configuration:
             weight in the law it verifies against (w·p + (1 − w)·q; lossless as w → 1). None for
             the lossless baselines.
         draft_policy: fsd-chat's draft-length policy (exact and the lossy rules; "fixed" otherwise).
+        top_k, top_p, min_p: Truncation of both models' laws (0, 1, 0: none), every method alike.
     """
 
     setup: Setup
@@ -96,6 +97,18 @@ class Configuration:
     divergence: DivergenceName | None = None
     threshold: float | None = None
     draft_policy: DraftPolicyName = "fixed"
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def sampling(self) -> str:
+        """The group's sampling for people, e.g. "temperature 1" or "temperature 0.8 · top-p 0.9"."""
+        parts = [f"temperature {self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1.0 else []
+        parts += [f"min-p {self.min_p:g}"] if self.min_p > 0.0 else []
+        return " · ".join(parts)
 
     @property
     def label(self) -> str:
@@ -113,9 +126,9 @@ class Configuration:
         return " ".join(parts)
 
     @property
-    def group(self) -> tuple[Setup, float]:
+    def group(self) -> tuple[Setup, float, int, float, float]:
         """Configurations of one group are compared with each other (same models, same sampling)."""
-        return (self.setup, self.temperature)
+        return (self.setup, self.temperature, self.top_k, self.top_p, self.min_p)
 
     @property
     def curve(self) -> str | None:

@@ -15,7 +15,7 @@ from fsd_chat.text import to_json
 
 HEADERS = (
     "setup",
-    "temp",
+    "sampling",
     "method",
     "div",
     "T",
@@ -140,7 +140,7 @@ def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 c.setup.label,
-                f"{c.temperature:g}",
+                c.sampling.removeprefix("temperature "),
                 c.method,
                 c.divergence or "–",
                 "–" if c.threshold is None else f"{c.threshold:g}",

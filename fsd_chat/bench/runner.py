@@ -32,10 +32,9 @@ def run_sweep(
     max_new_tokens: int,
     seed: int,
     repeats: int,
-    top_p: float = 1.0,
     on_run: OnRun | None = None,
 ) -> SweepResult:
-    """Run every configuration on every prompt `repeats` times (sampling with top-p `top_p`); quality is scored by the target
+    """Run every configuration on every prompt `repeats` times; quality is scored by the target
     of the first setup (so that quantized or low-precision setups are judged by one reference).
 
     Prompt i is decoded with seed `seed + i` by every configuration (common random numbers: the
@@ -55,7 +54,6 @@ def run_sweep(
                 max_new_tokens=WARMUP_TOKENS,
                 seed=seed,
                 stop_strings=prompt_set.stop_strings,
-                top_p=top_p,
             )
             notify(config, "warm-up")
         trial = 0
@@ -69,7 +67,6 @@ def run_sweep(
                         max_new_tokens=max_new_tokens,
                         seed=seed + index,
                         stop_strings=prompt_set.stop_strings,
-                        top_p=top_p,
                     )
                     correct = None
                     if prompt_set.checker is not None and item.answer is not None:

@@ -1,4 +1,5 @@
-"""The configurations a sweep runs: model setups (dtype × quantization) × temperatures × methods.
+"""The configurations a sweep runs: model setups (dtype × quantization) × truncations (top-k ×
+top-p × min-p) × temperatures × methods.
 
 Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
 engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same constant k),
@@ -13,8 +14,9 @@ draft-length policy asked for.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from fsd_chat.bench.records import BASELINES, DIVERGENCE_RULES, FSD_RULES, Configuration, Setup
@@ -88,6 +90,18 @@ def _temperature(text: str) -> float:
     return SamplingConfig(temperature=float(text)).temperature
 
 
+def _top_k(text: str) -> int:
+    return SamplingConfig(top_k=int(text)).top_k
+
+
+def _top_p(text: str) -> float:
+    return SamplingConfig(top_p=float(text)).top_p
+
+
+def _min_p(text: str) -> float:
+    return SamplingConfig(min_p=float(text)).min_p
+
+
 def _draft_tokens(text: str) -> int:
     return DecodingSettings(draft_tokens=int(text)).draft_tokens
 
@@ -108,6 +122,9 @@ class SweepSpec:
     dtypes: str
     quantize_target: str
     quantize_draft: str
+    top_ks: str = "0"
+    top_ps: str = "1"
+    min_ps: str = "0"
 
 
 def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[Configuration]]:
@@ -126,6 +143,13 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
     policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
+    truncations = list(
+        itertools.product(
+            parse_list(spec.top_ks, "--top-k", _top_k),
+            parse_list(spec.top_ps, "--top-p", _top_p),
+            parse_list(spec.min_ps, "--min-p", _min_p),
+        )
+    )
     baselines = (
         []
         if spec.baselines.strip() in ("", "none")
@@ -136,8 +160,9 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     quant_d = parse_choices(spec.quantize_draft, "--quantize-draft", QUANTIZATIONS)
     setups = [Setup(d, qt, qd) for d in dtypes for qt in quant_t for qd in quant_d]
     configs: list[Configuration] = []
-    for setup in setups:
+    for setup, (top_k, top_p, min_p) in itertools.product(setups, truncations):
         for temperature in temperatures:
+            start = len(configs)
             configs += [
                 Configuration(setup, temperature, m)
                 for m in ("autoregressive", "hf-assisted-default")
@@ -165,4 +190,5 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
                             configs += [
                                 Configuration(setup, temperature, rule, k, None, t, policy) for t in budgets
                             ]
+            configs[start:] = [replace(c, top_k=top_k, top_p=top_p, min_p=min_p) for c in configs[start:]]
     return setups, configs

@@ -101,7 +101,7 @@ def show(console: Console, summaries: list[Summary]) -> None:
     """Print a table and a small plot per (setup, temperature)."""
     groups: dict[str, list[Summary]] = defaultdict(list)
     for s in summaries:
-        groups[f"{s.config.setup.label} · temperature {s.config.temperature:g}"].append(s)
+        groups[f"{s.config.setup.label} · {s.config.sampling}"].append(s)
     for name, members in groups.items():
         console.print(results_table(members, name))
         console.print(text_plot(members, name))

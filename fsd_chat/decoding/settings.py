@@ -55,7 +55,8 @@ class DecodingSettings:
 
     Attributes:
         rule: "exact" (standard SD), "fuzzy" (exact test or D ≤ T; FSD), "pure" (D ≤ T only; the
-            paper's released code) or "mixture" (exact SD against (1 − λ)p + λq, KL ≤ T per token).
+            paper's released code) or "mixture" (exact SD against (1 − λ)p + λq̄, q̄ = q on p's
+            support, KL ≤ T per token).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
         threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
             nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
