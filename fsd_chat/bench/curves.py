@@ -236,14 +236,18 @@ class _Curve:
 def _curves(
     members: list[Summary], runs_of: dict[Configuration, list[Measurement]], rate: RunRate
 ) -> list[_Curve]:
-    """The group's curves (each with its lossless method at its k as the cost-0 point: exact SD, or
-    hf-assisted for hf-ensemble), in configuration order.
+    """The group's curves (each with its lossless method at its k and draft-length policy as the
+    cost-0 point: exact SD, or hf-assisted for hf-ensemble), in configuration order.
 
     Points are ordered by cost; of points with equal cost only the first (nearest the lossless end:
     smallest T, largest w, or the anchor) is kept, so that interpolation is well defined (e.g. tv at
     small T accepts nothing and is exact).
     """
-    lossless = {(s.config.method, s.config.draft_tokens): s for s in members if s.config.curve is None}
+    lossless = {
+        (s.config.method, s.config.draft_tokens, s.config.draft_policy): s
+        for s in members
+        if s.config.curve is None
+    }
     by_curve: dict[str, list[Summary]] = defaultdict(list)
     for s in members:
         cost = s.quality.cost_per_token
@@ -251,7 +255,8 @@ def _curves(
             by_curve[s.config.curve].append(s)
     curves = []
     for name, points in by_curve.items():
-        anchor = lossless.get((points[0].config.lossless, points[0].config.draft_tokens))
+        first = points[0].config
+        anchor = lossless.get((first.lossless, first.draft_tokens, first.draft_policy))
         if anchor is None:
             continue
         ordered = sorted(points, key=lambda s: (s.quality.cost_per_token, s.config.relaxation))

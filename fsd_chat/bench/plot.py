@@ -65,16 +65,17 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
                     edgecolors="black",
                 )
         lossless = {
-            (s.config.method, s.config.draft_tokens): (speed, cost)
+            (s.config.method, s.config.draft_tokens, s.config.draft_policy): (speed, cost)
             for s, speed, cost in points
             if s.config.curve is None
         }
         for label, curve in curves.items():
             curve.sort(key=lambda item: item[0].config.relaxation)
             # Every rule at T = 0 is exact SD (hf-ensemble as w → 1 is hf-assisted): the curve starts
-            # at that lossless point of the same k.
+            # at that lossless point of the same k and draft-length policy.
             first = curve[0][0].config
-            start = [lossless[key]] if (key := (first.lossless, first.draft_tokens)) in lossless else []
+            key = (first.lossless, first.draft_tokens, first.draft_policy)
+            start = [lossless[key]] if key in lossless else []
             ax.errorbar(
                 [cost for _, cost in start] + [cost for _, _, cost in curve],
                 [speed for speed, _ in start] + [speed for _, speed, _ in curve],
