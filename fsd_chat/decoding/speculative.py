@@ -28,11 +28,13 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, Next, make_policy, measure_costs
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
+from fsd_chat.decoding.mapped_draft import MappedDraft
 from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, target_step
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.decoding.vocab_map import VocabularyMap
 
 COMPILED_CONTEXT = 8192
 """Most tokens a compiled draft's static KV cache holds (it is allocated whole, up front)."""
@@ -41,7 +43,9 @@ COMPILED_CONTEXT = 8192
 class SpeculativeDecoder:
     """Draft-then-verify decoding of a target model with a smaller draft model.
 
-    Both models must share the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`).
+    The models share the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`), or a
+    `VocabularyMap` maps the draft's onto it (`MappedDraft`: the draft reads the target's text in
+    its own tokens and proposes over the paired tokens).
 
     Args:
         target: The target model (the distribution to follow).
@@ -56,6 +60,8 @@ class SpeculativeDecoder:
             (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens.
         costs: The device's draft and verify costs, asked for when the `cost` policy is first
             used (default: measured on these models then, once; `ModelPair` keeps its own).
+        vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
+            tokenizer (None: one shared vocabulary).
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
@@ -73,22 +79,30 @@ class SpeculativeDecoder:
         time_phases: bool = False,
         compile_draft: bool = False,
         costs: Callable[[], CostCurve] | None = None,
+        vocab_map: VocabularyMap | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
+        draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.tokenizer = tokenizer
         self.time_phases = time_phases
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
-        contexts = [c for c in (context_length(target), context_length(draft)) if c is not None]
+        # A mapped draft counts its context in its own tokens: it bounds drafting, not the reply.
+        draft_context = context_length(draft)
+        contexts = [c for c in (context_length(target), draft_context if vocab_map is None else None) if c]
         self.context = min(contexts) if contexts else None
         if compile_draft:
             # The static cache is allocated whole: cap it, and the context with it.
             self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-            self.draft: CachedModel = CompiledModel(draft, vocab_size, self.context + MAX_DRAFT_TOKENS + 1)
+            draft_context = self.context + MAX_DRAFT_TOKENS + 1
+            self.draft: CachedModel = CompiledModel(draft, draft_vocab, draft_context)
         else:
-            self.draft = CachedModel(draft, vocab_size)
-        self.eos_token_ids = eos_token_ids(tokenizer, target, draft)
-        self.costs = costs or cache(lambda: measure_costs(target, draft, vocab_size))
+            self.draft = CachedModel(draft, draft_vocab)
+        self.mapped = None if vocab_map is None else MappedDraft(self.draft, vocab_map, draft_context)
+        # A mapped draft's EOS ids are its own: the target's say when the reply ends.
+        self.eos_token_ids = eos_token_ids(tokenizer, target, *([draft] if vocab_map is None else []))
+        common = min(vocab_size, draft_vocab)
+        self.costs = costs or cache(lambda: measure_costs(target, draft, common))
 
     @property
     def compile_error(self) -> str | None:
@@ -128,7 +142,7 @@ class SpeculativeDecoder:
         policy_name = self.controls.snapshot().draft_policy
         policy = make_policy(policy_name, self.costs)  # before the clock starts: it may measure
         start = begin(
-            [self.target, self.draft],
+            [self.target] if self.mapped else [self.target, self.draft],
             prompt_ids,
             tokenizer=self.tokenizer,
             controls=self.controls,
@@ -141,13 +155,15 @@ class SpeculativeDecoder:
             time_phases=self.time_phases,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
-        prefill_seconds = start.prefill_seconds
+        if self.mapped:
+            self.mapped.begin(prompt_ids)
+        prefill_seconds = start.prefill_seconds + clock.lap()
         while True:
             settings = self.controls.snapshot()
             if settings.draft_policy != policy_name:
                 policy, policy_name = make_policy(settings.draft_policy, self.costs), settings.draft_policy
                 clock.lap()  # a first measurement of the costs is no step's time
-            k = policy.limit(settings, reply.room())
+            k = policy.limit(settings, min(reply.room(), self.mapped.room()) if self.mapped else reply.room())
             if k == 0:
                 step = target_step(
                     self.target,
@@ -165,6 +181,9 @@ class SpeculativeDecoder:
                 )
                 policy.observe(step.stats.drafted, step.stats.accepted)
             prefill_seconds = 0.0
+            if self.mapped and step.stop_reason is None:
+                accepted = step.stats.accepted_exact + step.stats.accepted_fuzzy
+                self.mapped.settle([t.id for t in step.tokens], accepted)
             yield step
             if step.stop_reason is not None:
                 return
@@ -184,8 +203,10 @@ class SpeculativeDecoder:
         seq = reply.seq
         q_rows: list[torch.Tensor] = []
         for draft_forwards in range(1, limit + 1):
-            logits = self.draft.forward(seq, start + draft_forwards - 1, keep=1)
-            q = probabilities(logits[-1], sampling)
+            if self.mapped:
+                q = self.mapped.distribution(seq, start, len(q_rows), sampling)
+            else:
+                q = probabilities(self.draft.forward(seq, start + draft_forwards - 1, keep=1)[-1], sampling)
             # The policy sees q before the draw: a kept position's token is still a draw from q.
             then = policy.extend(q)
             if then is Next.DROP:
@@ -215,7 +236,8 @@ class SpeculativeDecoder:
         seq[0, start + n] = verdict.token_ids[-1]
         # Both caches must hold exactly the tokens before the last emitted one.
         self.target.rollback(start + n)
-        self.draft.rollback(start + n)
+        if not self.mapped:  # a mapped draft follows after the step (`MappedDraft.settle`)
+            self.draft.rollback(start + n)
         accepted_exact = sum(verdict.exact[:n])
         divergences: list[float | None] = [*verdict.divergences[:n]]
         divergences.append(verdict.divergences[n] if n < k else None)
