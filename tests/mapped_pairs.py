@@ -57,3 +57,10 @@ def pruned_draft(source: Path, directory: Path, removed: Collection[int]) -> tup
     vocab = json.loads((source / "tokenizer.json").read_text())["model"]["vocab"]
     kept = [i for i in range(len(vocab)) if i not in removed]
     return _rewrite(source, directory, {old: new for new, old in enumerate(kept)}), torch.tensor(kept)
+
+
+def multi_character_tokens(source: Path) -> list[int]:
+    """Ids of the draft's tokens that stand for more than one character (BPE merges): removing
+    some leaves every text spellable, one character at a time at worst."""
+    vocab = json.loads((source / "tokenizer.json").read_text())["model"]["vocab"]
+    return [i for token, i in vocab.items() if not token.startswith("<") and len(token.replace("▁", " ")) > 1]

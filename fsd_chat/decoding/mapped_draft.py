@@ -60,6 +60,10 @@ class MappedDraft:
         if 1 < self.length < self._limit():
             self.model.forward(self._seq, self.length - 1, keep=1)
 
+    def spelled(self) -> list[int]:
+        """The draft's ids that spell the reply so far (prompt included)."""
+        return [int(i) for i in self._seq[0, : self.length].tolist()]
+
     def room(self) -> int:
         """Most tokens the draft may propose before its context window is full."""
         return max(self._limit() - 1 - self.length, 0)

@@ -194,6 +194,8 @@ class VocabularyMap:
         target = _Vocabulary(target_tokenizer, target_vocab, target_spelling)
         draft = _Vocabulary(draft_tokenizer, draft_vocab, draft_spelling)
         self._pairs = _pair(target, draft)
+        self.shared_text = sum(1 for t in self._pairs if t not in target.specials.values())
+        """Paired tokens that stand for text (special tokens left out)."""
         ordered = sorted(self._pairs.items())
         self.target_ids = torch.tensor([t for t, _ in ordered], dtype=torch.long)
         self.draft_ids = torch.tensor([d for _, d in ordered], dtype=torch.long)
@@ -245,13 +247,13 @@ def map_vocabularies(
     target_vocab: int,
     draft_vocab: int,
 ) -> VocabularyMap | None:
-    """The `VocabularyMap` of a pair, or None when no token corresponds (or a tokenizer's strings
-    cannot be read as bytes): such a pair cannot be mapped at all."""
+    """The `VocabularyMap` of a pair, or None when no token of text corresponds (or a tokenizer's
+    strings cannot be read as bytes): such a pair cannot be mapped at all."""
     try:
         mapping = VocabularyMap(target_tokenizer, draft_tokenizer, target_vocab, draft_vocab)
     except ValueError:
         return None
-    return mapping if mapping.size else None
+    return mapping if mapping.shared_text else None
 
 
 @torch.inference_mode()
