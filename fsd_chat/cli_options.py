@@ -202,7 +202,14 @@ _SAMPLING = SamplingConfig()
 TARGET = Option(
     "target", ("--target",), str, None, "Target model: a Hugging Face Hub id or a local directory.", MODELS
 )
-DRAFT = Option("draft", ("--draft",), str, None, "Draft model sharing the target's tokenizer.", MODELS)
+DRAFT = Option(
+    "draft",
+    ("--draft",),
+    str,
+    None,
+    "Draft model; one with another tokenizer is mapped onto the target's vocabulary.",
+    MODELS,
+)
 QUANTIZE_TARGET = Option(
     "quantize_target",
     ("--quantize-target",),

@@ -114,6 +114,7 @@ def run_generate(
                 "stop_reason": None if stop_reason is None else str(stop_reason),
                 "settings": asdict(settings),
                 "sampling": asdict(sampling),
+                "draft": {"kind": pair.draft_kind, "coverage": pair.coverage},
                 "stats": totals.to_dict(),
             }
         )

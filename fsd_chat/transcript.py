@@ -137,6 +137,11 @@ def _code_cell(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
+def _draft_kind(models: dict[str, Any]) -> str:
+    # Sessions saved before mapped drafts have no kind: their drafts shared the target's tokenizer.
+    return " · vocabulary mapped onto the target's" if models.get("draft_kind") == "mapped" else ""
+
+
 def render_markdown(session: Session) -> str:
     """The whole session as Markdown: a header table, then every turn."""
     m = session.models
@@ -147,7 +152,7 @@ def render_markdown(session: Session) -> str:
         "|---|---|",
         f"| Date | {session.created} |",
         f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
-        f"| Draft | {_code_cell(str(m.get('draft', '')))} ({m.get('quantize_draft', 'none')}) |",
+        f"| Draft | {_code_cell(str(m.get('draft', '')))} ({m.get('quantize_draft', 'none')}){_draft_kind(m)} |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
         f"| Decoding | {decoding_summary(session.settings)} |",
         f"| Sampling | {sampling_summary(session.settings)} |",

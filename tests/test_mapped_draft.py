@@ -3,14 +3,16 @@ its token ids shuffled (same strings, other ids) and with part of its vocabulary
 
 The law tests are chi-square goodness-of-fit tests at α = 0.001 on the first token of SAMPLES
 replies per rule (fixed seeds, so reproducible; four rules: false-alarm probability ≤ 0.004). Each
-also rejects a law that differs from the one predicted (p < 1e-6): the target's p for the relaxed
-rules, the mapped proposal q for `exact`, and for every rule the draft's law before its vocabulary
-was cut (mass on tokens it can no longer propose), which shows the test's power.
+also rejects, at p < 1e-6, a law that differs from the one predicted, which shows the test's power:
+the mapped proposal q for `exact`; for the relaxed rules the target's p, and the law the rule would
+have with the draft's q before its vocabulary was cut (mass on tokens it can no longer propose).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,19 +27,23 @@ from fsd_chat.decoding.settings import Rule
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.errors import IncompatibleModelsError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.transcript import render_markdown
+from fsd_chat.tui.widgets.legend import Legend
 from tests.decoding_helpers import collect
 from tests.mapped_pairs import multi_character_tokens, permuted_draft, pruned_draft
+from tests.test_cli_generate import run_cli
 from tests.test_sampling_lossless import chi_square_p_value, rejected_by_the_statistic
+from tests.test_transcript import session as transcript_session
 
 CPU = LoadOptions(device="cpu", dtype="float32")
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
 LAW_PROMPT = "Once upon a time, there was a"
-SAMPLES = 4_000
-"""Replies per rule: enough for every power check below to reject at p < 1e-6 (measured: the
-weakest, `exact` against the mapped q, at about 1e-40)."""
+SAMPLES = 2_000
+"""Replies per rule: at the expected statistic, every power check below rejects at p < 1e-6 (the
+weakest, `exact` against the mapped q, at about 1e-17; the relaxed rules against p below 1e-150)."""
 ALPHA = 1e-3
-LAW_SAMPLING = SamplingConfig(temperature=0.9, top_p=0.95)
-MIXTURE_BUDGET = 0.05
+LAW_SAMPLING = SamplingConfig(temperature=0.9)
+MIXTURE_BUDGET = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +170,8 @@ def _law(rule: Rule, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     ("rule", "threshold", "first_seed"),
     [
         ("exact", 0.0, 0),
-        ("fuzzy", math.inf, SAMPLES),
-        ("pure", math.inf, 2 * SAMPLES),
+        ("fuzzy", math.log(2.0), SAMPLES),
+        ("pure", math.log(2.0), 2 * SAMPLES),
         ("mixture", MIXTURE_BUDGET, 3 * SAMPLES),
     ],
 )
@@ -225,3 +231,20 @@ def test_byte_level_and_sentencepiece_tokens_pair_by_their_bytes(target_dir: Pat
     # Target tokens the draft lacks are spelled in its tokens.
     assert mapping.translate([vocab["▁c"], vocab["at"]]) == [4, 7, 8, 6]
     assert mapping.translate([vocab["<s>"]]) == []  # no BOS in the draft: it does not see one
+
+
+def test_generate_json_and_the_transcript_name_the_mapped_draft(
+    target_dir: Path, shuffled: ModelPair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--target", str(target_dir), "--draft", shuffled.draft_spec.source, "--device", "cpu"]
+    code, out, _ = run_cli([*args, "--json", "--max-new-tokens", "8", "Once upon a time"], capsys)
+    assert code == 0
+    assert json.loads(out.splitlines()[-1])["draft"] == {"kind": "mapped", "coverage": pytest.approx(1.0)}
+    mapped = replace(transcript_session(), models={**transcript_session().models, "draft_kind": "mapped"})
+    assert "| Draft | `/m/draft` (none) · vocabulary mapped onto the target's |" in render_markdown(mapped)
+    assert "| Draft | `/m/draft` (none) |" in render_markdown(transcript_session())
+
+
+def test_the_legend_names_the_mapped_draft() -> None:
+    assert "mapped" in str(Legend(False, mapped_draft=True).content)
+    assert "mapped" not in str(Legend(False).content)

@@ -220,6 +220,7 @@ class FsdChatApp(App[None]):
             max_new_tokens=o.max_new_tokens,
             raw=o.raw,
             autoregressive=o.autoregressive,
+            mapped_draft=pair.draft_kind == "mapped",
             store=o.store,
             session=o.resume or self._new_session(pair),
             transcripts_dir=o.transcripts_dir,
@@ -234,6 +235,7 @@ class FsdChatApp(App[None]):
             "draft": o.draft.source,
             "quantize_target": o.target.quantization,
             "quantize_draft": o.draft.quantization,
+            "draft_kind": pair.draft_kind,
             "device": str(pair.device),
             "dtype": str(pair.dtype).removeprefix("torch."),
         }

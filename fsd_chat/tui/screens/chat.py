@@ -79,6 +79,7 @@ class ChatSetup:
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even when the tokenizer has a chat template.
         autoregressive: Target-only decoding (the dial is off).
+        mapped_draft: The draft has another tokenizer, mapped onto the target's vocabulary.
         store: Where sessions are saved.
         session: The session to continue (a fresh one, or a resumed one).
         transcripts_dir: Folder the export dialog suggests.
@@ -94,6 +95,7 @@ class ChatSetup:
     max_new_tokens: int
     raw: bool
     autoregressive: bool
+    mapped_draft: bool
     store: SessionStore
     session: Session
     transcripts_dir: Path
@@ -137,7 +139,7 @@ class ChatScreen(Screen[None]):
         """Header, conversation, legend, dial and stats, prompt, footer."""
         yield Static(Content.assemble(("fsd-chat ", "bold $accent"), self.setup.describe), id="header")
         yield VerticalScroll(id="conversation")
-        yield Legend(self.setup.autoregressive, id="legend")
+        yield Legend(self.setup.autoregressive, mapped_draft=self.setup.mapped_draft, id="legend")
         with Horizontal(id="controls"):
             yield ThresholdDial(id="dial")
             yield StatsStrip(id="stats")

@@ -24,6 +24,9 @@ def legend_content(origins: tuple[Origin, ...]) -> Content:
 class Legend(Static):
     """One line naming the colour of each origin in use."""
 
-    def __init__(self, autoregressive: bool, *, id: str | None = None) -> None:
+    def __init__(self, autoregressive: bool, *, mapped_draft: bool = False, id: str | None = None) -> None:
         origins = (Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS
-        super().__init__(legend_content(origins), id=id)
+        content = legend_content(origins)
+        if mapped_draft and not autoregressive:
+            content += Content.styled("(draft vocabulary mapped)", "dim")
+        super().__init__(content, id=id)
