@@ -67,6 +67,7 @@ class ModelPair:
         vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
         coverage: With a vocab_map, the share of the target's probability mass its paired tokens
             hold (`fsd_chat.decoding.vocab_map.coverage`).
+        draft_tokenizer: With a vocab_map, the draft's own tokenizer.
     """
 
     target: PreTrainedModel
@@ -80,6 +81,7 @@ class ModelPair:
     costs: CostCurve | None = None
     vocab_map: VocabularyMap | None = None
     coverage: float | None = None
+    draft_tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
     def draft_kind(self) -> str:
@@ -521,6 +523,7 @@ def load_pair(
         dtype=resolve_dtype(options.dtype, device),
         vocab_map=vocab_map,
         coverage=share,
+        draft_tokenizer=None if vocab_map is None else draft_tokenizer,
     )
 
 

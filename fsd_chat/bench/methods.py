@@ -26,6 +26,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Sampl
 from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.errors import IncompatibleModelsError
 from fsd_chat.models import ModelPair
 
 
@@ -63,7 +64,10 @@ class PairRunner:
 
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
-        self.eos = eos_token_ids(pair.tokenizer, pair.target, pair.draft)
+        # A mapped draft's EOS ids are in its own vocabulary: only the target's end a reply.
+        self.eos = eos_token_ids(
+            pair.tokenizer, pair.target, *([pair.draft] if pair.vocab_map is None else [])
+        )
         self.context = context_length(pair.target)
         self._target_meter = ForwardMeter(pair.target, pair.device)
         self._draft_meter = ForwardMeter(pair.draft, pair.device)
@@ -144,6 +148,16 @@ class PairRunner:
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
+        if pair.vocab_map is not None:
+            if pair.vocab_map.draft_vocab == pair.vocab_size:
+                # transformers takes a draft whose vocabulary has the target's size for one that
+                # shares its tokenizer, and would feed it the target's ids.
+                raise IncompatibleModelsError(
+                    "transformers' assisted generation cannot run a draft with another tokenizer of the "
+                    "target's vocabulary size: leave hf-assisted out of --baselines"
+                )
+            # transformers' universal assisted generation: the draft's text re-tokenised for it.
+            options |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.draft_tokenizer}
         with assistant_settings(pair, k), torch.inference_mode():
             # Causal LMs mix in GenerationMixin; PreTrainedModel's type does not declare `generate`.
             out = pair.target.generate(  # type: ignore[operator]
