@@ -99,7 +99,10 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
 
     def kl_and_slope(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = p + lam.unsqueeze(-1) * diff
-        log_ratio = torch.where(r > 0, r.clamp_min(torch.finfo(r.dtype).tiny).log() - log_p, 0.0)
+        # Where r = 0 < p (q has no mass there, at λ = 1) the slope's term is +inf; the clamped
+        # log keeps it large and finite, so Newton's first step stays short of the root instead
+        # of overshooting to λ = 0. (r·log_ratio is 0 there either way.)
+        log_ratio = r.clamp_min(torch.finfo(r.dtype).tiny).log() - log_p
         return (r * log_ratio).sum(-1).clamp_min(0.0), (diff * log_ratio).sum(-1)
 
     lam = torch.where(inside, 1.0, 0.0)
