@@ -4,7 +4,7 @@ its token ids shuffled (same strings, other ids) and with part of its vocabulary
 The law tests are chi-square goodness-of-fit tests at α = 0.001 on the first token of SAMPLES
 replies per rule (fixed seeds, so reproducible; four rules: false-alarm probability ≤ 0.004). Each
 also rejects, at p < 1e-6, a law that differs from the one predicted, which shows the test's power:
-the mapped proposal q for `exact`; for the relaxed rules the target's p, and the law the rule would
+the mixture's law for `exact`; for the relaxed rules the target's p, and the law the rule would
 have with the draft's q before its vocabulary was cut (mass on tokens it can no longer propose).
 """
 
@@ -43,7 +43,7 @@ PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
 LAW_PROMPT = "Once upon a time, there was a"
 SAMPLES = 2_000
 """Replies per rule: at the expected statistic, every power check below rejects at p < 1e-6 (the
-weakest, `exact` against the mapped q, at about 1e-17; the relaxed rules against p below 1e-150)."""
+weakest, `exact` against the mixture's law, at about 1e-100)."""
 ALPHA = 1e-3
 LAW_SAMPLING = SamplingConfig(temperature=0.9)
 MIXTURE_BUDGET = 0.2
@@ -206,7 +206,8 @@ def test_first_token_law_under_each_rule(
         p = probabilities(pair.target(torch.tensor([prompt_ids])).logits[0, -1, :vocab], LAW_SAMPLING)
     q, original = _mapped_q(draft_dir, removed, prompt_ids)
     assert chi_square_p_value(counts, _law(rule, p, q)) > ALPHA
-    wrong = [q] if rule == "exact" else [p, _law(rule, p, original)]
+    # Laws of full support: q is 0 where p holds 84%, so few samples would be left to compare.
+    wrong = [_law("mixture", p, q)] if rule == "exact" else [p, _law(rule, p, original)]
     for law in wrong:
         assert rejected_by_the_statistic(counts, law)
 
