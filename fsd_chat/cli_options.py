@@ -210,8 +210,8 @@ DRAFT = Option(
     ("--draft",),
     str,
     None,
-    f"Draft model sharing the target's tokenizer, or {LOOKUP} (prompt lookup: drafts copied from "
-    "the conversation, no draft model; the default).",
+    f"Draft model (one with another tokenizer is mapped onto the target's vocabulary), or {LOOKUP} "
+    "(prompt lookup: drafts copied from the conversation, no draft model; the default).",
     MODELS,
 )
 QUANTIZE_TARGET = Option(

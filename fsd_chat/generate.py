@@ -132,6 +132,7 @@ def run_generate(
                 "sampling": asdict(resolved.config),
                 "sampling_source": resolved.source,
                 "not_applied": list(resolved.not_applied),
+                "draft": {"kind": pair.draft_kind, "coverage": pair.coverage},
                 "stats": totals.to_dict(),
             }
         )

@@ -33,9 +33,11 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, LOOKUP
 from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
 from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
 from fsd_chat.model_options import (
     LoadOptions,
@@ -48,17 +50,31 @@ from fsd_chat.text import some
 
 Progress = Callable[[str], object]
 
+MIN_COVERAGE = 0.9
+"""Least share of the target's probability mass (on `CALIBRATION_TEXT`) that the tokens of a draft
+with another tokenizer must cover. The draft's acceptance is bounded by that share, and falls
+faster: measured on the CPU-scale pair with drafts missing part of their vocabulary, 95% coverage
+breaks even with the target alone and 80% runs at 0.72× (README, "A draft with another
+tokenizer"; `scripts/bench_mapped.py`)."""
+
 
 @dataclass(slots=True)
 class ModelPair:
-    """A loaded target and draft model sharing one tokenizer, or a target alone whose drafts come
-    from prompt lookup (`draft` None, `draft_spec.source` "lookup").
+    """A loaded target and draft model sharing one tokenizer, a draft whose vocabulary is mapped
+    onto the target's (`vocab_map`), or a target alone whose drafts come from prompt lookup (`draft`
+    None, `draft_spec.source` "lookup").
 
     Attributes:
-        vocab_size: Shared vocabulary size (logits are restricted to it).
+        tokenizer: The target's tokenizer (prompts, replies and the draft's proposals use its ids).
+        vocab_size: The target's vocabulary size (logits are restricted to it); with one shared
+            vocabulary, the draft's too.
         device: The device inputs go to (the draft's; the target's first shard).
         dtype: Compute dtype of the unquantized weights.
         costs: The draft and verify forward costs on this device (`device_costs`), once measured.
+        vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
+        coverage: With a vocab_map, the share of the target's probability mass its paired tokens
+            hold (`fsd_chat.decoding.vocab_map.coverage`).
+        draft_tokenizer: With a vocab_map, the draft's own tokenizer.
     """
 
     target: PreTrainedModel
@@ -70,19 +86,38 @@ class ModelPair:
     device: torch.device
     dtype: torch.dtype
     costs: CostCurve | None = None
+    vocab_map: VocabularyMap | None = None
+    coverage: float | None = None
+    draft_tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
-    def draft_kind(self) -> str:
-        """The kind of draft, in words: "prompt lookup (n ≤ 3)", or "draft model"."""
-        return f"prompt lookup (n ≤ {DEFAULT_LOOKUP_NGRAM})" if self.draft is None else "draft model"
+    def draft_kind(self) -> DraftKind:
+        """What proposes: "model" (a draft sharing the target's tokenizer), "mapped" (a draft with
+        another tokenizer) or "lookup" (prompt lookup, no draft model)."""
+        if self.draft is None:
+            return "lookup"
+        return "model" if self.vocab_map is None else "mapped"
+
+    @property
+    def draft_label(self) -> str | None:
+        """The kind of draft in words, where the origins' names do not say it (None for a draft
+        model sharing the target's tokenizer): "prompt lookup (n ≤ 3)", or "draft vocabulary
+        mapped (97% coverage)"."""
+        if self.draft is None:
+            return f"prompt lookup (n ≤ {DEFAULT_LOOKUP_NGRAM})"
+        if self.coverage is not None:
+            return f"draft vocabulary mapped ({self.coverage:.0%} coverage)"
+        return None
 
     def describe(self) -> str:
-        """One line: models (or prompt lookup), quantization, device, dtype."""
+        """One line: models (or prompt lookup), quantization, the kind of draft, device, dtype."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.draft is None:
-            draft = f"draft: {self.draft_kind}, no draft model"
+            draft = f"draft: {self.draft_label}, no draft model"
         else:
             draft = f"draft {self.draft_spec.name} ({self.draft_spec.quantization})"
+            if self.coverage is not None:
+                draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
         return f"target {self.target_spec.name} ({self.target_spec.quantization}) · {draft} · {self.device} {dtype}"
 
     def decoder(
@@ -125,13 +160,15 @@ class ModelPair:
             time_phases=time_phases,
             compile_draft=compile_draft,
             costs=self.device_costs,
+            vocab_map=self.vocab_map,
         )
 
     def device_costs(self) -> CostCurve:
         """The pair's draft and verify forward costs on its device: measured on the first call
         (by the `cost` draft policy), then kept for every decoder of the pair."""
         if self.costs is None:
-            self.costs = measure_costs(self.target, self.draft, self.vocab_size)
+            draft_vocab = self.vocab_size if self.vocab_map is None else self.vocab_map.draft_vocab
+            self.costs = measure_costs(self.target, self.draft, min(self.vocab_size, draft_vocab))
         return self.costs
 
     def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
@@ -405,7 +442,8 @@ def check_compatible(
     tokenizer is fine: the shared size is the smallest of the tokenizer and the two output layers.
 
     Raises:
-        IncompatibleModelsError: the tokenizers disagree on any token's id.
+        IncompatibleModelsError: the tokenizers disagree on any token's id (`draft_vocabulary`
+            then maps the draft's vocabulary onto the target's, where it can).
     """
     target_map = target_tokenizer.get_vocab()
     draft_map = draft_tokenizer.get_vocab()
@@ -417,6 +455,44 @@ def check_compatible(
             "are missing from one or have different ids (speculative decoding needs one shared vocabulary)"
         )
     return min(len(target_tokenizer), target_vocab, draft_vocab)
+
+
+def draft_vocabulary(
+    target_tokenizer: PreTrainedTokenizerBase,
+    draft_tokenizer: PreTrainedTokenizerBase,
+    target_vocab: int,
+    draft_vocab: int,
+) -> tuple[int, VocabularyMap | None]:
+    """The target's vocabulary size, and how the draft's maps onto it (None: they share one).
+
+    Raises:
+        IncompatibleModelsError: the tokenizers differ and no token of the draft's corresponds to
+            one of the target's (`check_compatible`'s message).
+    """
+    try:
+        return check_compatible(target_tokenizer, draft_tokenizer, target_vocab, draft_vocab), None
+    except IncompatibleModelsError:
+        target_size = min(len(target_tokenizer), target_vocab)
+        mapping = map_vocabularies(
+            target_tokenizer, draft_tokenizer, target_size, min(len(draft_tokenizer), draft_vocab)
+        )
+        if mapping is None:
+            raise
+        return target_size, mapping
+
+
+def check_coverage(share: float, draft: ModelSpec) -> None:
+    """Refuse a mapped draft whose paired tokens hold less than MIN_COVERAGE of the target's mass.
+
+    Raises:
+        IncompatibleModelsError: `share` < MIN_COVERAGE.
+    """
+    if share < MIN_COVERAGE:
+        raise IncompatibleModelsError(
+            f"the tokens {draft.name} shares with the target hold only {share:.0%} of the target's probability "
+            f"mass (at least {MIN_COVERAGE:.0%} pays for a draft with another tokenizer): choose a draft "
+            "whose vocabulary is closer to the target's"
+        )
 
 
 def load_pair(
@@ -439,7 +515,8 @@ def load_pair(
     Raises:
         ModelLoadError: either model or tokenizer fails to load.
         DeviceMemoryError: a model does not fit in GPU memory.
-        IncompatibleModelsError: the models do not share a vocabulary.
+        IncompatibleModelsError: the draft's vocabulary cannot be mapped onto the target's, or
+            its tokens cover too little of the target's probability mass (`check_coverage`).
     """
     report = progress or (lambda _message: None)
     device = resolve_device(options.device)
@@ -450,7 +527,7 @@ def load_pair(
     draft_source, draft_config = _load_config(draft, options)
     target_tokenizer = _load_tokenizer(target, target_source, options)
     draft_tokenizer = _load_tokenizer(draft, draft_source, options)
-    vocab_size = check_compatible(
+    vocab_size, vocab_map = draft_vocabulary(
         target_tokenizer,
         draft_tokenizer,
         target_config.get_text_config().vocab_size,
@@ -462,6 +539,11 @@ def load_pair(
     )
     report(f"loading draft model {draft.name} ({draft.quantization})")
     draft_model = _load_model(draft, options, draft_source, draft_config, device_map=None)
+    share = None
+    if vocab_map is not None:
+        report(f"mapping {draft.name}'s vocabulary onto the target's")
+        share = coverage(target_model, target_tokenizer, vocab_map)
+        check_coverage(share, draft)
     report("ready")
     return ModelPair(
         target=target_model,
@@ -472,6 +554,9 @@ def load_pair(
         draft_spec=draft,
         device=device,
         dtype=resolve_dtype(options.dtype, device),
+        vocab_map=vocab_map,
+        coverage=share,
+        draft_tokenizer=None if vocab_map is None else draft_tokenizer,
     )
 
 

@@ -152,12 +152,14 @@ def _code_cell(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
-def _draft_cell(models: dict[str, str]) -> str:
-    """The draft model and its quantization, or prompt lookup (no draft model)."""
+def _draft_cell(models: dict[str, Any]) -> str:
+    """The draft model, its quantization and its kind, or prompt lookup (no draft model)."""
     draft = str(models.get("draft", ""))
     if draft == LOOKUP:
         return "prompt lookup (no draft model)"
-    return f"{_code_cell(draft)} ({models.get('quantize_draft', 'none')})"
+    # Sessions saved before mapped drafts have no kind: their drafts shared the target's tokenizer.
+    mapped = " · vocabulary mapped onto the target's" if models.get("draft_kind") == "mapped" else ""
+    return f"{_code_cell(draft)} ({models.get('quantize_draft', 'none')}){mapped}"
 
 
 def render_markdown(session: Session) -> str:

@@ -49,12 +49,15 @@ def pair() -> ModelPair:
 
 @pytest.fixture(scope="session")
 def mismatched_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real draft with a tokenizer that swaps the ids of two tokens (so it is incompatible)."""
+    """The real draft with a tokenizer none of whose text tokens is the target's (each token's
+    string starts with ☃; no merges), so its vocabulary cannot be mapped onto the target's."""
     other = tmp_path_factory.mktemp("models") / "mismatched-draft"
     shutil.copytree(DRAFT_DIR, other)
     tokenizer = json.loads((other / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    vocab["▁the"], vocab["▁a"] = vocab["▁a"], vocab["▁the"]
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    bpe = tokenizer["model"]
+    bpe["vocab"] = {(t if t in special else "☃" + t): i for t, i in bpe["vocab"].items()}
+    bpe["merges"] = []
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     return other
 

@@ -30,7 +30,7 @@ def lookup_pair(target_dir: Path) -> ModelPair:
 
 def test_a_target_alone_loads_with_lookup_drafts(lookup_pair: ModelPair) -> None:
     assert lookup_pair.draft is None
-    assert lookup_pair.draft_kind == "prompt lookup (n ≤ 3)"
+    assert (lookup_pair.draft_kind, lookup_pair.draft_label) == ("lookup", "prompt lookup (n ≤ 3)")
     assert "draft: prompt lookup (n ≤ 3), no draft model" in lookup_pair.describe()
 
 

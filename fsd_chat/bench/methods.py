@@ -48,6 +48,7 @@ from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.errors import IncompatibleModelsError
 from fsd_chat.models import ModelPair
 
 
@@ -139,8 +140,10 @@ class PairRunner:
 
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
-        models = [m for m in (pair.target, pair.draft) if m is not None]
-        self.eos = eos_token_ids(pair.tokenizer, *models)
+        # Prompt lookup has no draft model; a mapped draft's EOS ids are in its own vocabulary:
+        # only the target's end a reply then.
+        shared = [pair.draft] if pair.draft is not None and pair.draft_kind == "model" else []
+        self.eos = eos_token_ids(pair.tokenizer, pair.target, *shared)
         self.context = context_length(pair.target)
         self._target_meter = ForwardMeter(pair.target, pair.device)
         # Prompt lookup runs no draft model: its tally stays empty.
@@ -268,6 +271,16 @@ class PairRunner:
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
+        if pair.vocab_map is not None and "assistant_model" in drafting:
+            if pair.vocab_map.draft_vocab == pair.vocab_size:
+                # transformers takes a draft whose vocabulary has the target's size for one that
+                # shares its tokenizer, and would feed it the target's ids.
+                raise IncompatibleModelsError(
+                    "transformers' assisted generation cannot run a draft with another tokenizer of the "
+                    "target's vocabulary size: leave hf-assisted out of --baselines"
+                )
+            # transformers' universal assisted generation: the draft's text re-tokenised for it.
+            options |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.draft_tokenizer}
         with torch.inference_mode():
             # Causal LMs mix in GenerationMixin; PreTrainedModel's type does not declare `generate`.
             out = pair.target.generate(  # type: ignore[operator]

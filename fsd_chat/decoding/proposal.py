@@ -25,8 +25,9 @@ from fsd_chat.decoding.reply import Reply
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import SamplingConfig
 
-DraftKind = Literal["model", "lookup"]
-"""What proposes: a draft model, or prompt lookup (no model)."""
+DraftKind = Literal["model", "mapped", "lookup"]
+"""What proposes: a draft model sharing the target's tokenizer, a draft model with another
+tokenizer (`fsd_chat.decoding.mapped_draft`), or prompt lookup (no model)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,12 +30,14 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, make_policy, measure_costs
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
+from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
 from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, target_step
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.decoding.vocab_map import VocabularyMap
 
 COMPILED_CONTEXT = 8192
 """Most tokens a compiled draft's static KV cache holds (it is allocated whole, up front)."""
@@ -44,7 +46,9 @@ COMPILED_CONTEXT = 8192
 class SpeculativeDecoder:
     """Draft-then-verify decoding of a target model with a smaller draft model or another proposer.
 
-    A draft model must share the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`).
+    A draft model shares the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`), or a
+    `VocabularyMap` maps the draft's onto it (`MappedProposer`: the draft reads the target's text in
+    its own tokens and proposes over the paired tokens).
 
     Args:
         target: The target model (the distribution to follow).
@@ -59,10 +63,12 @@ class SpeculativeDecoder:
             (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens. Only for a
             draft model.
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
-            share with the last sequence (see `begin`).
+            share with the last sequence (see `begin`); a mapped draft's cache starts anew.
         costs: The device's draft and verify costs, asked for when the `cost` policy is first
             used (default: measured on these models then, once, a proposer without a draft model
             costing nothing per position; `ModelPair` keeps its own).
+        vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
+            tokenizer (`MappedProposer`; None: one shared vocabulary).
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
@@ -81,6 +87,7 @@ class SpeculativeDecoder:
         compile_draft: bool = False,
         reuse_prefix: bool = True,
         costs: Callable[[], CostCurve] | None = None,
+        vocab_map: VocabularyMap | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
@@ -89,23 +96,34 @@ class SpeculativeDecoder:
         self.controls = controls or Controls()
         self.target = CachedModel(target, vocab_size)
         draft_model = draft if isinstance(draft, PreTrainedModel) else None
-        models = [m for m in (target, draft_model) if m is not None]
-        contexts = [c for c in map(context_length, models) if c is not None]
+        # Models that read the target's ids: a mapped draft counts its context (and its EOS ids)
+        # in its own tokens, which bound its drafting, not the reply.
+        shared = [m for m in (target, draft_model) if m is not None and (m is target or vocab_map is None)]
+        contexts = [c for c in map(context_length, shared) if c is not None]
         self.context = min(contexts) if contexts else None
+        draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.proposer: Proposer
         if draft_model is None:
             assert not isinstance(draft, PreTrainedModel)  # narrowed for mypy
             self.proposer = draft
-        elif compile_draft:
-            # The static cache is allocated whole: cap it, and the context with it.
-            self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-            self.proposer = ModelDraft(
-                CompiledModel(draft_model, vocab_size, self.context + MAX_DRAFT_TOKENS + 1)
-            )
         else:
-            self.proposer = ModelDraft(CachedModel(draft_model, vocab_size))
-        self.eos_token_ids = eos_token_ids(tokenizer, *models)
-        self.costs = costs or cache(lambda: measure_costs(target, draft_model, vocab_size))
+            draft_context = context_length(draft_model)
+            model: CachedModel
+            if compile_draft:
+                # The static cache is allocated whole: cap it, and the context with it.
+                self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+                draft_context = self.context + MAX_DRAFT_TOKENS + 1
+                model = CompiledModel(draft_model, draft_vocab, draft_context)
+            else:
+                model = CachedModel(draft_model, draft_vocab)
+            self.proposer = (
+                ModelDraft(model)
+                if vocab_map is None
+                else MappedProposer(MappedDraft(model, vocab_map, draft_context))
+            )
+        self.eos_token_ids = eos_token_ids(tokenizer, *shared)
+        common = min(vocab_size, draft_vocab)
+        self.costs = costs or cache(lambda: measure_costs(target, draft_model, common))
 
     @property
     def compile_error(self) -> str | None:

@@ -262,7 +262,7 @@ class FsdChatApp(App[None]):
             describe=pair.describe()
             + (" · autoregressive" if o.autoregressive else "")
             + f" · {resolved.config.describe()}",
-            draft_kind=pair.draft_kind if pair.draft is None else None,
+            draft_label=pair.draft_label,
             sampling=resolved.config,
             sampling_source=resolved.source
             + (f"; not applied: {', '.join(resolved.not_applied)}" if resolved.not_applied else ""),
@@ -283,6 +283,7 @@ class FsdChatApp(App[None]):
             "draft": o.draft.source,
             "quantize_target": o.target.quantization,
             "quantize_draft": o.draft.quantization,
+            "draft_kind": pair.draft_kind,
             "device": str(pair.device),
             "dtype": str(pair.dtype).removeprefix("torch."),
         }

@@ -78,8 +78,8 @@ class ChatSetup:
         decoder: Built once over the loaded pair; reused for every reply.
         controls: Shared with the decoder.
         describe: The header line (models, quantization, device).
-        draft_kind: The kind of draft the legend names (`ModelPair.draft_kind`); None for a draft
-            model, which the origins' names already say.
+        draft_label: The kind of draft the legend names (`ModelPair.draft_label`); None for a draft
+            model sharing the target's tokenizer, which the origins' names already say.
         sampling: Sampling settings (also shown in the header line).
         sampling_source: Where they came from, and the model's processors not applied (help screen).
         max_new_tokens: Cap per reply.
@@ -97,7 +97,7 @@ class ChatSetup:
     decoder: Decoder
     controls: Controls
     describe: str
-    draft_kind: str | None
+    draft_label: str | None
     sampling: SamplingConfig
     sampling_source: str
     max_new_tokens: int
@@ -151,7 +151,7 @@ class ChatScreen(Screen[None]):
         """Header, conversation, legend, dial and stats, prompt, footer."""
         yield Static(Content.assemble(("fsd-chat ", "bold $accent"), self.setup.describe), id="header")
         yield VerticalScroll(id="conversation")
-        yield Legend(self.setup.autoregressive, draft_kind=self.setup.draft_kind, id="legend")
+        yield Legend(self.setup.autoregressive, draft_label=self.setup.draft_label, id="legend")
         with Horizontal(id="controls"):
             yield ThresholdDial(id="dial")
             yield StatsStrip(id="stats")

@@ -23,10 +23,12 @@ def legend_content(origins: tuple[Origin, ...]) -> Content:
 
 class Legend(Static):
     """One line naming the colour of each origin in use, after the kind of draft when it is not a
-    draft model (`draft_kind`, e.g. "prompt lookup (n ≤ 3)": then "draft" tokens were copied)."""
+    draft model (`draft_label`, e.g. "prompt lookup (n ≤ 3)": then "draft" tokens were copied)."""
 
-    def __init__(self, autoregressive: bool, *, draft_kind: str | None = None, id: str | None = None) -> None:
+    def __init__(
+        self, autoregressive: bool, *, draft_label: str | None = None, id: str | None = None
+    ) -> None:
         content = legend_content((Origin.TARGET,) if autoregressive else SPECULATIVE_ORIGINS)
-        if draft_kind is not None and not autoregressive:
-            content = Content.assemble((f"{draft_kind}: ", "$text-muted"), content)
+        if draft_label is not None and not autoregressive:
+            content = Content.assemble((f"{draft_label}: ", "$text-muted"), content)
         super().__init__(content, id=id)

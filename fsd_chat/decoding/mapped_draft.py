@@ -1,0 +1,211 @@
+"""A draft model with its own tokenizer, proposing over the target's vocabulary (token-level
+intersection; see `fsd_chat.decoding.vocab_map`).
+
+The draft reads the target's text in its own tokens: its sequence is the draft-side spelling of
+every target token emitted so far (`VocabularyMap.translate`, a cached look-up per token), built
+once for the prompt and then extended by each step's emitted tokens only, never re-tokenised
+whole. Its KV cache follows that sequence and is rolled back to the accepted prefix as the
+target's is.
+
+Its proposal law at each position is its next-token distribution with every unpaired token masked
+out before temperature / top-k / top-p (so the draw and its law agree), moved to the target's ids:
+q(t) = q_draft(partner(t)) for a paired target token t and 0 for the others.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fsd_chat.decoding.draft_policy import DraftPolicy, Next
+from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.proposal import DraftKind, Proposal
+from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.sampling import draw, probabilities
+from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, SamplingConfig
+from fsd_chat.decoding.vocab_map import VocabularyMap
+
+
+class MappedDraft:
+    """The draft side of speculative decoding across two vocabularies.
+
+    Args:
+        draft: The draft model and its KV cache (logits over the draft's vocabulary).
+        mapping: The correspondence of the two vocabularies.
+        context: The draft's context window in draft tokens (None: not known).
+    """
+
+    def __init__(self, draft: CachedModel, mapping: VocabularyMap, context: int | None) -> None:
+        self.model = draft
+        self.mapping = mapping
+        self.context = context
+        device = draft.device
+        # Unpaired draft tokens get no mass; target ids gather their partner's probability, or the
+        # zero appended after the draft's vocabulary.
+        self._unpaired = torch.ones(mapping.draft_vocab, dtype=torch.bool, device=device)
+        self._unpaired[mapping.draft_ids.to(device)] = False
+        self._gather = torch.full(
+            (mapping.target_vocab,), mapping.draft_vocab, dtype=torch.long, device=device
+        )
+        self._gather[mapping.target_ids.to(device)] = mapping.draft_ids.to(device)
+        self._to_draft = torch.zeros(mapping.target_vocab, dtype=torch.long, device=device)
+        self._to_draft[mapping.target_ids.to(device)] = mapping.draft_ids.to(device)
+        self._seq = torch.empty((1, 0), dtype=torch.long, device=device)
+        self.length = 0
+        """Draft tokens that spell the reply's emitted text (prompt included)."""
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Start a reply: spell the prompt in draft tokens and prefill the draft's cache with all
+        but the last of them."""
+        self.model.reset()
+        self.length = 0
+        self._append(self.mapping.translate(prompt_ids))
+        if 1 < self.length < self._limit():
+            self.model.forward(self._seq, self.length - 1, keep=1)
+
+    def spelled(self) -> list[int]:
+        """The draft's ids that spell the reply so far (prompt included)."""
+        return [int(i) for i in self._seq[0, : self.length].tolist()]
+
+    def room(self) -> int:
+        """Most tokens the draft may propose before its context window is full."""
+        return max(self._limit() - 1 - self.length, 0)
+
+    def _limit(self) -> int:
+        return self.context if self.context is not None else self._seq.shape[1]
+
+    def distribution(
+        self,
+        seq: torch.Tensor,
+        start: int,
+        drafted: int,
+        sampling: SamplingConfig,
+        untruncated: SamplingConfig | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The proposal law of the next draft position, over the target's vocabulary.
+
+        Args:
+            seq: The reply's target-id buffer, shape [1, capacity] int64; the tokens drafted so
+                far this step sit at seq[0, start:start + drafted].
+            start: The reply's length (in target tokens) when the step began.
+            drafted: Tokens drafted so far this step.
+            sampling: Temperature / top-k / top-p, applied to the draft's masked logits.
+            untruncated: Also the law under these settings (temperature only), from the same
+                forward pass: the divergences compare untruncated laws (see `acceptance`).
+
+        Returns:
+            q over the target's ids, shape [target_vocab] float32, on the draft's device; and the
+            untruncated law likewise (None without `untruncated`).
+        """
+        if drafted:
+            self._seq[0, self.length + drafted - 1] = self._to_draft[seq[0, start + drafted - 1]]
+        logits = self.model.forward(self._seq, self.length + drafted, keep=1)[-1]
+        masked = logits.masked_fill(self._unpaired, float("-inf"))
+        q = F.pad(probabilities(masked, sampling), (0, 1))[self._gather]
+        if untruncated is None:
+            return q, None
+        return q, F.pad(probabilities(masked, untruncated), (0, 1))[self._gather]
+
+    def settle(self, emitted: list[int], accepted: int) -> None:
+        """Follow a step: keep the `accepted` draft tokens it accepted and spell the rest of the
+        tokens it emitted (the target's correction, bonus or own token), in target ids."""
+        self.model.rollback(self.length + accepted)
+        # The accepted tokens are paired ones: spelled again they are the draft ids already there.
+        self._append(self.mapping.translate(emitted))
+
+    def _append(self, draft_ids: list[int]) -> None:
+        end = self.length + len(draft_ids)
+        if end + MAX_DRAFT_TOKENS + 1 > self._seq.shape[1]:
+            grown = torch.empty(
+                (1, 2 * (end + MAX_DRAFT_TOKENS + 1)), dtype=torch.long, device=self._seq.device
+            )
+            grown[0, : self.length] = self._seq[0, : self.length]
+            self._seq = grown
+        self._seq[0, self.length : end] = torch.tensor(draft_ids, dtype=torch.long)
+        self.length = end
+
+
+class MappedProposer:
+    """`MappedDraft` as a `fsd_chat.decoding.proposal.Proposer`: proposals over the target's ids
+    from a draft model with its own tokenizer.
+
+    The draft's sequence follows the reply in its own tokens: `propose` first spells the target
+    tokens emitted since it last looked (a plain target step's token included), `rollback` keeps
+    the accepted draft tokens and spells the step's last token.
+
+    Args:
+        mapped: The draft, its KV cache and the vocabulary map.
+    """
+
+    kind: DraftKind = "mapped"
+
+    def __init__(self, mapped: MappedDraft) -> None:
+        self.mapped = mapped
+        self._reply: Reply | None = None
+        self._spelled = 0
+        """Target tokens of the reply that the draft's sequence spells."""
+        self._start = 0
+
+    @property
+    def cached_models(self) -> tuple[CachedModel, ...]:
+        """None that reads the target's ids: the draft's cache follows its own spelling and is
+        reset by `prefill` (freeing it on out-of-memory is left to the next reply's reset)."""
+        return ()
+
+    @property
+    def compile_error(self) -> str | None:
+        """See `Proposer.compile_error`."""
+        return self.mapped.model.compile_error
+
+    def prefill(self, reply: Reply) -> None:
+        """Spell the prompt in draft tokens and prefill the draft's cache (no prefix reuse)."""
+        self._reply = reply
+        self.mapped.begin([int(i) for i in reply.seq[0, : reply.length].tolist()])
+        self._spelled = reply.length
+
+    def propose(
+        self,
+        reply: Reply,
+        limit: int,
+        policy: DraftPolicy,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """Up to `limit` draft positions (fewer when the draft's window is nearly full)."""
+        seq, start = reply.seq, reply.length
+        if start > self._spelled:
+            # Tokens the target emitted alone (plain target steps) since the last proposal.
+            self.mapped.settle([int(i) for i in seq[0, self._spelled : start].tolist()], 0)
+            self._spelled = start
+        self._start = start
+        untruncated = sampling.untruncated() if sampling.truncates else None
+        q_rows: list[torch.Tensor] = []
+        q_full_rows: list[torch.Tensor] = []
+        forwards = 0
+        for _ in range(min(limit, self.mapped.room())):
+            forwards += 1
+            q, q_full = self.mapped.distribution(seq, start, len(q_rows), sampling, untruncated)
+            # The policy sees q before the draw: a kept position's token is still a draw from q.
+            then = policy.extend(q)
+            if then is Next.DROP:
+                break
+            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
+            q_rows.append(q)
+            if q_full is not None:
+                q_full_rows.append(q_full)
+            if then is Next.STOP:
+                break
+        return Proposal(
+            drafted=len(q_rows),
+            q=torch.stack(q_rows) if q_rows else None,
+            forwards=forwards,
+            q_full=torch.stack(q_full_rows) if q_full_rows else None,
+        )
+
+    def rollback(self, length: int) -> None:
+        """Keep the accepted draft tokens (length − the step's start) and spell the step's last
+        token, already written at seq[0, length]."""
+        assert self._reply is not None  # prefill came first
+        emitted = self._reply.seq[0, self._start : length + 1].tolist()
+        self.mapped.settle([int(i) for i in emitted], length - self._start)
+        self._spelled = length + 1
