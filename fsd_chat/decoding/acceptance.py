@@ -48,8 +48,6 @@ from fsd_chat.decoding.settings import Rule, SamplingConfig
 
 NEWTON_STEPS = 8
 """Newton iterations of `mixture_weight`; from λ = 1 they reach the root to float32 precision."""
-PRICED_STEPS = 12
-"""Safeguarded Newton iterations of `priced_mixture_weight`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,55 +111,6 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
     lam = torch.where(f > budget, lam * budget / f.clamp_min(budget), lam)
     cost, _ = kl_and_slope(lam)
     return lam, cost
-
-
-def priced_mixture_weight(p: torch.Tensor, q: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The λ ∈ [0, 1] that maximises acceptance − KL/rate at each row, and that KL.
-
-    Exact speculative sampling against r_λ = (1 − λ)p + λq from proposals q accepts with
-    probability A(λ) = Σ min(r_λ, q) = 1 − (1 − λ)·TV(p, q) (linear in λ, slope TV) and costs
-    f(λ) = KL(r_λ ‖ p) (convex: f(0) = f'(0) = 0, f'(λ) = Σ (q − p)·log(r_λ / p),
-    f''(λ) = Σ (q − p)² / r_λ > 0). With μ = 1/rate the price of a nat in acceptance probability,
-    g(λ) = A(λ) − μ·f(λ) is concave, g'(0) = TV ≥ 0, so its maximum is at λ = 1 when
-    f'(1) ≤ rate·TV, else at the root of f'(λ) = rate·TV: where the marginal acceptance bought
-    equals the marginal cost at price μ. Solved by Newton's method on f' − rate·TV from the Newton
-    step at λ = 0 (λ₀ = rate·TV/χ²(q ‖ p)), kept inside a shrinking bracket (bisection where Newton
-    would leave it); the cost is computed at the λ returned, so it is exact whatever the precision
-    of λ. Rows where q has mass outside p's support get λ = 0 (every λ > 0 costs +inf).
-
-    Args:
-        p: Target probabilities, shape [..., vocab].
-        q: Draft probabilities, shape [..., vocab].
-        rate: nats per unit of acceptance probability (1/μ; > 0).
-
-    Returns:
-        (λ, cost): both shape [...]; cost = KL(r_λ ‖ p) in nats.
-    """
-    inside = ~((q > 0) & (p == 0)).any(-1)
-    log_p = torch.where(p > 0, p.log(), 0.0)
-    diff = q - p
-    wanted = rate * 0.5 * diff.abs().sum(-1)
-    tiny = torch.finfo(p.dtype).tiny
-
-    def slope_and_curvature(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = p + lam.unsqueeze(-1) * diff
-        log_ratio = torch.where(r > 0, r.clamp_min(tiny).log() - log_p, 0.0)
-        curvature = torch.where(r > 0, diff.square() / r.clamp_min(tiny), 0.0).sum(-1)
-        return (diff * log_ratio).sum(-1), curvature
-
-    lo, hi = torch.zeros_like(wanted), torch.ones_like(wanted)
-    _, chi_square = slope_and_curvature(lo)
-    lam = (wanted / chi_square.clamp_min(tiny)).clamp(0.0, 1.0)
-    for _ in range(PRICED_STEPS):
-        slope, curvature = slope_and_curvature(lam)
-        above = slope > wanted
-        lo, hi = torch.where(above, lo, lam), torch.where(above, lam, hi)
-        step = lam - (slope - wanted) / curvature.clamp_min(tiny)
-        lam = torch.where((step >= lo) & (step <= hi), step, (lo + hi) / 2)
-    at_one, _ = slope_and_curvature(torch.ones_like(wanted))
-    lam = torch.where(at_one <= wanted, 1.0, lam)
-    lam = torch.where(inside, lam, 0.0)
-    return lam, kl(p + lam.unsqueeze(-1) * diff, p)
 
 
 def _corrections(p: torch.Tensor, q: torch.Tensor, rule: Rule) -> torch.Tensor:
@@ -228,8 +177,7 @@ def verify(
         if relaxing:
             # log p(argmax) − log p(x̃): +inf for a token the target's truncation removed.
             regret = p_draft.max(-1).values.log() - p_x.log()
-            mixing = rule in ("mixture", "priced")
-            relaxed = (regret <= threshold) if mixing else (div <= threshold) & (p_x > 0)
+            relaxed = (regret <= threshold) if rule == "mixture" else (div <= threshold) & (p_x > 0)
             # A relaxed acceptance costs its regret; the exact test's token and a rejected
             # position's correction are the target's argmax (regret 0).
             costs = torch.where(relaxed, regret, costs)
@@ -239,9 +187,8 @@ def verify(
         # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
         exact = u * q_x <= p_x
         corrections = _corrections(p, q, rule)
-        if relaxing and rule in ("mixture", "priced"):
-            weight = mixture_weight if rule == "mixture" else priced_mixture_weight
-            lam, costs = weight(p_draft, q, threshold)
+        if relaxing and rule == "mixture":
+            lam, costs = mixture_weight(p_draft, q, threshold)
             # Exact sampling against (1 − λ)p + λq: it accepts whatever the exact test accepts.
             relaxed = u * q_x <= (1 - lam) * p_x + lam * q_x
         elif relaxing:

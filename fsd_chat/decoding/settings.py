@@ -9,8 +9,8 @@ from typing import Literal
 
 from fsd_chat.errors import SettingsError
 
-Rule = Literal["exact", "fuzzy", "pure", "mixture", "priced"]
-RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture", "priced")
+Rule = Literal["exact", "fuzzy", "pure", "mixture"]
+RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
 
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
