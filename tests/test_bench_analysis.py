@@ -249,3 +249,18 @@ def test_hf_ensemble_curve_starts_from_hf_assisted_and_is_quoted_at_round_costs(
     assert [level.cost for level in comparison.at_costs] == list(expected)
     assert [level.ratio for level in comparison.at_costs] == pytest.approx(list(expected.values()))
     assert comparison.at_costs[1].ci95 == pytest.approx((110 / 88, 110 / 88))
+
+
+def test_a_curve_starts_from_exact_sd_under_its_own_draft_policy() -> None:
+    """mixture under the `cost` policy starts from exact SD under `cost`, not from fixed-k exact SD."""
+    exact_fixed, exact_cost = CURVE_EXACT, Configuration(SETUP, 1.0, "exact", 5, draft_policy="cost")
+    mixture_fixed = Configuration(SETUP, 1.0, "mixture", 5, None, 0.02)
+    mixture_cost = Configuration(SETUP, 1.0, "mixture", 5, None, 0.02, "cost")
+    costs = {exact_fixed: 0.0, mixture_fixed: 0.02, exact_cost: 0.0, mixture_cost: 0.02}
+    speeds = {exact_fixed: 100.0, mixture_fixed: 120.0, exact_cost: 50.0, mixture_cost: 120.0}
+    runs = _constructed_runs(lambda c, prompt: speeds[c] * FACTORS[prompt], costs)
+    wall = next(v for v in compare_curves(summarize(list(costs), runs), runs) if v.clock == "wall clock")
+    (comparison,) = wall.comparisons
+    # At 0.01, halfway from each curve's own anchor: fixed 110, cost 85.
+    assert (comparison.a, comparison.b) == ("mixture k=5", "mixture k=5 cost")
+    assert comparison.at_costs[0].cost == 0.01 and comparison.at_costs[0].ratio == pytest.approx(110 / 85)
