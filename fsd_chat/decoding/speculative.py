@@ -182,8 +182,7 @@ class SpeculativeDecoder:
                 policy.observe(step.stats.drafted, step.stats.accepted)
             prefill_seconds = 0.0
             if self.mapped and step.stop_reason is None:
-                accepted = step.stats.accepted_exact + step.stats.accepted_fuzzy
-                self.mapped.settle([t.id for t in step.tokens], accepted)
+                self.mapped.settle([t.id for t in step.tokens], step.stats.accepted)
             yield step
             if step.stop_reason is not None:
                 return
