@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fsd_chat.decoding.draft_policy import DraftPolicy, Next
+from fsd_chat.decoding.draft_policy import DraftPolicy
 from fsd_chat.decoding.kv_cache import CachedModel
-from fsd_chat.decoding.proposal import DraftKind, Proposal
+from fsd_chat.decoding.proposal import DraftKind, Proposal, draw_positions
 from fsd_chat.decoding.reply import Reply
-from fsd_chat.decoding.sampling import draw, probabilities
+from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, SamplingConfig
 from fsd_chat.decoding.vocab_map import VocabularyMap
 
@@ -178,29 +178,13 @@ class MappedProposer:
             self.mapped.settle([int(i) for i in seq[0, self._spelled : start].tolist()], 0)
             self._spelled = start
         self._start = start
-        untruncated = sampling.untruncated() if sampling.truncates else None
-        q_rows: list[torch.Tensor] = []
-        q_full_rows: list[torch.Tensor] = []
-        forwards = 0
-        for _ in range(min(limit, self.mapped.room())):
-            forwards += 1
-            q, q_full = self.mapped.distribution(seq, start, len(q_rows), sampling, untruncated)
-            # The policy sees q before the draw: a kept position's token is still a draw from q.
-            then = policy.extend(q)
-            if then is Next.DROP:
-                break
-            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
-            q_rows.append(q)
-            if q_full is not None:
-                q_full_rows.append(q_full)
-            if then is Next.STOP:
-                break
-        return Proposal(
-            drafted=len(q_rows),
-            q=torch.stack(q_rows) if q_rows else None,
-            forwards=forwards,
-            q_full=torch.stack(q_full_rows) if q_full_rows else None,
-        )
+
+        def laws(
+            drafted: int, untruncated: SamplingConfig | None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return self.mapped.distribution(seq, start, drafted, sampling, untruncated)
+
+        return draw_positions(reply, min(limit, self.mapped.room()), laws, policy, sampling, generator)
 
     def rollback(self, length: int) -> None:
         """Keep the accepted draft tokens (length − the step's start) and spell the step's last

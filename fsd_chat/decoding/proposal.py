@@ -14,6 +14,7 @@ the target over them, accepts a prefix, and calls `rollback` with the accepted l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -93,6 +94,51 @@ class Proposer(Protocol):
         ...
 
 
+Laws = Callable[[int, SamplingConfig | None], tuple[torch.Tensor, torch.Tensor | None]]
+"""A draft's next-position laws over the target's vocabulary, given the tokens drafted so far this
+step (already at seq[0, length : length + drafted]): q under the sampling settings, [vocab], and,
+when asked for, the untruncated law (None otherwise), from one forward pass."""
+
+
+def draw_positions(
+    reply: Reply,
+    limit: int,
+    laws: Laws,
+    policy: DraftPolicy,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> Proposal:
+    """Draft up to `limit` positions one by one: x̃_i ~ q_i written at seq[0, length + i], the
+    policy deciding after each law whether to keep drafting (`DraftPolicy.extend`).
+
+    Under truncated sampling each position's untruncated law is kept too (`Proposal.q_full`).
+    """
+    seq, start = reply.seq, reply.length
+    untruncated = sampling.untruncated() if sampling.truncates else None
+    q_rows: list[torch.Tensor] = []
+    q_full_rows: list[torch.Tensor] = []
+    forwards = 0
+    for _ in range(limit):
+        forwards += 1
+        q, q_full = laws(len(q_rows), untruncated)
+        # The policy sees q before the draw: a kept position's token is still a draw from q.
+        then = policy.extend(q)
+        if then is Next.DROP:
+            break
+        seq[0, start + len(q_rows)] = draw(q, sampling, generator)
+        q_rows.append(q)
+        if q_full is not None:
+            q_full_rows.append(q_full)
+        if then is Next.STOP:
+            break
+    return Proposal(
+        drafted=len(q_rows),
+        q=torch.stack(q_rows) if q_rows else None,
+        forwards=forwards,
+        q_full=torch.stack(q_full_rows) if q_full_rows else None,
+    )
+
+
 class ModelDraft:
     """Proposals of a draft model that shares the target's vocabulary.
 
@@ -129,30 +175,15 @@ class ModelDraft:
     ) -> Proposal:
         """Up to `limit` draft forward passes, x̃_i ~ q_i, the policy deciding after each."""
         start = reply.length
-        seq = reply.seq
-        untruncated = sampling.untruncated() if sampling.truncates else None
-        q_rows: list[torch.Tensor] = []
-        q_full_rows: list[torch.Tensor] = []
-        forwards = 0
-        for forwards in range(1, limit + 1):
-            logits = self.model.forward(seq, start + forwards - 1, keep=1)
-            q = probabilities(logits[-1], sampling)
-            # The policy sees q before the draw: a kept position's token is still a draw from q.
-            then = policy.extend(q)
-            if then is Next.DROP:
-                break
-            seq[0, start + len(q_rows)] = draw(q, sampling, generator)
-            q_rows.append(q)
-            if untruncated is not None:
-                q_full_rows.append(probabilities(logits[-1], untruncated))
-            if then is Next.STOP:
-                break
-        return Proposal(
-            drafted=len(q_rows),
-            q=torch.stack(q_rows) if q_rows else None,
-            forwards=forwards,
-            q_full=torch.stack(q_full_rows) if q_full_rows else None,
-        )
+
+        def laws(
+            drafted: int, untruncated: SamplingConfig | None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits = self.model.forward(reply.seq, start + drafted, keep=1)[-1]
+            full = None if untruncated is None else probabilities(logits, untruncated)
+            return probabilities(logits, sampling), full
+
+        return draw_positions(reply, limit, laws, policy, sampling, generator)
 
     def rollback(self, length: int) -> None:
         """Crop the draft's cache to `length` tokens."""
