@@ -55,5 +55,5 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 gpu-check: setup
-	$(BIN)/python -m fsd_chat.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \
+	$(BIN)/python -m scripts.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \
 		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from fsd_chat.conversation.session import ReplyBuilder, Session, Turn, now
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.session import ReplyBuilder, Session, Turn, now
-from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 

@@ -13,8 +13,8 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.models import LoadOptions, ModelSpec
-from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 

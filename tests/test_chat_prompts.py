@@ -7,9 +7,9 @@ import copy
 
 import pytest
 
-from fsd_chat.chat_template import Message, fit_to_context, has_chat_template, prompt_ids
-from fsd_chat.errors import ContextLengthError
 from fsd_chat.models import ModelPair
+from fsd_chat.models.chat_template import Message, fit_to_context, has_chat_template, prompt_ids
+from fsd_chat.support.errors import ContextLengthError
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import typer
 
-from fsd_chat.chat_command import CONFIG_OPTIONS, with_config
 from fsd_chat.cli import app
-from fsd_chat.cli_options import config_values
-from fsd_chat.config import ConfigError, config_dir, data_dir, load_config, sessions_path
+from fsd_chat.cli.chat import CONFIG_OPTIONS, with_config
+from fsd_chat.cli.option import config_values
+from fsd_chat.support.config import ConfigError, config_dir, data_dir, load_config, sessions_path
 from fsd_chat.tui.keys import check_keymap, key_rows
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsd_chat.errors import ModelLoadError
 from fsd_chat.models import LoadOptions, resolve_device, resolve_dtype, target_device_map
+from fsd_chat.support.errors import ModelLoadError
 
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int, bf16: bool = True) -> None:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
+from fsd_chat.conversation.session import ReplyBuilder
 from fsd_chat.decoding import Controls, DecodingSettings, StopReason
 from fsd_chat.decoding.events import Origin, StepStats
 from fsd_chat.decoding.reply import Reply
 from fsd_chat.decoding.timing import PhaseClock
-from fsd_chat.errors import UnsupportedCacheError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.session import ReplyBuilder
+from fsd_chat.support.errors import UnsupportedCacheError
 from tests.decoding_helpers import collect
 
 PROMPT = "Once upon a time"

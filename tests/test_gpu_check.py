@@ -10,7 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from fsd_chat.gpu_check import _test_table, main
+from scripts.gpu_check import _test_table, main
 
 pytestmark = pytest.mark.slow  # runs pytest in a subprocess
 

@@ -20,7 +20,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-import fsd_chat.models
+import fsd_chat.models.loading
+from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import mixture_weight
 from fsd_chat.decoding.divergence import kl
@@ -28,9 +29,8 @@ from fsd_chat.decoding.mapped_draft import MappedProposer
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import Rule
 from fsd_chat.decoding.vocab_map import VocabularyMap
-from fsd_chat.errors import IncompatibleModelsError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.transcript import render_markdown
+from fsd_chat.support.errors import IncompatibleModelsError
 from fsd_chat.tui.widgets.legend import Legend
 from tests.decoding_helpers import collect
 from tests.mapped_pairs import multi_character_tokens, permuted_draft, pruned_draft
@@ -79,7 +79,7 @@ def pruned(
     laws hold at any coverage, and the refusal is tested on its own)."""
     directory, _ = pruned_draft(draft_dir, tmp_path_factory.mktemp("mapped") / "pruned", removed)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fsd_chat.models, "MIN_COVERAGE", 0.0)
+        patch.setattr(fsd_chat.models.loading, "MIN_COVERAGE", 0.0)
         return load_pair(ModelSpec(str(target_dir)), ModelSpec(str(directory)), CPU)
 
 

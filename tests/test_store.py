@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from fsd_chat.conversation.session import OriginRun, ReplyRecord, Session, Turn
+from fsd_chat.conversation.store import SCHEMA, NoSessionsError, SessionStore, SessionStoreError
+from fsd_chat.conversation.writer import SessionWriter
 from fsd_chat.decoding.events import GenerationStats, Origin
-from fsd_chat.session import OriginRun, ReplyRecord, Session, Turn
-from fsd_chat.session_writer import SessionWriter
-from fsd_chat.store import SCHEMA, NoSessionsError, SessionStore, SessionStoreError
 
 
 def make_session(session_id: str = "abcd1234") -> Session:

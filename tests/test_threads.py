@@ -7,8 +7,8 @@ import psutil
 import pytest
 import torch
 
-from fsd_chat.errors import SettingsError
-from fsd_chat.threads import apply_threads, choose_threads, idle_cores
+from fsd_chat.support.errors import SettingsError
+from fsd_chat.support.threads import apply_threads, choose_threads, idle_cores
 
 
 def test_an_explicit_count_wins_and_must_be_positive() -> None:

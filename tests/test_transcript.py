@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from fsd_chat.decoding.events import Origin
-from fsd_chat.session import OriginRun, ReplyRecord, Session, Turn
-from fsd_chat.transcript import (
+from fsd_chat.conversation.session import OriginRun, ReplyRecord, Session, Turn
+from fsd_chat.conversation.transcript import (
     TranscriptError,
     default_path,
     export_transcript,
@@ -20,6 +19,7 @@ from fsd_chat.transcript import (
     render_markdown,
     write_atomic,
 )
+from fsd_chat.decoding.events import Origin
 
 
 def session() -> Session:

@@ -12,5 +12,5 @@ Modules, one job each, by stage:
   the trade-off's Pareto front), `curves` (the rules' curves compared at matched cost), `report`
   (report.json, written and read back, and report.md), `plot` (tradeoff.png), `terminal` (table and
   plot on the terminal).
-- `pipeline`: one run: load, sweep, write, show; the typer command is `fsd_chat.bench_command`.
+- `pipeline`: one run: load, sweep, write, show; the typer command is `fsd_chat.cli.bench`.
 """

@@ -26,12 +26,12 @@ from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup, SweepResult
 from fsd_chat.bench.runner import run_sweep
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
-from fsd_chat.cli_options import check_max_new_tokens, pair_specs
-from fsd_chat.decoding.settings import LOOKUP, SamplingConfig
-from fsd_chat.errors import FsdChatError
+from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, check_max_new_tokens
 from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
-from fsd_chat.text import visible
-from fsd_chat.threads import apply_threads
+from fsd_chat.models.options import pair_specs
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import visible
+from fsd_chat.support.threads import apply_threads
 
 EXIT_INTERRUPTED = 130
 

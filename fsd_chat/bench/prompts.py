@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsd_chat.errors import FsdChatError
-from fsd_chat.text import read_utf8, require_utf8
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import read_utf8, require_utf8
 
 Checker = Callable[[str, str], bool]
 """(reply text, reference answer) -> correct?"""

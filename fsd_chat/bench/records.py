@@ -13,7 +13,7 @@ from typing import Literal
 
 from fsd_chat.decoding.events import GenerationStats
 from fsd_chat.decoding.settings import DivergenceName, DraftPolicyName, Rule
-from fsd_chat.model_options import Quantization
+from fsd_chat.models.options import Quantization
 
 Method = Literal[
     "autoregressive",

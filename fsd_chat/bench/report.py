@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fsd_chat.bench.curves import Verdict
 from fsd_chat.bench.metrics import SPEEDUP_BASELINES, Quality, Summary
-from fsd_chat.text import to_json
+from fsd_chat.support.text import to_json
 
 HEADERS = (
     "setup",

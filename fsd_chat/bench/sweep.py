@@ -26,8 +26,8 @@ from fsd_chat.decoding.settings import (
     DecodingSettings,
     SamplingConfig,
 )
-from fsd_chat.errors import FsdChatError, SettingsError
-from fsd_chat.model_options import DTYPES, QUANTIZATIONS
+from fsd_chat.models.options import DTYPES, QUANTIZATIONS
+from fsd_chat.support.errors import FsdChatError, SettingsError
 
 T = TypeVar("T")
 C = TypeVar("C", bound=str)

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
-from fsd_chat.errors import UnsupportedCacheError
+from fsd_chat.support.errors import UnsupportedCacheError
 
 COMPILED_TOKENS = 2
 """Longest forward pass `CompiledModel` compiles: one token per draft step, two for a catch-up."""

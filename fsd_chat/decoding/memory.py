@@ -9,7 +9,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 import torch
 
 from fsd_chat.decoding.kv_cache import CachedModel
-from fsd_chat.errors import DeviceMemoryError
+from fsd_chat.support.errors import DeviceMemoryError
 
 ADVICE = "try a shorter conversation (ctrl+n) or --max-new-tokens, --quantize-target 4bit, or a smaller draft model"
 

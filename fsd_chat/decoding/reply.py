@@ -18,7 +18,7 @@ from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.sampling import draw, probabilities, seeded_generator
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
-from fsd_chat.errors import ContextLengthError, SettingsError
+from fsd_chat.support.errors import ContextLengthError, SettingsError
 
 
 class Reply:

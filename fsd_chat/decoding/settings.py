@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from fsd_chat.errors import SettingsError
+from fsd_chat.support.errors import SettingsError
 
 Rule = Literal["exact", "fuzzy", "pure", "mixture"]
 RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
@@ -254,3 +254,19 @@ class SamplingRequest:
             if generation_config is not None and getattr(generation_config, name, None) not in (None, off)
         )
         return ResolvedSampling(config, " · ".join(parts) or "built-in default", not_applied)
+
+
+MAX_NEW_TOKENS_LIMIT = 10_000_000
+"""Upper bound of `--max-new-tokens`: beyond any context window (a reply ends when the window is full
+anyway), and small enough for every place the number goes (buffers, SQLite, transformers)."""
+
+
+def check_max_new_tokens(value: int) -> int:
+    """`--max-new-tokens` (tokens): the one rule of generate, chat and bench; returns the value.
+
+    Raises:
+        SettingsError: outside 1..MAX_NEW_TOKENS_LIMIT.
+    """
+    if not 1 <= value <= MAX_NEW_TOKENS_LIMIT:
+        raise SettingsError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS_LIMIT:,}, got {value}")
+    return value

@@ -22,6 +22,8 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
+from fsd_chat.conversation.session import Session, new_session_id, now
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import (
@@ -30,17 +32,15 @@ from fsd_chat.decoding.settings import (
     SamplingConfig,
     SamplingRequest,
 )
-from fsd_chat.errors import FsdChatError
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
-from fsd_chat.session import Session, new_session_id, now
-from fsd_chat.store import SessionStore
-from fsd_chat.text import one_line
-from fsd_chat.themes import DEFAULT_THEME, load_themes
-from fsd_chat.threads import apply_threads
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import one_line
+from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
 from fsd_chat.tui.messages import LoadProgress
 from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup
 from fsd_chat.tui.screens.loading import LoadingScreen
+from fsd_chat.tui.theme_files import DEFAULT_THEME, load_themes
 from fsd_chat.tui.themes import LiteralThemeProvider, default_variables, to_textual
 
 Loader = Callable[[Progress], ModelPair]
@@ -66,7 +66,7 @@ class ChatOptions:
         resume: A saved session to continue.
         keymap: Binding id -> keys.
         user_themes_dir: Folder of the user's theme files.
-        threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.threads`).
+        threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
         compile_draft: Compile the draft's one-token forward passes (`--compile`).
     """
 

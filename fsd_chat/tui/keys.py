@@ -9,7 +9,7 @@ from __future__ import annotations
 from textual.binding import Binding
 from textual.keys import Keys, _character_to_key
 
-from fsd_chat.config import ConfigError
+from fsd_chat.support.config import ConfigError
 
 APP_BINDINGS = [
     Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, tooltip="Quit (the session is saved)"),

@@ -13,8 +13,8 @@ from textual.content import Content
 from textual.theme import Theme, ThemeProvider
 
 from fsd_chat.decoding.events import Origin
-from fsd_chat.text import visible
-from fsd_chat.themes import ThemeSpec, default_origin_styles
+from fsd_chat.support.text import visible
+from fsd_chat.tui.theme_files import ThemeSpec, default_origin_styles
 
 
 def origin_variable(origin: Origin) -> str:

@@ -8,8 +8,8 @@ import pytest
 import typer
 
 from fsd_chat.cli import app
-from fsd_chat.config import config_dir, sessions_path
-from fsd_chat.store import SessionStore
+from fsd_chat.conversation.store import SessionStore
+from fsd_chat.support.config import config_dir, sessions_path
 from tests.test_cli_generate import run_cli as run
 from tests.test_store import make_session
 

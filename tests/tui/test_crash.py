@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls
 from fsd_chat.models import ModelPair
-from fsd_chat.store import SessionStore
 from tests.tui.chat_process import MAX_NEW_TOKENS, PROMPT, SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,14 +9,14 @@ import pytest
 import torch
 from textual.widgets import Static
 
+from fsd_chat.conversation.store import SessionStore
+from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
 from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.model_options import LoadOptions, ModelSpec
 from fsd_chat.models import ModelPair, load_pair
-from fsd_chat.store import SessionStore
-from fsd_chat.transcript import render_markdown
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from textual.command import CommandList, CommandPalette
 
+from fsd_chat.conversation.session import Session, Turn
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.session import Session, Turn
-from fsd_chat.store import SessionStore
 from tests.test_hostile_input import _add_token
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 from tests.tui.test_sessions import send

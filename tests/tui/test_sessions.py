@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from fsd_chat.conversation.session import ReplyRecord, Session, Turn
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.events import Step, StopReason
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.session import ReplyRecord, Session, Turn
-from fsd_chat.store import SessionStore
 from fsd_chat.tui.app import ChatOptions, FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.dial import ThresholdDial

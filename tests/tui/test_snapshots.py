@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from textual.pilot import Pilot
 
+from fsd_chat.conversation.session import Session
 from fsd_chat.models import ModelPair
-from fsd_chat.session import Session
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.widgets.prompt import PromptInput
 from tests.tui.helpers import GatedDecoder, make_app, wait_for, wait_for_chat

@@ -18,7 +18,7 @@ from textual.widgets import Sparkline, Static
 import fsd_chat.tui
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName, Rule
-from fsd_chat.themes import DEFAULT_THEME, ThemeSpec, load_themes
+from fsd_chat.tui.theme_files import DEFAULT_THEME, ThemeSpec, load_themes
 from fsd_chat.tui.themes import default_variables, to_textual
 from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
 from fsd_chat.tui.widgets.dial import BAR_CELLS, ThresholdDial, dial_scale

@@ -35,16 +35,16 @@ from textual.timer import Timer
 from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from fsd_chat.chat_template import Message, PromptBuilder
+from fsd_chat.conversation.session import STOPPED, Session, Turn, new_session_id, now
+from fsd_chat.conversation.store import BUSY_TIMEOUT, SessionStore
+from fsd_chat.conversation.transcript import default_path, render_markdown, write_atomic
+from fsd_chat.conversation.writer import SessionWriter
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
-from fsd_chat.errors import FsdChatError
-from fsd_chat.log import log_exception, log_path
-from fsd_chat.session import STOPPED, Session, Turn, new_session_id, now
-from fsd_chat.session_writer import SessionWriter
-from fsd_chat.store import BUSY_TIMEOUT, SessionStore
-from fsd_chat.transcript import default_path, render_markdown, write_atomic
+from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.log import log_exception, log_path
 from fsd_chat.tui.keys import CHAT_BINDINGS
 from fsd_chat.tui.messages import PromptFailed, PromptReady, SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen

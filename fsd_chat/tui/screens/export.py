@@ -12,7 +12,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label
 
-from fsd_chat.transcript import TranscriptError
+from fsd_chat.conversation.transcript import TranscriptError
 
 
 class ExportScreen(ModalScreen[Path | None]):

@@ -18,9 +18,9 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Markdown, Static
 
+from fsd_chat.conversation.session import STOPPED, OriginRun, ReplyBuilder, ReplyRecord
+from fsd_chat.conversation.transcript import reply_summary
 from fsd_chat.decoding.events import Step
-from fsd_chat.session import STOPPED, OriginRun, ReplyBuilder, ReplyRecord
-from fsd_chat.transcript import reply_summary
 from fsd_chat.tui.themes import origin_style
 
 LIVE_LIMIT = 1000

@@ -1,22 +1,19 @@
-"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility; and
-the decoders over a loaded pair (`ModelPair.decoder` makes the speculative or target-only choice).
+"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility.
 
 Sources may be Hugging Face Hub ids (downloaded by transformers) or local directories. Every failure
-becomes a `ModelLoadError` / `IncompatibleModelsError` with a one-line message.
-"""
+becomes a `ModelLoadError` / `IncompatibleModelsError` / `DeviceMemoryError` with a one-line
+message (`load_errors`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import pickle
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -28,27 +25,29 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
-from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
-from fsd_chat.decoding.kv_cache import input_device
-from fsd_chat.decoding.lookup import PromptLookup
-from fsd_chat.decoding.proposal import DraftKind
-from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, LOOKUP
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
-from fsd_chat.errors import DeviceMemoryError, IncompatibleModelsError, ModelLoadError
-from fsd_chat.model_options import (
+from fsd_chat.models.load_errors import (
+    check_load_report,
+    check_quantized_forward,
+    damaged_file,
+    first_line,
+    load_failure,
+    out_of_memory,
+    refused_pickle,
+)
+from fsd_chat.models.options import (
     LoadOptions,
     ModelSpec,
     check_device_name,
     check_dtype_name,
     check_quantization,
 )
-from fsd_chat.text import some
+from fsd_chat.models.pair import ModelPair
+from fsd_chat.support.errors import IncompatibleModelsError, ModelLoadError
 
 Progress = Callable[[str], object]
+
 
 MIN_COVERAGE = 0.9
 """Least share of the target's probability mass (on `CALIBRATION_TEXT`) that the tokens of a draft
@@ -56,130 +55,6 @@ with another tokenizer must cover. The draft's acceptance is bounded by that sha
 faster: measured on the CPU-scale pair with drafts missing part of their vocabulary, 95% coverage
 breaks even with the target alone and 80% runs at 0.72× (README, "A draft with another
 tokenizer"; `scripts/bench_mapped.py`)."""
-
-
-@dataclass(slots=True)
-class ModelPair:
-    """A loaded target and draft model sharing one tokenizer, a draft whose vocabulary is mapped
-    onto the target's (`vocab_map`), or a target alone whose drafts come from prompt lookup (`draft`
-    None, `draft_spec.source` "lookup").
-
-    Attributes:
-        tokenizer: The target's tokenizer (prompts, replies and the draft's proposals use its ids).
-        vocab_size: The target's vocabulary size (logits are restricted to it); with one shared
-            vocabulary, the draft's too.
-        device: The device inputs go to (the draft's; the target's first shard).
-        dtype: Compute dtype of the unquantized weights.
-        costs: The draft and verify forward costs on this device (`device_costs`), once measured.
-        vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
-        coverage: With a vocab_map, the share of the target's probability mass its paired tokens
-            hold (`fsd_chat.decoding.vocab_map.coverage`).
-        draft_tokenizer: With a vocab_map, the draft's own tokenizer.
-    """
-
-    target: PreTrainedModel
-    draft: PreTrainedModel | None
-    tokenizer: PreTrainedTokenizerBase
-    vocab_size: int
-    target_spec: ModelSpec
-    draft_spec: ModelSpec
-    device: torch.device
-    dtype: torch.dtype
-    costs: CostCurve | None = None
-    vocab_map: VocabularyMap | None = None
-    coverage: float | None = None
-    draft_tokenizer: PreTrainedTokenizerBase | None = None
-
-    @property
-    def draft_kind(self) -> DraftKind:
-        """What proposes: "model" (a draft sharing the target's tokenizer), "mapped" (a draft with
-        another tokenizer) or "lookup" (prompt lookup, no draft model)."""
-        if self.draft is None:
-            return "lookup"
-        return "model" if self.vocab_map is None else "mapped"
-
-    @property
-    def draft_label(self) -> str | None:
-        """The kind of draft in words, where the origins' names do not say it (None for a draft
-        model sharing the target's tokenizer): "prompt lookup (n ≤ 3)", or "draft vocabulary
-        mapped (97% coverage)"."""
-        if self.draft is None:
-            return f"prompt lookup (n ≤ {DEFAULT_LOOKUP_NGRAM})"
-        if self.coverage is not None:
-            return f"draft vocabulary mapped ({self.coverage:.0%} coverage)"
-        return None
-
-    def describe(self) -> str:
-        """One line: models (or prompt lookup), quantization, the kind of draft, device, dtype."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        if self.draft is None:
-            draft = f"draft: {self.draft_label}, no draft model"
-        else:
-            draft = f"draft {self.draft_spec.name} ({self.draft_spec.quantization})"
-            if self.coverage is not None:
-                draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
-        return f"target {self.target_spec.name} ({self.target_spec.quantization}) · {draft} · {self.device} {dtype}"
-
-    def decoder(
-        self,
-        controls: Controls,
-        *,
-        autoregressive: bool = False,
-        time_phases: bool = False,
-        compile_draft: bool = False,
-    ) -> Decoder:
-        """The decoder a command asked for over this pair, driven by `controls`.
-
-        Args:
-            controls: Live settings and stop requests, shared with the caller.
-            autoregressive: Target-only decoding (`AutoregressiveDecoder`) instead of speculative
-                decoding (`SpeculativeDecoder`).
-            time_phases: Synchronise the device at each phase, for exact phase times (benchmarks;
-                see `SpeculativeDecoder`).
-            compile_draft: Compile the draft's one-token forward passes (see `SpeculativeDecoder`);
-                target-only decoding and prompt lookup run no draft model, and ignore it.
-
-        Raises:
-            UnsupportedCacheError: a model's KV cache cannot be rolled back.
-        """
-        if autoregressive:
-            return self.autoregressive(controls, time_phases=time_phases)
-        return self.speculative(controls, time_phases=time_phases, compile_draft=compile_draft)
-
-    def speculative(
-        self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
-    ) -> SpeculativeDecoder:
-        """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compile_draft`: see `SpeculativeDecoder`); without a draft model, over prompt lookup."""
-        return SpeculativeDecoder(
-            self.target,
-            PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
-            self.tokenizer,
-            controls=controls,
-            vocab_size=self.vocab_size,
-            time_phases=time_phases,
-            compile_draft=compile_draft,
-            costs=self.device_costs,
-            vocab_map=self.vocab_map,
-        )
-
-    def device_costs(self) -> CostCurve:
-        """The pair's draft and verify forward costs on its device: measured on the first call
-        (by the `cost` draft policy), then kept for every decoder of the pair."""
-        if self.costs is None:
-            draft_vocab = self.vocab_size if self.vocab_map is None else self.vocab_map.draft_vocab
-            self.costs = measure_costs(self.target, self.draft, min(self.vocab_size, draft_vocab))
-        return self.costs
-
-    def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
-        """A target-only decoder over this pair's target."""
-        return AutoregressiveDecoder(
-            self.target,
-            self.tokenizer,
-            controls=controls,
-            vocab_size=self.vocab_size,
-            time_phases=time_phases,
-        )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -239,7 +114,7 @@ def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, Pretrained
         config = AutoConfig.from_pretrained(source, trust_remote_code=options.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
-            f"could not load a model config from {spec.source!r}: {_first_line(exc)}"
+            f"could not load a model config from {spec.source!r}: {first_line(exc)}"
         ) from exc
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(
@@ -309,105 +184,26 @@ def _load_model(
             quantization_config=quantization,
             trust_remote_code=options.trust_remote_code,
             # Report shape mismatches instead of raising a message that points at a hidden report:
-            # _check_load_report refuses them with the tensors' names.
+            # check_load_report refuses them with the tensors' names.
             ignore_mismatched_sizes=True,
             output_loading_info=True,
         )
     except SafetensorError as exc:
         raise ModelLoadError(
-            f"{_damaged_file(source)} is damaged or truncated (safetensors: {_first_line(exc)})"
+            f"{damaged_file(source)} is damaged or truncated (safetensors: {first_line(exc)})"
         ) from None
     except pickle.UnpicklingError as exc:
-        raise ModelLoadError(_refused_pickle(spec, exc)) from None
+        raise ModelLoadError(refused_pickle(spec, exc)) from None
     except torch.OutOfMemoryError as exc:
-        raise _out_of_memory(spec, exc) from None
+        raise out_of_memory(spec, exc) from None
     except (OSError, ValueError, RuntimeError, ImportError, TypeError) as exc:
-        raise _load_failure(spec, exc) from exc
+        raise load_failure(spec, exc) from exc
     model, report = loaded
-    _check_load_report(spec, source, report)
+    check_load_report(spec, source, report)
     model.eval()
     if quantization is not None:
-        _check_quantized_forward(spec, model)
+        check_quantized_forward(spec, model)
     return model
-
-
-def _weight_files(source: str) -> list[Path]:
-    """The weights files of a local model directory (empty for a Hub id)."""
-    folder = Path(source)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
-
-
-def _damaged_file(source: str) -> str:
-    """The first local safetensors file whose header cannot be read (else the model source)."""
-    for path in _weight_files(source):
-        if path.suffix == ".safetensors":
-            try:
-                with safe_open(path, framework="pt"):
-                    pass
-            except (SafetensorError, OSError):
-                return str(path)
-    return source
-
-
-def _refused_pickle(spec: ModelSpec, exc: pickle.UnpicklingError) -> str:
-    # torch's message is a page long; its one useful line names the global it refused.
-    found = re.search(r"WeightsUnpickler error: ([^.\n]+)", str(exc))
-    reason = found.group(1) if found else _first_line(exc)
-    return (
-        f"{spec.source}: refused to load its pickled weights (pytorch_model.bin), which would run code "
-        f"({reason}); use a safetensors copy"
-    )
-
-
-def _check_load_report(spec: ModelSpec, source: str, report: dict[str, Any]) -> None:
-    """Refuse a model whose checkpoint lacks weights or has the wrong shapes: transformers would fill
-    them with random values and the model would write gibberish. Unexpected extra tensors alone are
-    harmless (they are ignored) and only named when something else is wrong."""
-    missing = sorted(report.get("missing_keys") or ())
-    mismatched = sorted(
-        str(key[0] if isinstance(key, tuple) else key) for key in report.get("mismatched_keys") or ()
-    )
-    unexpected = sorted(report.get("unexpected_keys") or ())
-    if not missing and not mismatched:
-        return
-    files = ", ".join(str(p) for p in _weight_files(source)) or spec.source
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensors ({some(missing)})")
-    if mismatched:
-        problems.append(f"{len(mismatched)} tensors of the wrong shape ({some(mismatched)})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors ({some(unexpected)})")
-    raise ModelLoadError(f"{files} does not hold this model's weights: {'; '.join(problems)}")
-
-
-def _check_quantized_forward(spec: ModelSpec, model: PreTrainedModel) -> None:
-    # Some bitsandbytes kernels accept the weights at load time and fail only on the first
-    # forward pass (e.g. the CPU 4-bit kernel needs layer widths divisible by 32): fail here,
-    # with a clear message, rather than mid-reply.
-    token = torch.zeros((1, 1), dtype=torch.long, device=input_device(model))
-    try:
-        with torch.inference_mode():
-            model(input_ids=token, use_cache=False)
-    except torch.OutOfMemoryError as exc:
-        raise _out_of_memory(spec, exc) from None
-    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as exc:
-        raise _load_failure(spec, exc) from exc
-
-
-def _out_of_memory(spec: ModelSpec, exc: BaseException) -> DeviceMemoryError:
-    return DeviceMemoryError(
-        f"{spec.source} did not fit in GPU memory while loading ({_first_line(exc)}): try "
-        "--quantize-target 4bit (or 8bit), a smaller draft model, or --device cpu"
-    )
-
-
-def _load_failure(spec: ModelSpec, exc: BaseException) -> ModelLoadError:
-    if spec.quantization != "none":
-        return ModelLoadError(f"{spec.quantization} quantization of {spec.source} failed: {_first_line(exc)}")
-    return ModelLoadError(f"could not load {spec.source}: {_first_line(exc)}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -580,8 +376,3 @@ def _load_target_alone(
         device=device,
         dtype=resolve_dtype(options.dtype, device),
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import psutil
 
-from fsd_chat.errors import SettingsError
+from fsd_chat.support.errors import SettingsError
 
 SAMPLE_SECONDS = 0.2
 """How long the idle cores are measured for."""

@@ -12,17 +12,18 @@ from typing import Annotated, Any
 
 import typer
 
-from fsd_chat import cli_options as o
-from fsd_chat.config import ConfigError, load_config, sessions_path, user_themes_dir
+from fsd_chat.cli import options as o
+from fsd_chat.cli.option import Option, config_values, takes
+from fsd_chat.conversation.store import SessionStore
+from fsd_chat.conversation.transcript import ending_signals_raise, export_transcript, render_markdown
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.errors import ModelLoadError
-from fsd_chat.log import quiet_libraries
-from fsd_chat.store import SessionStore
-from fsd_chat.text import one_line
-from fsd_chat.transcript import ending_signals_raise, export_transcript, render_markdown
+from fsd_chat.support.config import ConfigError, load_config, sessions_path, user_themes_dir
+from fsd_chat.support.errors import ModelLoadError
+from fsd_chat.support.log import quiet_libraries
+from fsd_chat.support.text import one_line
 
-SYSTEM = o.Option("system", ("--system",), str, None, "System prompt (first turn).", o.CHAT)
-THEME = o.Option(
+SYSTEM = Option("system", ("--system",), str, None, "System prompt (first turn).", o.CHAT)
+THEME = Option(
     "theme",
     ("--theme",),
     str,
@@ -30,7 +31,7 @@ THEME = o.Option(
     "fsd-dark, fsd-light, fsd-okabe-ito or a user theme.",
     o.CHAT,
 )
-TRANSCRIPTS_DIR = o.Option(
+TRANSCRIPTS_DIR = Option(
     "transcripts_dir",
     ("--transcripts-dir",),
     str,
@@ -38,7 +39,7 @@ TRANSCRIPTS_DIR = o.Option(
     "Folder the export dialog suggests (default: the current directory).",
     o.CHAT,
 )
-CONFIG_OPTIONS: tuple[o.Option[Any], ...] = (
+CONFIG_OPTIONS: tuple[Option[Any], ...] = (
     o.TARGET.replace(help=o.TARGET.help + " Default: config.toml's, or the resumed session's."),
     o.DRAFT,
     *o.REPLY_OPTIONS,
@@ -67,7 +68,7 @@ def _check_local(source: str) -> None:
         raise ModelLoadError(f"model path not found: {source}")
 
 
-@o.takes(*CONFIG_OPTIONS)
+@takes(*CONFIG_OPTIONS)
 def chat(
     ctx: typer.Context,
     resume: Annotated[
@@ -89,7 +90,7 @@ def chat(
 ) -> None:
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
     config = load_config()
-    v = with_config(ctx, values, o.config_values(config, CONFIG_OPTIONS))
+    v = with_config(ctx, values, config_values(config, CONFIG_OPTIONS))
     if resume is not None and not resume.strip():
         raise ConfigError("--resume needs a session id or a prefix of one (fsd-chat history lists them)")
     store = SessionStore(sessions_path())

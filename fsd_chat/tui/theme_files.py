@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.color import Color, ColorParseError
 
 from fsd_chat.decoding.events import Origin
-from fsd_chat.errors import FsdChatError
-from fsd_chat.text import read_settings_file
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import read_settings_file
 
 DEFAULT_THEME = "fsd-dark"
 PALETTE_KEYS = (
@@ -60,8 +60,9 @@ class ThemeSpec:
 
 def builtin_theme_dir() -> Path:
     """Where the built-in themes are: inside the installed package, or the repository's themes/."""
-    packaged = Path(__file__).parent / "themes"
-    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "themes"
+    package = Path(__file__).parents[1]  # fsd_chat/
+    packaged = package / "themes"
+    return packaged if packaged.is_dir() else package.parent / "themes"
 
 
 def _colour(path: Path, key: str, value: object) -> str:

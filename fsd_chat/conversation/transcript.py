@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fsd_chat.conversation.session import ReplyRecord, Session
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.errors import FsdChatError
-from fsd_chat.session import ReplyRecord, Session
-from fsd_chat.text import visible
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import visible
 
 MARKS: dict[Origin, tuple[str, str]] = {
     Origin.DRAFT_EXACT: ("", ""),
@@ -56,7 +56,7 @@ def decoding_summary(settings: dict[str, Any]) -> str:
     """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5"."""
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
-    # A stored session may lack any of them (`fsd_chat.session.settings_from_dict`): shown as "?".
+    # A stored session may lack any of them (`fsd_chat.conversation.session.settings_from_dict`): shown as "?".
     threshold = settings.get("threshold")
     parts = [
         settings.get("rule", "?"),

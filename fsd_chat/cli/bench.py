@@ -13,16 +13,17 @@ from typing import Annotated, Any
 
 import typer
 
-from fsd_chat import cli_options as o
+from fsd_chat.cli import options as o
+from fsd_chat.cli.option import takes
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.log import quiet_libraries
+from fsd_chat.support.log import quiet_libraries
 
 SWEEP = "Sweep"
 
 
 @dataclass(frozen=True, slots=True)
 class Preset:
-    """Defaults of the sweep options (threads None: the thread policy's choice, `fsd_chat.threads`)."""
+    """Defaults of the sweep options (threads None: the thread policy's choice, `fsd_chat.support.threads`)."""
 
     limit: int
     max_new_tokens: int
@@ -86,7 +87,7 @@ QUANTIZE_TARGET = o.QUANTIZE_TARGET.listed()
 QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
 
 
-@o.takes(
+@takes(
     TARGET,
     o.DRAFT,
     MAX_NEW_TOKENS,

@@ -3,7 +3,7 @@
 Folders come from platformdirs (`~/.config/fsd-chat`, `~/.local/share/fsd-chat` on Linux);
 `FSD_CHAT_CONFIG_DIR` / `FSD_CHAT_DATA_DIR` override them (tests point them at temporary folders).
 The file holds defaults for the `fsd-chat chat` options (named as the options, with underscores;
-checked like the flags, see `fsd_chat.cli_options`) and a `[keymap]` table of binding id -> keys::
+checked like the flags, see `fsd_chat.cli.options`) and a `[keymap]` table of binding id -> keys::
 
     target = "HuggingFaceTB/SmolLM2-1.7B-Instruct"
     draft = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import platformdirs
 
-from fsd_chat.errors import FsdChatError
-from fsd_chat.text import read_settings_file
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import read_settings_file
 
 APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
@@ -71,7 +71,7 @@ class UserConfig:
 
 def load_config(path: Path | None = None) -> UserConfig:
     """Read config.toml (default: in `config_dir()`); a missing file is an empty config. The options'
-    names and values are checked by the command that reads them (`fsd_chat.cli_options.config_values`).
+    names and values are checked by the command that reads them (`fsd_chat.cli.options.config_values`).
 
     Raises:
         ConfigError: invalid TOML, or a malformed [keymap].

@@ -20,7 +20,7 @@ import stat
 import tomllib
 from pathlib import Path
 
-from fsd_chat.errors import FsdChatError
+from fsd_chat.support.errors import FsdChatError
 
 # C0 controls except tab and newline, DEL, and the C1 controls (U+0080–U+009F, 8-bit CSI among them).
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")

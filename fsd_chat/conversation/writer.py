@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsd_chat.errors import FsdChatError
-from fsd_chat.session import Session, Turn
-from fsd_chat.store import SessionStore
+from fsd_chat.conversation.session import Session, Turn
+from fsd_chat.conversation.store import SessionStore
+from fsd_chat.support.errors import FsdChatError
 
 RETRY_SECONDS = 0.25
 """Pause between two tries of a failed save while closing (each try also waits the store's busy

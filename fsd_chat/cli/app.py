@@ -14,9 +14,9 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import Abort, TyperException
 
-from fsd_chat import bench_command, chat_command, generate_command
-from fsd_chat.errors import FsdChatError
-from fsd_chat.text import one_line, require_utf8
+from fsd_chat.cli import bench, chat, generate
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import one_line, require_utf8
 
 
 class OutputClosed(Exception):
@@ -57,11 +57,11 @@ def root() -> None:
     """
 
 
-app.command("generate")(generate_command.generate)
-app.command("chat")(chat_command.chat)
-app.command("history")(chat_command.history)
-app.command("export")(chat_command.export)
-app.command("bench")(bench_command.bench)
+app.command("generate")(generate.generate)
+app.command("chat")(chat.chat)
+app.command("history")(chat.history)
+app.command("export")(chat.export)
+app.command("bench")(bench.bench)
 
 
 def main(argv: list[str] | None = None) -> None:

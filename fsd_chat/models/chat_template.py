@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
-from fsd_chat.errors import ContextLengthError, FsdChatError
-from fsd_chat.text import require_utf8
+from fsd_chat.support.errors import ContextLengthError, FsdChatError
+from fsd_chat.support.text import require_utf8
 
 if TYPE_CHECKING:
     from jinja2 import Template

@@ -5,7 +5,7 @@ session's last stored turn, and the reply's row is updated while it streams. Two
 session therefore interleave their exchanges instead of overwriting each other's. The file carries
 its schema version (`PRAGMA user_version`); older files are migrated when first written. The data
 folder is private (0700) and so is the file (0600); readers open it read-only and change nothing.
-Rows are checked field by field when read (`fsd_chat.session.checked_fields`): an edited or damaged
+Rows are checked field by field when read (`fsd_chat.conversation.session.checked_fields`): an edited or damaged
 row is refused with its reason, and left out of the list of sessions.
 """
 
@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from fsd_chat.errors import FsdChatError
-from fsd_chat.session import (
+from fsd_chat.conversation.session import (
     MalformedSessionError,
     Session,
     Turn,
@@ -32,7 +31,8 @@ from fsd_chat.session import (
     reply_from_dict,
     settings_from_dict,
 )
-from fsd_chat.text import some
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import some
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (

@@ -1,4 +1,4 @@
-"""The `fsd-chat generate` command's options; the reply itself is written by `fsd_chat.generate`
+"""The `fsd-chat generate` command's options; the reply itself is written by `fsd_chat.cli.generate_reply`
 (imported when the command runs, since it loads torch)."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ from typing import Annotated, Any
 
 import typer
 
-from fsd_chat import cli_options as o
+from fsd_chat.cli import options as o
+from fsd_chat.cli.option import Option, takes
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.log import quiet_libraries
+from fsd_chat.support.log import quiet_libraries
 
-JSON = o.Option("as_json", ("--json",), bool, False, "JSON Lines: one object per step, then a summary.")
+JSON = Option("as_json", ("--json",), bool, False, "JSON Lines: one object per step, then a summary.")
 
 
-@o.takes(o.TARGET.replace(required=True), o.DRAFT, *o.REPLY_OPTIONS, JSON)
+@takes(o.TARGET.replace(required=True), o.DRAFT, *o.REPLY_OPTIONS, JSON)
 def generate(
     prompt: Annotated[
         str, typer.Argument(help="The prompt (a user turn for chat models); - reads it from standard input.")
@@ -23,7 +24,7 @@ def generate(
     **values: Any,
 ) -> None:
     """Stream one reply to PROMPT, coloured by token origin on a terminal."""
-    from fsd_chat.generate import prompt_text, run_generate
+    from fsd_chat.cli.generate_reply import prompt_text, run_generate
 
     settings = o.decoding_settings(values)
     sampling = o.sampling_request(values)

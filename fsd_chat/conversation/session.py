@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from fsd_chat.chat_template import Message, Role
 from fsd_chat.decoding.events import GenerationStats, Origin, Step
-from fsd_chat.errors import FsdChatError
+from fsd_chat.models.chat_template import Message, Role
+from fsd_chat.support.errors import FsdChatError
 
 STREAMING = "streaming"
 """Stored stop reason of a reply written while it streams; read back as `stopped` (its process died)."""

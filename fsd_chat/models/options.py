@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsd_chat.errors import ModelLoadError
+from fsd_chat.support.errors import ModelLoadError
 
 Quantization = Literal["none", "8bit", "4bit"]
 QUANTIZATIONS: tuple[Quantization, ...] = ("none", "8bit", "4bit")
@@ -83,3 +83,20 @@ class LoadOptions:
     device: str = "auto"
     dtype: str = "auto"
     trust_remote_code: bool = False
+
+
+def pair_specs(
+    target: str,
+    draft: str,
+    quantize_target: Quantization,
+    quantize_draft: Quantization,
+    device: str,
+    dtype: str,
+    trust_remote_code: bool,
+) -> tuple[ModelSpec, ModelSpec, LoadOptions]:
+    """Model options -> (target spec, draft spec, load options)."""
+    return (
+        ModelSpec(target, quantize_target),
+        ModelSpec(draft, quantize_draft),
+        LoadOptions(device=device, dtype=dtype, trust_remote_code=trust_remote_code),
+    )

@@ -10,7 +10,7 @@ import traceback
 from datetime import datetime
 from pathlib import Path
 
-from fsd_chat.config import data_dir
+from fsd_chat.support.config import data_dir
 
 
 def quiet_libraries() -> None:

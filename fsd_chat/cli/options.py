@@ -1,0 +1,284 @@
+"""The options of `generate`, `chat` and `bench`, each declared once (an `Option`, `cli/option.py`),
+and their conversion into the library's settings objects.
+
+A command takes its options with `@takes(...)`: the typer parameters are built from these
+declarations, so a flag's spelling, type, default, help and check exist in one place. config.toml's
+keys, their types and their checks come from the same declarations (`config_values`), so a bad value
+there fails with the same one line as the flag. Read rather than copied: copies drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+from fsd_chat.cli.option import Option, one_of
+from fsd_chat.decoding.settings import (
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_THRESHOLD,
+    DIVERGENCE_NAMES,
+    DRAFT_POLICIES,
+    LOOKUP,
+    RULES,
+    DecodingSettings,
+    DivergenceName,
+    DraftPolicyName,
+    Rule,
+    SamplingConfig,
+    SamplingRequest,
+    check_max_new_tokens,
+)
+from fsd_chat.models.options import (
+    DTYPES,
+    QUANTIZATIONS,
+    LoadOptions,
+    ModelSpec,
+    Quantization,
+    check_device_name,
+    check_dtype_name,
+    check_quantization,
+    pair_specs,
+)
+
+MODELS = "Models"
+DECODING = "Decoding"
+SAMPLING = "Sampling"
+CHAT = "Chat"
+
+
+_DEFAULTS = DecodingSettings()
+_SAMPLING = SamplingConfig()
+
+TARGET = Option(
+    "target", ("--target",), str, None, "Target model: a Hugging Face Hub id or a local directory.", MODELS
+)
+DRAFT = Option(
+    "draft",
+    ("--draft",),
+    str,
+    None,
+    f"Draft model (one with another tokenizer is mapped onto the target's vocabulary), or {LOOKUP} "
+    "(prompt lookup: drafts copied from the conversation, no draft model; the default).",
+    MODELS,
+)
+QUANTIZE_TARGET = Option(
+    "quantize_target",
+    ("--quantize-target",),
+    str,
+    "none",
+    "bitsandbytes quantization of the target.",
+    MODELS,
+    check_quantization,
+    QUANTIZATIONS,
+)
+QUANTIZE_DRAFT = QUANTIZE_TARGET.replace(
+    name="quantize_draft", flags=("--quantize-draft",), help="bitsandbytes quantization of the draft."
+)
+DEVICE = Option(
+    "device",
+    ("--device",),
+    str,
+    "auto",
+    "auto (CUDA when available), cpu, cuda or cuda:N.",
+    MODELS,
+    check_device_name,
+)
+DTYPE = Option(
+    "dtype",
+    ("--dtype",),
+    str,
+    "auto",
+    "auto (bf16/fp16 on CUDA, float32 on CPU), float32, bfloat16 or float16.",
+    MODELS,
+    check_dtype_name,
+    DTYPES,
+)
+THREADS = Option(
+    "threads",
+    ("--threads",),
+    int,
+    None,
+    "torch CPU threads (default: the cores idle at the start, one fewer in the chat).",
+    MODELS,
+)
+TRUST_REMOTE_CODE = Option(
+    "trust_remote_code",
+    ("--trust-remote-code/--no-trust-remote-code",),
+    bool,
+    False,
+    "Let model repositories run their own code.",
+    MODELS,
+)
+THRESHOLD = Option(
+    "threshold",
+    ("--threshold", "-T"),
+    float,
+    DEFAULT_THRESHOLD,
+    "Threshold T: divergence units for fuzzy/pure, nats per token for mixture; 0 = exact SD.",
+    DECODING,
+)
+DIVERGENCE = Option(
+    "divergence",
+    ("--divergence",),
+    str,
+    _DEFAULTS.divergence,
+    "Divergence D(p, q) for the fuzzy test.",
+    DECODING,
+    one_of("divergence", DIVERGENCE_NAMES),
+    DIVERGENCE_NAMES,
+)
+RULE = Option(
+    "rule",
+    ("--rule",),
+    str,
+    _DEFAULTS.rule,
+    "exact (standard SD), fuzzy (SD test or D ≤ T; FSD), pure (D ≤ T only; the paper's code) "
+    "or mixture (SD against (1 − λ)p + λq̄, at most T nats per token).",
+    DECODING,
+    one_of("rule", RULES),
+    RULES,
+)
+DRAFT_TOKENS = Option(
+    "draft_tokens",
+    ("--draft-tokens", "-k"),
+    int,
+    DEFAULT_DRAFT_TOKENS,
+    "Draft length k (fixed), its start (adaptive) or its cap (cost).",
+    DECODING,
+)
+DRAFT_POLICY = Option(
+    "draft_policy",
+    ("--draft-policy",),
+    str,
+    _DEFAULTS.draft_policy,
+    "Draft length per step: fixed (k), adaptive (+2 after a full accept, −1 after a "
+    "rejection) or cost (draft while one more token's expected gain beats its measured cost).",
+    DECODING,
+    one_of("draft policy", DRAFT_POLICIES),
+    DRAFT_POLICIES,
+)
+COMPILE_DRAFT = Option(
+    "compile_draft",
+    ("--compile/--no-compile",),
+    bool,
+    False,
+    "Compile the draft's one-token forward passes (torch.compile; CUDA graphs on a GPU) over a "
+    "static KV cache: the first reply waits for compilation, later draft steps run faster.",
+    DECODING,
+)
+AUTOREGRESSIVE = Option(
+    "autoregressive",
+    ("--autoregressive/--no-autoregressive",),
+    bool,
+    False,
+    "Target-only decoding (no draft: the baseline).",
+    DECODING,
+)
+_MODELS_OWN = " Default: the target's generation_config, else {}."
+TEMPERATURE = Option(
+    "temperature",
+    ("--temperature",),
+    float,
+    None,
+    "0 = greedy." + _MODELS_OWN.format(f"{_SAMPLING.temperature:g} (greedy)"),
+    SAMPLING,
+)
+TOP_P = Option(
+    "top_p",
+    ("--top-p",),
+    float,
+    None,
+    "Nucleus sampling mass (1 = off)." + _MODELS_OWN.format("off"),
+    SAMPLING,
+)
+TOP_K = Option(
+    "top_k",
+    ("--top-k",),
+    int,
+    None,
+    "Keep the k most likely tokens (0 = off)." + _MODELS_OWN.format("off"),
+    SAMPLING,
+)
+MIN_P = Option(
+    "min_p",
+    ("--min-p",),
+    float,
+    None,
+    "Keep tokens at least min-p times as likely as the most likely one (0 = off)."
+    + _MODELS_OWN.format("off"),
+    SAMPLING,
+)
+SEED = Option("seed", ("--seed",), int, None, "Random seed.", SAMPLING)
+MAX_NEW_TOKENS = Option(
+    "max_new_tokens",
+    ("--max-new-tokens",),
+    int,
+    DEFAULT_MAX_NEW_TOKENS,
+    "Cap on generated tokens per reply.",
+    SAMPLING,
+    check_max_new_tokens,
+)
+RAW = Option("raw", ("--raw/--no-raw",), bool, False, "Plain text, no chat template.", CHAT)
+
+MODEL_OPTIONS: tuple[Option[Any], ...] = (QUANTIZE_TARGET, QUANTIZE_DRAFT, DEVICE, DTYPE, TRUST_REMOTE_CODE)
+"""The model options that `pair_specs` reads, besides --target and --draft."""
+DECODING_OPTIONS: tuple[Option[Any], ...] = (THRESHOLD, DIVERGENCE, RULE, DRAFT_TOKENS, DRAFT_POLICY)
+SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED)
+REPLY_OPTIONS: tuple[Option[Any], ...] = (
+    *DECODING_OPTIONS,
+    COMPILE_DRAFT,
+    AUTOREGRESSIVE,
+    *SAMPLING_OPTIONS,
+    MAX_NEW_TOKENS,
+    *MODEL_OPTIONS,
+    THREADS,
+    RAW,
+)
+"""The options of a reply, which `generate` and `chat` both take."""
+
+
+def model_specs(
+    target: str, draft: str, values: Mapping[str, object]
+) -> tuple[ModelSpec, ModelSpec, LoadOptions]:
+    """`pair_specs` of a command's model options (`MODEL_OPTIONS` in `values`)."""
+    return pair_specs(
+        target,
+        draft,
+        cast(Quantization, QUANTIZE_TARGET.of(values)),
+        cast(Quantization, QUANTIZE_DRAFT.of(values)),
+        DEVICE.of(values),
+        DTYPE.of(values),
+        TRUST_REMOTE_CODE.of(values),
+    )
+
+
+def decoding_settings(values: Mapping[str, object]) -> DecodingSettings:
+    """A command's decoding options (`DECODING_OPTIONS` in `values`) -> `DecodingSettings`.
+
+    Raises:
+        SettingsError: a value out of range.
+    """
+    return DecodingSettings(
+        rule=cast(Rule, RULE.of(values)),
+        divergence=cast(DivergenceName, DIVERGENCE.of(values)),
+        threshold=THRESHOLD.of(values),
+        draft_tokens=DRAFT_TOKENS.of(values),
+        draft_policy=cast(DraftPolicyName, DRAFT_POLICY.of(values)),
+    )
+
+
+def sampling_request(values: Mapping[str, object]) -> SamplingRequest:
+    """A command's sampling options (`SAMPLING_OPTIONS` in `values`) -> `SamplingRequest` (what is
+    not given is left to the target's generation_config).
+
+    Raises:
+        SettingsError: a value out of range.
+    """
+    return SamplingRequest(
+        temperature=TEMPERATURE.get(values),
+        top_k=TOP_K.get(values),
+        top_p=TOP_P.get(values),
+        min_p=MIN_P.get(values),
+        seed=SEED.get(values),
+    )

@@ -1,0 +1,148 @@
+"""A loaded target/draft pair (`ModelPair`) and the decoders over it: `ModelPair.decoder` makes the
+speculative or target-only choice, with the draft source the pair holds (a draft model, a mapped
+draft with another tokenizer, or prompt lookup)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
+from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
+from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.proposal import DraftKind
+from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
+from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.models.options import ModelSpec
+
+
+@dataclass(slots=True)
+class ModelPair:
+    """A loaded target and draft model sharing one tokenizer, a draft whose vocabulary is mapped
+    onto the target's (`vocab_map`), or a target alone whose drafts come from prompt lookup (`draft`
+    None, `draft_spec.source` "lookup").
+
+    Attributes:
+        tokenizer: The target's tokenizer (prompts, replies and the draft's proposals use its ids).
+        vocab_size: The target's vocabulary size (logits are restricted to it); with one shared
+            vocabulary, the draft's too.
+        device: The device inputs go to (the draft's; the target's first shard).
+        dtype: Compute dtype of the unquantized weights.
+        costs: The draft and verify forward costs on this device (`device_costs`), once measured.
+        vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
+        coverage: With a vocab_map, the share of the target's probability mass its paired tokens
+            hold (`fsd_chat.decoding.vocab_map.coverage`).
+        draft_tokenizer: With a vocab_map, the draft's own tokenizer.
+    """
+
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    target_spec: ModelSpec
+    draft_spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    costs: CostCurve | None = None
+    vocab_map: VocabularyMap | None = None
+    coverage: float | None = None
+    draft_tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def draft_kind(self) -> DraftKind:
+        """What proposes: "model" (a draft sharing the target's tokenizer), "mapped" (a draft with
+        another tokenizer) or "lookup" (prompt lookup, no draft model)."""
+        if self.draft is None:
+            return "lookup"
+        return "model" if self.vocab_map is None else "mapped"
+
+    @property
+    def draft_label(self) -> str | None:
+        """The kind of draft in words, where the origins' names do not say it (None for a draft
+        model sharing the target's tokenizer): "prompt lookup (n ≤ 3)", or "draft vocabulary
+        mapped (97% coverage)"."""
+        if self.draft is None:
+            return f"prompt lookup (n ≤ {DEFAULT_LOOKUP_NGRAM})"
+        if self.coverage is not None:
+            return f"draft vocabulary mapped ({self.coverage:.0%} coverage)"
+        return None
+
+    def describe(self) -> str:
+        """One line: models (or prompt lookup), quantization, the kind of draft, device, dtype."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.draft is None:
+            draft = f"draft: {self.draft_label}, no draft model"
+        else:
+            draft = f"draft {self.draft_spec.name} ({self.draft_spec.quantization})"
+            if self.coverage is not None:
+                draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
+        return f"target {self.target_spec.name} ({self.target_spec.quantization}) · {draft} · {self.device} {dtype}"
+
+    def decoder(
+        self,
+        controls: Controls,
+        *,
+        autoregressive: bool = False,
+        time_phases: bool = False,
+        compile_draft: bool = False,
+    ) -> Decoder:
+        """The decoder a command asked for over this pair, driven by `controls`.
+
+        Args:
+            controls: Live settings and stop requests, shared with the caller.
+            autoregressive: Target-only decoding (`AutoregressiveDecoder`) instead of speculative
+                decoding (`SpeculativeDecoder`).
+            time_phases: Synchronise the device at each phase, for exact phase times (benchmarks;
+                see `SpeculativeDecoder`).
+            compile_draft: Compile the draft's one-token forward passes (see `SpeculativeDecoder`);
+                target-only decoding and prompt lookup run no draft model, and ignore it.
+
+        Raises:
+            UnsupportedCacheError: a model's KV cache cannot be rolled back.
+        """
+        if autoregressive:
+            return self.autoregressive(controls, time_phases=time_phases)
+        return self.speculative(controls, time_phases=time_phases, compile_draft=compile_draft)
+
+    def speculative(
+        self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
+    ) -> SpeculativeDecoder:
+        """A speculative decoder over this pair, driven by `controls` (`time_phases`,
+        `compile_draft`: see `SpeculativeDecoder`); without a draft model, over prompt lookup."""
+        return SpeculativeDecoder(
+            self.target,
+            PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
+            compile_draft=compile_draft,
+            costs=self.device_costs,
+            vocab_map=self.vocab_map,
+        )
+
+    def device_costs(self) -> CostCurve:
+        """The pair's draft and verify forward costs on its device: measured on the first call
+        (by the `cost` draft policy), then kept for every decoder of the pair."""
+        if self.costs is None:
+            draft_vocab = self.vocab_size if self.vocab_map is None else self.vocab_map.draft_vocab
+            self.costs = measure_costs(self.target, self.draft, min(self.vocab_size, draft_vocab))
+        return self.costs
+
+    def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
+        """A target-only decoder over this pair's target."""
+        return AutoregressiveDecoder(
+            self.target,
+            self.tokenizer,
+            controls=controls,
+            vocab_size=self.vocab_size,
+            time_phases=time_phases,
+        )
