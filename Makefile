@@ -37,12 +37,16 @@ lock: | $(BIN)/python
 	$(BIN)/pip-compile --quiet --upgrade --extra test --extra docs --unsafe-package torch --strip-extras \
 		--no-emit-find-links --no-emit-index-url --output-file requirements.lock pyproject.toml
 
+# One pytest worker a core (pytest-xdist); a file's tests stay on one worker, so module fixtures
+# (the bench sweep) run once. Each worker runs torch on one thread (tests/conftest.py).
+PYTEST_WORKERS ?= auto
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # Everything but the statistical and subprocess tests (marked slow): for the edit-test loop.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not cuda"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not cuda"
 
 lint: setup
 	$(BIN)/ruff check fsd_chat tests
