@@ -80,13 +80,17 @@ def start(chat: ChatController, text: str) -> tuple[Sent, Iterator[Step], ReplyB
 
 
 def stream(chat: ChatController, steps: Iterator[Step], fold: ReplyBuilder, limit: int | None = None) -> str:
-    """Show up to `limit` steps (all when None), one batch each; returns their text."""
+    """Show up to `limit` steps (all when None: the reply must end with its last one), one batch
+    each; returns their text."""
     text = ""
+    ended = False
     for n, step in enumerate(steps, 1):
         fold.add(step)
         text += step.text
-        if chat.steps_shown((step,), ended=False) or n == limit:
+        ended = chat.steps_shown((step,), ended=False)
+        if ended or n == limit:
             break
+    assert ended == (limit is None and next(steps, None) is None)
     return text
 
 
@@ -129,7 +133,8 @@ def test_a_reply_cut_short_is_saved_as_stopped(pair: ModelPair, tmp_path: Path) 
     _, steps, fold = start(chat, "Once upon a time")
     shown = stream(chat, steps, fold, limit=2)
     chat.stop()
-    assert chat.finish().stored
+    finished = chat.finish()
+    assert finished.stored and finished.sent.record.stop_reason == STOPPED
     assert chat.close(10)
     reply = SessionStore(tmp_path / "data" / "sessions.sqlite3").load(chat.session.id).turns[1]
     assert reply.reply is not None and reply.reply.stop_reason == STOPPED and reply.content == shown
@@ -268,3 +273,22 @@ def test_the_export_writes_the_sessions_transcript(pair: ModelPair, tmp_path: Pa
     with pytest.raises(FsdChatError):
         chat.write_transcript(tmp_path / "data" / "sessions.sqlite3" / "x.md")  # under a file
     assert chat.close(10)
+
+
+def test_a_failed_generation_ends_its_reply_with_the_error(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))  # the error log
+    chat = make_chat(pair, tmp_path, Saves())
+    start(chat, "Once upon a time")
+    notice = chat.generation_failed(RuntimeError("out of memory"))
+    assert notice.title == "Generation failed" and notice.text.startswith(
+        "RuntimeError while decoding a reply"
+    )
+    finished = chat.finish(error=notice.text)
+    assert finished.retry  # nothing came of it: the message may be sent again
+    assert finished.sent.record.stop_reason == "error" and not chat.is_current(finished.sent.generation)
+    assert chat.close(10)
+    saved = SessionStore(tmp_path / "data" / "sessions.sqlite3").load(chat.session.id)
+    assert [t.content for t in saved.turns] == ["Once upon a time", ""]
+    assert saved.turns[1].reply is not None and saved.turns[1].reply.stop_reason == "error"

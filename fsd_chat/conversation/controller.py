@@ -204,7 +204,7 @@ class ChatController:
         self.prompts = PromptBuilder(pair.tokenizer, raw=o.raw, vocab_size=pair.vocab_size)
         self.writer = SessionWriter(o.store, on_error=on_save_failed, on_recovered=on_save_recovered)
         self.generation = 0
-        """Number of the current generation; steps of older ones (before a new chat) are dropped."""
+        """Number of the latest message sent; prompts and steps of older ones are stale."""
         self.sent: Sent | None = None
         """The message whose reply is in flight (None when none is)."""
         self._stored = False
@@ -382,8 +382,8 @@ class ChatController:
 
     def new_chat(self) -> Notice:
         """Start a new session with the same models and settings (the old one stays saved); the
-        reply in flight must have been finished. Steps still coming from the old one are stale."""
-        self.generation += 1
+        reply in flight must have been finished (steps still coming for it are then stale, and
+        every later message takes a new generation number)."""
         old = self.session
         self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
         return Notice(f"New chat {self.session.id}", timeout=2)
