@@ -192,7 +192,9 @@ async def test_a_reply_is_saved_again_when_the_data_folder_is_deleted_mid_reply(
     )
     async with app.run_test(size=SIZE) as pilot:
         screen = await send(pilot, "Once")
-        await wait_for(pilot, lambda: screen.chat.writer.pending() == 0 and (data / "sessions.sqlite3").exists())
+        await wait_for(
+            pilot, lambda: screen.chat.writer.pending() == 0 and (data / "sessions.sqlite3").exists()
+        )
         gate[0].allow(2)
         await wait_for(pilot, lambda: len(gate[0].steps) == 2)
         shutil.rmtree(data)  # mid-reply, after the exchange was first saved
