@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.session import ReplyBuilder, Session, Turn, now
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 
 MODELS = Path(__file__).resolve().parents[1] / ".." / "shared" / "models"

@@ -123,7 +123,8 @@ def long_session(turns: int) -> Session:
 async def ui_block(pair: ModelPair, turns: int, sends: int) -> list[float]:
     """Longest stall (seconds) of the UI's event loop from Enter until the message is stored (its
     prompt built), per send."""
-    from fsd_chat.tui.app import ChatOptions, FsdChatApp
+    from fsd_chat.conversation.controller import ChatOptions
+    from fsd_chat.tui.app import FsdChatApp
     from fsd_chat.tui.screens.chat import ChatScreen
     from fsd_chat.tui.widgets.prompt import PromptInput
 

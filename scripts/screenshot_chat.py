@@ -13,9 +13,10 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.models import LoadOptions, ModelSpec
-from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 
 MODELS = Path(__file__).resolve().parents[1] / ".." / "shared" / "models"

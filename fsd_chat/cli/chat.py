@@ -109,7 +109,8 @@ def chat(
         _check_local(source)
     specs = o.model_specs(target_source, draft_source, v)
 
-    from fsd_chat.tui.app import ChatOptions, FsdChatApp
+    from fsd_chat.conversation.controller import ChatOptions
+    from fsd_chat.tui.app import FsdChatApp
     from fsd_chat.tui.keys import check_keymap
 
     check_keymap(config.keymap)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 from textual import work
@@ -22,23 +20,16 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from fsd_chat.conversation.session import Session, new_session_id, now
-from fsd_chat.conversation.store import SessionStore
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.settings import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DecodingSettings,
-    SamplingConfig,
-    SamplingRequest,
-)
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, Progress
+from fsd_chat.models import ModelPair, Progress
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import one_line
 from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
 from fsd_chat.tui.messages import LoadProgress
-from fsd_chat.tui.screens.chat import ChatScreen, ChatSetup
+from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.screens.loading import LoadingScreen
 from fsd_chat.tui.theme_files import DEFAULT_THEME, load_themes
 from fsd_chat.tui.themes import LiteralThemeProvider, default_variables, to_textual
@@ -46,47 +37,6 @@ from fsd_chat.tui.themes import LiteralThemeProvider, default_variables, to_text
 Loader = Callable[[Progress], ModelPair]
 DecoderFactory = Callable[[ModelPair, Controls], Decoder]
 END_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass(slots=True)
-class ChatOptions:
-    """What `fsd-chat chat` was asked for.
-
-    Attributes:
-        target, draft, load: The models and how to load them.
-        settings: Decoding settings at the start (the dial moves them).
-        sampling: The sampling asked for; the rest comes from the target's generation_config.
-        max_new_tokens: Cap per reply.
-        raw: Plain-text turns even for chat models.
-        autoregressive: Target-only decoding.
-        system: System prompt (None: none, or the resumed session's).
-        theme: Theme name (None: the default).
-        transcripts_dir: Where exports go by default.
-        store: Session store.
-        resume: A saved session to continue.
-        keymap: Binding id -> keys.
-        user_themes_dir: Folder of the user's theme files.
-        threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
-        compile_draft: Compile the draft's one-token forward passes (`--compile`).
-    """
-
-    target: ModelSpec
-    draft: ModelSpec
-    store: SessionStore
-    load: LoadOptions = field(default_factory=LoadOptions)
-    settings: DecodingSettings = field(default_factory=DecodingSettings)
-    sampling: SamplingRequest = field(default_factory=SamplingRequest)
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    raw: bool = False
-    autoregressive: bool = False
-    system: str | None = None
-    theme: str | None = None
-    transcripts_dir: Path = field(default_factory=Path.cwd)
-    resume: Session | None = None
-    keymap: dict[str, str] = field(default_factory=dict)
-    user_themes_dir: Path | None = None
-    threads: int | None = None
-    compile_draft: bool = False
 
 
 class FsdChatApp(App[None]):
@@ -208,8 +158,9 @@ class FsdChatApp(App[None]):
             if not isinstance(screen, ChatScreen):
                 continue
             screen.stop_generation()
-            timeout = 2 * screen.setup.store.busy_timeout + 1  # two tries at least
-            closing = asyncio.ensure_future(asyncio.to_thread(screen.writer.close, timeout))
+            chat = screen.chat
+            timeout = 2 * chat.options.store.busy_timeout + 1  # two tries at least
+            closing = asyncio.ensure_future(asyncio.to_thread(chat.close, timeout))
             done, _ = await asyncio.wait({closing}, timeout=0.3)
             if not done:
                 self.notify(
@@ -218,9 +169,9 @@ class FsdChatApp(App[None]):
                     severity="warning",
                 )
             if not await closing:
-                note = screen.keep_unsaved()
+                note = chat.keep_unsaved()
                 self.exit_notes.append(
-                    f"fsd-chat: the last exchange could not be saved to {screen.setup.store.path}; {note}"
+                    f"fsd-chat: the last exchange could not be saved to {chat.options.store.path}; {note}"
                 )
                 return_code = return_code or 1
         self.exit(return_code=return_code)
@@ -245,55 +196,19 @@ class FsdChatApp(App[None]):
         if event.state == WorkerState.SUCCESS:
             pair = event.worker.result
             assert isinstance(pair, ModelPair)  # the "load" group's one worker is `_load`
-            self.switch_screen(ChatScreen(self._setup(pair)))
+            self.switch_screen(
+                ChatScreen(
+                    self.options,
+                    pair,
+                    self.decoder_factory(pair, self.controls),
+                    self.controls,
+                    self.tracebacks,
+                )
+            )
         elif event.state == WorkerState.ERROR:
             error = event.worker.error
             message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"
             self.screen.show_error(message)
-
-    def _setup(self, pair: ModelPair) -> ChatSetup:
-        o = self.options
-        resolved = o.sampling.resolve(pair.target.generation_config, Path(o.target.source).name)
-        return ChatSetup(
-            tokenizer=pair.tokenizer,
-            vocab_size=pair.vocab_size,
-            decoder=self.decoder_factory(pair, self.controls),
-            controls=self.controls,
-            describe=pair.describe()
-            + (" · autoregressive" if o.autoregressive else "")
-            + f" · {resolved.config.describe()}",
-            draft_label=pair.draft_label,
-            sampling=resolved.config,
-            sampling_source=resolved.source
-            + (f"; not applied: {', '.join(resolved.not_applied)}" if resolved.not_applied else ""),
-            max_new_tokens=o.max_new_tokens,
-            raw=o.raw,
-            autoregressive=o.autoregressive,
-            store=o.store,
-            session=o.resume or self._new_session(pair, resolved.config),
-            transcripts_dir=o.transcripts_dir,
-            keymap=o.keymap,
-            tracebacks=self.tracebacks,
-        )
-
-    def _new_session(self, pair: ModelPair, sampling: SamplingConfig) -> Session:
-        o = self.options
-        models = {
-            "target": o.target.source,
-            "draft": o.draft.source,
-            "quantize_target": o.target.quantization,
-            "quantize_draft": o.draft.quantization,
-            "draft_kind": pair.draft_kind,
-            "device": str(pair.device),
-            "dtype": str(pair.dtype).removeprefix("torch."),
-        }
-        settings = {
-            **asdict(o.settings),
-            **asdict(sampling),
-            "max_new_tokens": o.max_new_tokens,
-            "mode": "autoregressive" if o.autoregressive else "speculative",
-        }
-        return Session(new_session_id(), now(), models, settings, o.system)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Textual's commands (theme, quit, ...) plus every chat action."""

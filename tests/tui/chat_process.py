@@ -13,11 +13,12 @@ from collections.abc import Iterator
 
 from textual.pilot import Pilot
 
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, Decoder, DecodingSettings, Step
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.support.config import sessions_path
-from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.app import FsdChatApp
 from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.tui.helpers import SIZE, WrappedDecoder, wait_for_chat
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from textual.pilot import Pilot
 
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, Decoder, DecodingSettings, SamplingConfig, Step
 from fsd_chat.models import ModelPair
-from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.app import FsdChatApp
 
 SIZE = (110, 32)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from textual.widgets import Static
 
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
@@ -17,7 +18,7 @@ from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models import ModelPair, load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
-from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
@@ -49,7 +50,7 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         assert isinstance(app.screen, ChatScreen)
-        decoder = app.screen.setup.decoder
+        decoder = app.screen.chat.decoder
         assert type(decoder) is decoder_type
         assert decoder.controls is app.controls  # type: ignore[attr-defined]
         assert isinstance(decoder.cached_models[-1], CompiledModel) == compiled  # type: ignore[attr-defined]
@@ -68,8 +69,8 @@ async def test_a_target_alone_chats_with_prompt_lookup_and_says_so(target_dir: P
         await wait_for_chat(pilot)
         screen = app.screen
         assert isinstance(screen, ChatScreen)
-        assert isinstance(screen.setup.decoder, SpeculativeDecoder)
-        assert isinstance(screen.setup.decoder.proposer, PromptLookup)
+        assert isinstance(screen.chat.decoder, SpeculativeDecoder)
+        assert isinstance(screen.chat.decoder.proposer, PromptLookup)
         header = screen.query_one("#header", Static).render()
         assert "draft: prompt lookup (n ≤ 3), no draft model" in str(header)
         legend = screen.query_one("#legend", Static).render()

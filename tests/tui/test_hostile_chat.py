@@ -155,7 +155,7 @@ async def test_a_store_of_ones_own_that_others_may_read_is_made_private(
     app = make_app(pair, tmp_path, max_new_tokens=4, store=SessionStore(data / "sessions.sqlite3"))
     async with app.run_test(size=SIZE) as pilot:
         screen = await send(pilot, "Once")
-        await wait_for(pilot, lambda: screen.streaming is None and screen.writer.pending() == 0)
+        await wait_for(pilot, lambda: screen.streaming is None and screen.chat.writer.pending() == 0)
         assert not [n for n in app._notifications if n.severity == "error"]
     assert data.stat().st_mode & 0o777 == 0o700
     assert (data / "sessions.sqlite3").stat().st_mode & 0o777 == 0o600
@@ -192,12 +192,14 @@ async def test_a_reply_is_saved_again_when_the_data_folder_is_deleted_mid_reply(
     )
     async with app.run_test(size=SIZE) as pilot:
         screen = await send(pilot, "Once")
-        await wait_for(pilot, lambda: screen.writer.pending() == 0 and (data / "sessions.sqlite3").exists())
+        await wait_for(
+            pilot, lambda: screen.chat.writer.pending() == 0 and (data / "sessions.sqlite3").exists()
+        )
         gate[0].allow(2)
         await wait_for(pilot, lambda: len(gate[0].steps) == 2)
         shutil.rmtree(data)  # mid-reply, after the exchange was first saved
         gate[0].allow(100)
-        await wait_for(pilot, lambda: screen.streaming is None and screen.writer.pending() == 0)
+        await wait_for(pilot, lambda: screen.streaming is None and screen.chat.writer.pending() == 0)
         shown = screen.session.turns[1].reply
     assert shown is not None and shown.text
     saved = SessionStore(data / "sessions.sqlite3").load(screen.session.id)

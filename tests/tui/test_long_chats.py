@@ -101,7 +101,7 @@ async def test_a_runaway_template_leaves_the_chat_working(pair: ModelPair, tmp_p
         assert isinstance(screen, ChatScreen)
         tokenizer = copy.deepcopy(pair.tokenizer)
         tokenizer.chat_template = LOOPING_TEMPLATE
-        screen.prompts = PromptBuilder(tokenizer, raw=False)
+        screen.chat.prompts = PromptBuilder(tokenizer, raw=False)
         await pilot.press(*"Hello", "enter")
         await pilot.pause(0.3)
         await pilot.press("f1")  # the UI answers while the template runs
@@ -112,11 +112,11 @@ async def test_a_runaway_template_leaves_the_chat_working(pair: ModelPair, tmp_p
         (note,) = [n for n in app._notifications if n.title == "Message not sent"]
         assert note.message == "stopped while the chat template was rendering"
         assert screen.query_one(PromptInput).text == "Hello" and not screen.session.turns
-        screen.prompts = PromptBuilder(tokenizer, raw=False, seconds=0.3)
+        screen.chat.prompts = PromptBuilder(tokenizer, raw=False, seconds=0.3)
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.streaming is None and len(app._notifications) == 2)
         assert list(app._notifications)[-1].message == "the chat template ran past 0.3 s"
-        screen.prompts = PromptBuilder(pair.tokenizer, raw=False)
+        screen.chat.prompts = PromptBuilder(pair.tokenizer, raw=False)
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.streaming is None and len(screen.session.turns) == 2)
         assert screen.session.turns[0].content == "Hello"

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.session import ReplyRecord, Session, Turn
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.events import Step, StopReason
 from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
-from fsd_chat.tui.app import ChatOptions, FsdChatApp
+from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.dial import ThresholdDial
 from fsd_chat.tui.widgets.prompt import PromptInput
@@ -133,12 +134,12 @@ async def test_a_locked_database_does_not_freeze_the_chat(pair: ModelPair, tmp_p
         gate[0].allow(100)
         await wait_for(pilot, lambda: screen.streaming is None)
         # The save waits for the lock in the writer thread; the UI still handles keys.
-        assert screen.writer.pending() > 0
+        assert screen.chat.writer.pending() > 0
         before = app.controls.snapshot().threshold
         await pilot.press("ctrl+up")
         assert screen.query_one(ThresholdDial).settings.threshold > before
         locker.execute("ROLLBACK")
-        await wait_for(pilot, lambda: screen.writer.pending() == 0)
+        await wait_for(pilot, lambda: screen.chat.writer.pending() == 0)
     (session,) = [SessionStore(path).load(s.id) for s in SessionStore(path).summaries()]
     assert session.turns[0].content == "Hello"
     assert session.turns[1].reply is not None and session.turns[1].reply.stop_reason == "max-new-tokens"

@@ -1,29 +1,22 @@
 """The chat screen: the conversation, the prompt, the threshold dial and the live stats.
 
-A message is sent through the generation worker (a thread), which first builds the prompt
-(`PromptBuilder`: the chat template under time and size limits, the conversation fitted into the
-context window) and then decodes: the decoder yields one `Step` per target forward pass, and the
-worker adds each to a `StepBuffer` (`fsd_chat.tui.stream`), waking the UI only when the buffer was
-empty. The UI takes everything buffered as one batch when its
-`BatchPacer` allows: about 30 batches a second at most, fewer when drawing is costly. A batch goes
-to the streaming `ReplyView`, which adds its steps to the reply and re-renders only its live tail
-(the text after its last finished line), and to the stats strip, which refreshes once. The reply
-is rendered whole once, when it ends. Keys change the shared `Controls`, which the decoder reads at
-the start of every step.
-
-Saving runs in a `SessionWriter` thread, never on the UI thread: once its prompt is built, a
-message is appended together with the reply it asks for (stored as `streaming`), so the stored
-session always alternates; the reply's row is rewritten at most once a second while it streams and
-once when it ends (stopped, if a new chat, quit or a signal cut it short).
+The screen renders; its `ChatController` (`fsd_chat.conversation.controller`) decides what a message
+sends, which steps count, when a reply ends and what is saved. A message is sent through the
+generation worker (a thread), which first builds the prompt (`ChatController.build_prompt`: the
+chat template under time and size limits, the conversation fitted into the context window) and
+then decodes: the decoder yields one `Step` per target forward pass, and the worker adds each to a
+`StepBuffer` (`fsd_chat.tui.stream`), waking the UI only when the buffer was empty. The UI takes
+everything buffered as one batch when its `BatchPacer` allows: about 30 batches a second at most,
+fewer when drawing is costly. A batch goes to the streaming `ReplyView`, which folds its steps into
+the reply's record and re-renders only its live tail (the text after its last finished line), and
+to the stats strip, which refreshes once. The reply is rendered whole once, when it ends. Keys
+change the shared `Controls` (by the dial's arithmetic, `fsd_chat.tui.widgets.dial`), which the
+decoder reads at the start of every step.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from textual import work
 from textual.app import ComposeResult
@@ -35,123 +28,99 @@ from textual.timer import Timer
 from textual.widgets import Button, Footer, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from fsd_chat.conversation.session import STOPPED, Session, Turn, new_session_id, now
-from fsd_chat.conversation.store import BUSY_TIMEOUT, SessionStore
-from fsd_chat.conversation.transcript import default_path, render_markdown, write_atomic
-from fsd_chat.conversation.writer import SessionWriter
+from fsd_chat.conversation.controller import (
+    SAVE_RECOVERED,
+    ChatController,
+    ChatOptions,
+    Notice,
+    Sent,
+    save_failed_notice,
+)
+from fsd_chat.conversation.session import Session, Turn
+from fsd_chat.conversation.store import BUSY_TIMEOUT
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.settings import DIVERGENCE_NAMES, Rule, SamplingConfig
-from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models import ModelPair
 from fsd_chat.support.errors import FsdChatError
-from fsd_chat.support.log import log_exception, log_path
 from fsd_chat.tui.keys import CHAT_BINDINGS
 from fsd_chat.tui.messages import PromptFailed, PromptReady, SaveFailed, SaveRecovered, StepsReady
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.stream import BatchPacer, StepBuffer
 from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
-from fsd_chat.tui.widgets.dial import ThresholdDial, dial_scale
+from fsd_chat.tui.widgets.dial import (
+    EXACT,
+    DialChange,
+    ThresholdDial,
+    cycle_divergence,
+    cycle_rule,
+    lower_threshold,
+    raise_threshold,
+)
 from fsd_chat.tui.widgets.legend import Legend
 from fsd_chat.tui.widgets.prompt import PromptInput
 from fsd_chat.tui.widgets.stats import StatsStrip
 
-if TYPE_CHECKING:  # transformers is loaded by the models, not by the screen
-    from transformers import PreTrainedTokenizerBase
-
 GROUP = "generation"
-RULE_CYCLE: tuple[Rule, ...] = ("fuzzy", "mixture", "pure", "exact")
-"""The order ctrl+g steps through the acceptance rules."""
 SHOWN_TURNS = 10
 """Turns kept on screen (up to twice as many before the oldest are put away)."""
-SAVE_INTERVAL = 1.0
-"""Seconds between two saves of a streaming reply: what a kill -9 can lose at most."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatSetup:
-    """Everything the chat screen runs with.
-
-    Attributes:
-        tokenizer: The pair's shared tokenizer (for the prompt).
-        vocab_size: The pair's shared vocabulary (prompts beyond it are refused).
-        decoder: Built once over the loaded pair; reused for every reply.
-        controls: Shared with the decoder.
-        describe: The header line (models, quantization, device).
-        draft_label: The kind of draft the legend names (`ModelPair.draft_label`); None for a draft
-            model sharing the target's tokenizer, which the origins' names already say.
-        sampling: Sampling settings (also shown in the header line).
-        sampling_source: Where they came from, and the model's processors not applied (help screen).
-        max_new_tokens: Cap per reply.
-        raw: Plain-text turns even when the tokenizer has a chat template.
-        autoregressive: Target-only decoding (the dial is off).
-        store: Where sessions are saved.
-        session: The session to continue (a fresh one, or a resumed one).
-        transcripts_dir: Folder the export dialog suggests.
-        keymap: Binding id -> keys (for the help screen).
-        tracebacks: Where unexpected errors' tracebacks are collected (`--debug` prints them).
-    """
-
-    tokenizer: PreTrainedTokenizerBase
-    vocab_size: int
-    decoder: Decoder
-    controls: Controls
-    describe: str
-    draft_label: str | None
-    sampling: SamplingConfig
-    sampling_source: str
-    max_new_tokens: int
-    raw: bool
-    autoregressive: bool
-    store: SessionStore
-    session: Session
-    transcripts_dir: Path
-    keymap: dict[str, str]
-    tracebacks: list[str]
 
 
 class ChatScreen(Screen[None]):
-    """The main screen."""
+    """The main screen: it renders what its `ChatController` (`chat`) decides.
+
+    Args:
+        options: What the chat was asked for.
+        pair: The loaded models.
+        decoder: Built once over the pair; reused for every reply.
+        controls: Shared with the decoder.
+        tracebacks: Where unexpected errors' tracebacks are collected (`--debug` prints them).
+    """
 
     BINDINGS: ClassVar[list[BindingType]] = [*CHAT_BINDINGS]
 
-    def __init__(self, setup: ChatSetup) -> None:
+    def __init__(
+        self,
+        options: ChatOptions,
+        pair: ModelPair,
+        decoder: Decoder,
+        controls: Controls,
+        tracebacks: list[str],
+    ) -> None:
         super().__init__()
-        self.setup = setup
-        self.session = setup.session
-        self.controls = setup.controls
-        self.generation = 0
-        """Number of the current generation; steps of older ones (before ctrl+n) are dropped."""
+        self.chat = ChatController(
+            options,
+            pair,
+            decoder,
+            controls,
+            tracebacks=tracebacks,
+            on_save_failed=lambda reason: self.post_message(SaveFailed(reason)),
+            on_save_recovered=lambda: self.post_message(SaveRecovered()),
+        )
+        self.controls = controls
         self.streaming: ReplyView | None = None
+        """The reply in flight's view (None when none is)."""
         self._hidden = 0
         """Turns at the start of the session that are not mounted (see `_trim_turns`)."""
-        self.reply_turn: Turn | None = None
-        """The streaming reply's turn (in `session.turns` and stored)."""
-        self._sent_text = ""
-        self._question: Turn | None = None
-        self._stored = False
-        """Whether the message in flight is in `session.turns` (its prompt was built)."""
         self._sent_widgets: tuple[UserMessage, ReplyView] | None = None
-        self.prompts = PromptBuilder(setup.tokenizer, raw=setup.raw, vocab_size=setup.vocab_size)
-        self._last_save = 0.0
         self._buffer = StepBuffer()
         self._pacer = BatchPacer()
         self._batch_timer: Timer | None = None
-        self.writer = SessionWriter(
-            setup.store,
-            on_error=lambda reason: self.post_message(SaveFailed(reason)),
-            on_recovered=lambda: self.post_message(SaveRecovered()),
-        )
-        # One generation at a time uses the decoder's KV caches, even when a cancelled one is
-        # still finishing its last step.
-        self._decoder_lock = threading.Lock()
-        self._compile_error_shown = False
+
+    @property
+    def session(self) -> Session:
+        """The session shown (the controller's)."""
+        return self.chat.session
+
+    def show(self, notice: Notice) -> None:
+        """Show the controller's `notice` as a notification."""
+        self.notify(notice.text, title=notice.title, severity=notice.severity, timeout=notice.timeout)
 
     def compose(self) -> ComposeResult:
         """Header, conversation, legend, dial and stats, prompt, footer."""
-        yield Static(Content.assemble(("fsd-chat ", "bold $accent"), self.setup.describe), id="header")
+        yield Static(Content.assemble(("fsd-chat ", "bold $accent"), self.chat.describe), id="header")
         yield VerticalScroll(id="conversation")
-        yield Legend(self.setup.autoregressive, draft_label=self.setup.draft_label, id="legend")
+        yield Legend(self.chat.options.autoregressive, draft_label=self.chat.draft_label, id="legend")
         with Horizontal(id="controls"):
             yield ThresholdDial(id="dial")
             yield StatsStrip(id="stats")
@@ -161,7 +130,7 @@ class ChatScreen(Screen[None]):
     def on_mount(self) -> None:
         """Show the session so far, the settings, and focus the prompt."""
         dial = self.query_one(ThresholdDial)
-        dial.autoregressive = self.setup.autoregressive
+        dial.autoregressive = self.chat.options.autoregressive
         dial.settings = self.controls.snapshot()
         self._show_turns()
         self.query_one("#conversation", VerticalScroll).anchor()
@@ -213,56 +182,35 @@ class ChatScreen(Screen[None]):
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         """Send the prompt's text, unless a reply is streaming. The prompt is built in the worker;
         the message is stored once it is (`on_prompt_ready`), or given back (`on_prompt_failed`)."""
-        text = event.text.strip()
-        if not text:
+        sent = self.chat.send(event.text)
+        if sent is None:
             return
-        if self.streaming is not None:
-            self.notify("A reply is streaming: wait for it, or press Esc to stop it.", severity="warning")
+        if isinstance(sent, Notice):
+            self.show(sent)
             self.query_one(PromptInput).give_back(event.text)
             return
-        messages = [*self.session.messages(), Message("user", text)]
-        # Cleared here, not when decoding starts: Esc pressed before the first step still counts.
-        self.controls.clear_stop()
-        reply = ReplyView()
-        self._question = Turn("user", text)
-        self.reply_turn = Turn("assistant", "", reply=reply.record)
-        self._stored = False
-        self._sent_text = text
-        self._sent_widgets = (UserMessage(text), reply)
+        reply = ReplyView(sent.record)
+        self._sent_widgets = (UserMessage(sent.question.content), reply)
         self.streaming = reply
-        self.generation += 1
         self._buffer = StepBuffer()
         self._pacer = BatchPacer()
         self.query_one("#conversation", VerticalScroll).mount_all(self._sent_widgets)
-        self._generate(messages, self.generation, self._buffer)
-
-    def _reserve(self) -> int:
-        """Tokens kept for the reply: half the window at most, so that a large --max-new-tokens
-        does not make every prompt impossible (the reply then ends at the window's edge instead)."""
-        context = self.setup.decoder.context
-        return self.setup.max_new_tokens if context is None else min(self.setup.max_new_tokens, context // 2)
+        self._generate(sent, self._buffer)
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
-    def _generate(self, messages: list[Message], generation: int, buffer: StepBuffer) -> None:
+    def _generate(self, sent: Sent, buffer: StepBuffer) -> None:
         """Build the prompt, then decode one reply in this thread into `buffer`, waking the UI when
         it was empty."""
         worker = get_current_worker()
-        with self._decoder_lock:
+        generation = sent.generation
+        with self.chat.decoder_lock:
             try:
-                dropped, ids = self.prompts.build(
-                    messages,
-                    context=self.setup.decoder.context,
-                    reserve=self._reserve(),
-                    cancelled=lambda: worker.is_cancelled or self.controls.stop_requested,
-                )
+                dropped, ids = self.chat.build_prompt(sent.messages, cancelled=lambda: worker.is_cancelled)
             except Exception as exc:  # any failure of the template is this message's, not the chat's
                 self.post_message(PromptFailed(generation, exc))
                 return
             self.post_message(PromptReady(generation, dropped))
-            steps = self.setup.decoder.generate(
-                ids, max_new_tokens=self.setup.max_new_tokens, sampling=self.setup.sampling
-            )
-            for step in steps:
+            for step in self.chat.steps(ids):
                 if buffer.add(step):
                     self.post_message(StepsReady(generation))
                 if worker.is_cancelled:
@@ -270,47 +218,33 @@ class ChatScreen(Screen[None]):
         self.post_message(StepsReady(generation, ended=True))
 
     def on_prompt_ready(self, message: PromptReady) -> None:
-        """The prompt is built: store the message with the reply it asks for (as `streaming`)."""
-        if message.generation != self.generation or self.reply_turn is None:
+        """The prompt is built: the message and its reply join the session (stored by the controller)."""
+        if not self.chat.is_current(message.generation):
             return
-        assert self._question is not None
-        turns = [self._question, self.reply_turn]
-        self.session.turns += turns
-        self.writer.append(self.session, turns)
-        self._stored = True
-        self._last_save = time.monotonic()
+        notice = self.chat.prompt_ready(message.dropped)
         self._trim_turns()
-        if message.dropped:
-            self.notify(
-                f"{message.dropped} earlier message(s) no longer fit the model's context "
-                f"({self.setup.decoder.context} tokens) and were left out of the prompt.",
-                severity="warning",
-            )
+        if notice is not None:
+            self.show(notice)
 
     def on_prompt_failed(self, message: PromptFailed) -> None:
         """The prompt could not be built (too long, a failing or runaway template, Esc): the
         message goes back to the prompt, nothing is stored."""
-        if message.generation != self.generation or self.streaming is None:
+        if not self.chat.is_current(message.generation):
             return
-        self.controls.clear_stop()  # an Esc that cut the template short is spent
-        error = message.error
-        reason = (
-            str(error) if isinstance(error, FsdChatError) else self.unexpected(error, "building the prompt")
-        )
-        self.notify(reason, title="Message not sent", severity="error")
-        self._withdraw()
+        self.show(self.chat.prompt_failed(message.error))
+        self._withdraw(self.chat.withdraw())
 
-    def _withdraw(self) -> None:
+    def _withdraw(self, sent: Sent) -> None:
         """Take back the message whose prompt was never built: off the screen, into the prompt."""
         assert self._sent_widgets is not None
         for widget in self._sent_widgets:
             widget.remove()
-        self.streaming = self.reply_turn = None
-        self.query_one(PromptInput).give_back(self._sent_text)
+        self.streaming = None
+        self.query_one(PromptInput).give_back(sent.question.content)
 
     def on_steps_ready(self, message: StepsReady) -> None:
         """Show the buffered steps: now, or when the pacer allows the next batch."""
-        if message.generation != self.generation or self.streaming is None:
+        if not self.chat.is_current(message.generation):
             return
         wait = self._pacer.wait()
         if message.ended or wait <= 0:
@@ -320,7 +254,7 @@ class ChatScreen(Screen[None]):
 
     def _show_steps(self, ended: bool = False) -> None:
         """Show the buffered steps as one batch in the streaming reply and the stats; finish the
-        reply when it ended, else save it if `SAVE_INTERVAL` has passed."""
+        reply when it ended (the controller saves it meanwhile)."""
         self._batch_timer = None
         if self.streaming is None:
             return
@@ -329,12 +263,8 @@ class ChatScreen(Screen[None]):
         if steps:
             self.streaming.add_steps(steps)
             self.query_one(StatsStrip).add(steps)
-        if ended or (steps and steps[-1].stop_reason is not None):
+        if self.chat.steps_shown(steps, ended):
             self._finish_reply()
-        elif time.monotonic() - self._last_save >= SAVE_INTERVAL:
-            self._last_save = time.monotonic()
-            assert self.reply_turn is not None
-            self.writer.update_reply(self.session.id, self.reply_turn)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """A generation that failed ends its reply with the error; the conversation stays."""
@@ -342,59 +272,43 @@ class ChatScreen(Screen[None]):
             return
         error = event.worker.error
         assert error is not None
-        message = (
-            str(error) if isinstance(error, FsdChatError) else self.unexpected(error, "decoding a reply")
-        )
-        self.notify(message, title="Generation failed", severity="error")
+        notice = self.chat.generation_failed(error)
+        self.show(notice)
         if self.streaming is not None:
-            self._finish_reply(error=message)
-
-    def unexpected(self, error: BaseException, doing: str) -> str:
-        """Log an unexpected error with its traceback; returns the one line to show."""
-        self.setup.tracebacks.append(log_exception(error, doing))
-        return f"{type(error).__name__} while {doing}: {error} (details in {log_path()})"
+            self._finish_reply(error=notice.text)
 
     def _finish_reply(self, error: str | None = None) -> None:
         """End the streaming reply (stopped, unless it has its own reason) and save it; a message
         whose prompt was still building is taken back."""
-        if not self._stored:
-            self._withdraw()
+        finished = self.chat.finish(error)
+        if not finished.stored:
+            self._withdraw(finished.sent)
             return
-        reply, turn = self.streaming, self.reply_turn
-        assert reply is not None and turn is not None
-        self.streaming = self.reply_turn = None
-        if reply.record.stop_reason is None:
-            reply.record.stop_reason = "error" if error is not None else STOPPED
+        reply = self.streaming
+        assert reply is not None
+        self.streaming = None
         reply.finish(error)
         if self.has_class("-markdown"):
             reply.show_markdown()
-        turn.content = reply.record.text
-        self.writer.update_reply(self.session.id, turn)
-        compile_error = self.setup.decoder.compile_error
-        if compile_error and not self._compile_error_shown:
-            self._compile_error_shown = True
-            self.notify(
-                f"running the draft eagerly: {compile_error}", title="--compile failed", severity="warning"
-            )
+        if finished.notice is not None:
+            self.show(finished.notice)
         prompt = self.query_one(PromptInput)
-        if error is not None and not turn.content and not prompt.text:
-            prompt.give_back(self._sent_text)  # nothing came of it: the message can be sent again
+        if finished.retry and not prompt.text:
+            prompt.give_back(finished.sent.question.content)  # nothing came of it: it can be sent again
 
     def on_save_failed(self, message: SaveFailed) -> None:
         """Say once that saving fails; the writer retries on the next save."""
-        self.notify(
-            f"{message.reason}. It is kept and retried on the next save.",
-            title="Session not saved",
-            severity="error",
-        )
+        self.show(save_failed_notice(message.reason))
 
     def on_save_recovered(self, message: SaveRecovered) -> None:
         """Saving works again."""
-        self.notify("Session saved again.", timeout=3)
+        self.show(SAVE_RECOVERED)
 
     # --- the dial ---------------------------------------------------------------------------
 
-    def _update_controls(self, **changes: object) -> None:
+    def _update_controls(self, changes: DialChange) -> None:
+        if not changes:
+            return
         try:
             settings = self.controls.update(**changes)
         except FsdChatError as exc:
@@ -404,39 +318,27 @@ class ChatScreen(Screen[None]):
 
     def action_raise_threshold(self) -> None:
         """T up one step of the dial in use (capped at the dial's top)."""
-        s = self.controls.snapshot()
-        top, step = dial_scale(s)
-        if s.threshold < top:
-            self._update_controls(threshold=round(min(s.threshold + step, top), 6))
+        self._update_controls(raise_threshold(self.controls.snapshot()))
 
     def action_lower_threshold(self) -> None:
         """T down one step (not below 0); from above the dial's top, to the top."""
-        s = self.controls.snapshot()
-        top, step = dial_scale(s)
-        self._update_controls(threshold=round(max(min(s.threshold - step, top), 0.0), 6))
+        self._update_controls(lower_threshold(self.controls.snapshot()))
 
     def action_exact(self) -> None:
         """T = 0: exact speculative decoding."""
-        self._update_controls(threshold=0.0)
+        self._update_controls(EXACT)
 
     def action_cycle_divergence(self) -> None:
         """The next divergence; T stays, capped at the new divergence's dial range."""
-        s = self.controls.snapshot()
-        following = DIVERGENCE_NAMES[(DIVERGENCE_NAMES.index(s.divergence) + 1) % len(DIVERGENCE_NAMES)]
-        top, _ = dial_scale(replace(s, divergence=following))
-        self._update_controls(divergence=following, threshold=min(s.threshold, top))
+        self._update_controls(cycle_divergence(self.controls.snapshot()))
 
     def action_cycle_rule(self) -> None:
         """The next acceptance rule (fuzzy, mixture, pure, exact); T stays, capped at its dial's top."""
-        s = self.controls.snapshot()
-        following = RULE_CYCLE[(RULE_CYCLE.index(s.rule) + 1) % len(RULE_CYCLE)]
-        top, _ = dial_scale(replace(s, rule=following))
-        self._update_controls(rule=following, threshold=min(s.threshold, top))
+        self._update_controls(cycle_rule(self.controls.snapshot()))
 
     def action_stop(self) -> None:
         """Stop the streaming reply after the step in progress; the partial reply is kept."""
-        if self.streaming is not None:
-            self.controls.request_stop()
+        self.chat.stop()
 
     def action_toggle_view(self) -> None:
         """Finished replies: origin colours <-> Markdown."""
@@ -450,19 +352,17 @@ class ChatScreen(Screen[None]):
     def action_new_chat(self) -> None:
         """Stop any reply (kept, as stopped) and start a new session (the old one stays saved)."""
         self.stop_generation()
-        self.generation += 1
-        old = self.session
-        self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
+        notice = self.chat.new_chat()
         self.query_one("#conversation", VerticalScroll).remove_children()
         self._hidden = 0
         self.query_one(StatsStrip).clear()
         self.query_one(PromptInput).focus()
-        self.notify(f"New chat {self.session.id}", timeout=2)
+        self.show(notice)
 
     def stop_generation(self) -> None:
         """End the running generation (if any) now: its reply is kept, marked stopped."""
         if self.streaming is not None:
-            self.controls.request_stop()
+            self.chat.stop()
             self._finish_reply()
         self.app.workers.cancel_group(self, GROUP)
 
@@ -477,37 +377,13 @@ class ChatScreen(Screen[None]):
             Whether everything was saved.
         """
         self.stop_generation()
-        return self.writer.close(timeout)
-
-    def keep_unsaved(self) -> str:
-        """Write the session as a Markdown transcript beside the session store (in the
-        transcripts folder if that fails), for when saving it failed.
-
-        Returns:
-            One line for the user: where the transcript is, or, when it could not be written
-            anywhere, the transcript itself.
-        """
-        text = render_markdown(self.session)
-        folders = (self.setup.store.path.parent, self.setup.transcripts_dir)
-        for folder in folders:
-            path = default_path(folder, self.session)
-            try:
-                written = write_atomic(path.with_name("unsaved-" + path.name), text)
-            except FsdChatError:
-                continue
-            return f"the unsaved session is in {written}"
-        return "the unsaved session could not be written to a file either; here it is:\n" + text
+        return self.chat.close(timeout)
 
     def action_export(self) -> None:
         """Open the export dialog."""
-        path = default_path(self.setup.transcripts_dir, self.session)
-        self.app.push_screen(ExportScreen(path, self.write_transcript))
-
-    def write_transcript(self, path: Path) -> Path:
-        """Write the session's transcript to `path` (atomically); returns the path written."""
-        return write_atomic(path, render_markdown(self.session))
+        self.app.push_screen(ExportScreen(self.chat.export_path(), self.chat.write_transcript))
 
     def action_help(self) -> None:
         """Open the help screen."""
-        sampling = f"{self.setup.sampling.describe()}: {self.setup.sampling_source}"
-        self.app.push_screen(HelpScreen(self.setup.keymap, sampling))
+        sampling = f"{self.chat.sampling.describe()}: {self.chat.sampling_source}"
+        self.app.push_screen(HelpScreen(self.chat.options.keymap, sampling))

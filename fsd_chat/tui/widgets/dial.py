@@ -1,21 +1,23 @@
-"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy · k 5` (Textual has no slider widget), and
-its range and step for each rule and divergence.
+"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy · k 5` (Textual has no slider widget), its
+range and step for each rule and divergence, and the arithmetic of its keys.
 
 It shows the `DecodingSettings` in force; left/right (when focused) and the chat keys move T
-through the chat screen's actions, which update the shared `Controls`.
+through the chat screen's actions, which apply the changes the pure functions here return
+(`raise_threshold`, `lower_threshold`, `cycle_divergence`, `cycle_rule`) to the shared `Controls`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from dataclasses import replace
+from typing import ClassVar, TypedDict
 
 from textual.binding import BindingType
 from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from fsd_chat.decoding.settings import DecodingSettings, DivergenceName
+from fsd_chat.decoding.settings import DIVERGENCE_NAMES, DecodingSettings, DivergenceName, Rule
 from fsd_chat.tui.keys import DIAL_BINDINGS
 
 DIAL_RANGE: dict[DivergenceName, float] = {
@@ -45,6 +47,54 @@ def dial_scale(settings: DecodingSettings) -> tuple[float, float]:
     if settings.rule == "mixture":
         return MIXTURE_RANGE, MIXTURE_STEP
     return DIAL_RANGE[settings.divergence], THRESHOLD_STEP[settings.divergence]
+
+
+RULE_CYCLE: tuple[Rule, ...] = ("fuzzy", "mixture", "pure", "exact")
+"""The order ctrl+g steps through the acceptance rules."""
+
+
+class DialChange(TypedDict, total=False):
+    """Changes to the `DecodingSettings` (keyword arguments of `Controls.update`)."""
+
+    threshold: float
+    divergence: DivergenceName
+    rule: Rule
+
+
+def raise_threshold(settings: DecodingSettings) -> DialChange:
+    """T up one step of the dial in use, capped at the dial's top (no change at or above it).
+    T is rounded to 6 decimals so that repeated steps do not accumulate float noise."""
+    top, step = dial_scale(settings)
+    if settings.threshold >= top:
+        return {}
+    return {"threshold": round(min(settings.threshold + step, top), 6)}
+
+
+def lower_threshold(settings: DecodingSettings) -> DialChange:
+    """T down one step, not below 0; from above the dial's top (a T set on the command line), to
+    the top."""
+    top, step = dial_scale(settings)
+    return {"threshold": round(max(min(settings.threshold - step, top), 0.0), 6)}
+
+
+EXACT: DialChange = {"threshold": 0.0}
+"""T = 0: exact speculative decoding, whatever the rule."""
+
+
+def cycle_divergence(settings: DecodingSettings) -> DialChange:
+    """The next divergence (in `DIVERGENCE_NAMES`' order, wrapping); T stays, capped at the new
+    divergence's dial top."""
+    names = DIVERGENCE_NAMES
+    following = names[(names.index(settings.divergence) + 1) % len(names)]
+    top, _ = dial_scale(replace(settings, divergence=following))
+    return {"divergence": following, "threshold": min(settings.threshold, top)}
+
+
+def cycle_rule(settings: DecodingSettings) -> DialChange:
+    """The next acceptance rule (`RULE_CYCLE`, wrapping); T stays, capped at its dial's top."""
+    following = RULE_CYCLE[(RULE_CYCLE.index(settings.rule) + 1) % len(RULE_CYCLE)]
+    top, _ = dial_scale(replace(settings, rule=following))
+    return {"rule": following, "threshold": min(settings.threshold, top)}
 
 
 BAR_CELLS = 8
