@@ -144,7 +144,7 @@ DRAFT_TOKENS = Option(
     ("--draft-tokens", "-k"),
     int,
     DEFAULT_DRAFT_TOKENS,
-    "Draft length k (fixed), its start (adaptive) or its cap (cost).",
+    "Draft length k (fixed), its start (adaptive) or its cap (latency).",
     DECODING,
 )
 DRAFT_POLICY = Option(
@@ -153,7 +153,7 @@ DRAFT_POLICY = Option(
     str,
     _DEFAULTS.draft_policy,
     "Draft length per step: fixed (k), adaptive (+2 after a full accept, −1 after a "
-    "rejection) or cost (draft while one more token's expected gain beats its measured cost).",
+    "rejection) or latency (draft while one more token's expected gain beats its measured time).",
     DECODING,
     one_of("draft policy", DRAFT_POLICIES),
     DRAFT_POLICIES,

@@ -73,7 +73,7 @@ class Reply:
         self._eos = eos_token_ids
         self._stop_strings = stop_strings
         # The last characters of the reply, enough for a stop string to end in the next delta:
-        # checking a bounded tail keeps the per-token cost constant however long the reply grows.
+        # checking a bounded tail keeps the per-token work constant however long the reply grows.
         self._tail = ""
         self._tail_length = max((len(s) for s in stop_strings), default=1) - 1
         self._controls = controls

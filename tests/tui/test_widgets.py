@@ -352,7 +352,7 @@ async def dial_line(dial: tuple[ThresholdDial, Pilot[None]], settings: DecodingS
     [
         ("fuzzy", "fixed", "T 0.35 ▕████    ▏ js fuzzy · k 5"),
         ("pure", "adaptive", "T 0.35 ▕████    ▏ js pure · k 5 adaptive"),
-        ("exact", "cost", "T 0.35 ▕████    ▏ js exact · k ≤ 5 cost"),
+        ("exact", "latency", "T 0.35 ▕████    ▏ js exact · k ≤ 5 latency"),
     ],
 )
 async def test_the_dial_shows_the_settings_in_force(
@@ -399,7 +399,7 @@ async def test_the_dial_under_the_mixture_rule_and_autoregressive(
             rule="mixture", threshold=0.25, draft_tokens=MAX_DRAFT_TOKENS, draft_policy="adaptive"
         ),
         DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="adaptive"),
-        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="cost"),
+        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="latency"),
     ],
 )
 async def test_the_dial_line_fits_the_dial(
