@@ -132,7 +132,7 @@ def test_cheaper_verification_means_longer_drafts(pair: ModelPair) -> None:
 
 @pytest.mark.parametrize(
     ("policy", "curve"),
-    [("fixed", None), ("adaptive", None), ("latency", BUMPY), ("latency", FLAT), ("latency", None)],
+    [("fixed", None), ("heuristic", None), ("latency", BUMPY), ("latency", FLAT), ("latency", None)],
 )
 def test_greedy_output_is_the_targets_under_every_policy(
     pair: ModelPair, greedy_references: dict[str, list[int]], policy: str, curve: ForwardTimings | None

@@ -53,7 +53,7 @@ def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[
     ("rule", "threshold"), [("exact", 0.0), ("fuzzy", 0.1), ("pure", 0.3), ("mixture", 0.05)]
 )
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
-@pytest.mark.parametrize("policy", ["fixed", "adaptive", "latency"])
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "latency"])
 def test_host_reads_per_step(
     pair: ModelPair,
     host_reads: collections.Counter[str],

@@ -144,7 +144,7 @@ DRAFT_TOKENS = Option(
     ("--draft-tokens", "-k"),
     int,
     DEFAULT_DRAFT_TOKENS,
-    "Draft length k (fixed), its start (adaptive) or its cap (latency).",
+    "Draft length k (fixed), its start (heuristic) or its cap (latency).",
     DECODING,
 )
 DRAFT_POLICY = Option(
@@ -152,7 +152,7 @@ DRAFT_POLICY = Option(
     ("--draft-policy",),
     str,
     _DEFAULTS.draft_policy,
-    "Draft length per step: fixed (k), adaptive (+2 after a full accept, −1 after a "
+    "Draft length per step: fixed (k), heuristic (+2 after a full accept, −1 after a "
     "rejection) or latency (draft while one more token's expected gain beats its measured time).",
     DECODING,
     one_of("draft policy", DRAFT_POLICIES),

@@ -1,4 +1,4 @@
-"""How many tokens each step drafts: `fixed`, `adaptive` and `latency` draft-length policies.
+"""How many tokens each step drafts: `fixed`, `heuristic` and `latency` draft-length policies.
 
 A policy only decides the length of a step's draft block, from the draft's own outputs and past
 verdicts, never from the target's distributions at the step being decided; the acceptance rules
@@ -8,7 +8,7 @@ position joins the block and whether to draft another (`extend`; the first posit
 so k ≥ 1), and after the verdict how many drafted tokens were accepted (`observe`).
 
 - `fixed`: k = settings.draft_tokens.
-- `adaptive`: transformers' "heuristic" schedule (`num_assistant_tokens_schedule`): start at
+- `heuristic`: transformers' "heuristic" schedule (`num_assistant_tokens_schedule`): start at
   settings.draft_tokens, +2 after a fully accepted block (up to MAX_DRAFT_TOKENS), −1 after a
   rejection (down to 1); a k set by the user restarts it.
 - `latency`: the block length that maximises expected tokens per second, with k = settings.draft_tokens
@@ -203,7 +203,7 @@ class FixedPolicy:
         """Nothing to learn."""
 
 
-class AdaptivePolicy(FixedPolicy):
+class HeuristicPolicy(FixedPolicy):
     """transformers' heuristic schedule: +2 after a fully accepted block, −1 after a rejection,
     starting from (and restarted by a change of) settings.draft_tokens."""
 
@@ -298,4 +298,4 @@ def make_policy(name: DraftPolicyName, timings: Callable[[], ForwardTimings]) ->
     """A fresh policy of that name; `timings` is called only by `latency` (measurements may be slow)."""
     if name == "latency":
         return LatencyPolicy(timings())
-    return AdaptivePolicy() if name == "adaptive" else FixedPolicy()
+    return HeuristicPolicy() if name == "heuristic" else FixedPolicy()

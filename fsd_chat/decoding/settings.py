@@ -15,8 +15,8 @@ RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
 
-DraftPolicyName = Literal["fixed", "adaptive", "latency"]
-DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "adaptive", "latency")
+DraftPolicyName = Literal["fixed", "heuristic", "latency"]
+DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "heuristic", "latency")
 
 DEFAULT_DRAFT_TOKENS = 5
 """Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
@@ -63,10 +63,10 @@ class DecodingSettings:
             output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS: the draft length of `fixed`, the
-            starting length of `adaptive`, the longest draft of `latency`.
+            starting length of `heuristic`, the longest draft of `latency`.
         draft_policy: How each step's draft length is chosen (`fsd_chat.decoding.draft_policy`):
-            "fixed" (k), "adaptive" (+2 after a fully accepted block, −1 after a rejection:
-            transformers' heuristic schedule) or "latency" (draft while one more token's expected
+            "fixed" (k), "heuristic" (+2 after a fully accepted block, −1 after a rejection:
+            transformers' "heuristic" schedule) or "latency" (draft while one more token's expected
             gain per measured second beats the block's running rate).
 
     Raises:

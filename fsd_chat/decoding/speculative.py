@@ -13,7 +13,7 @@ Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 
 The settings (rule, divergence, threshold T, draft length k, draft policy) are read from
 `Controls` at the start of every step, so another thread can retune them mid-reply. The draft
-policy (`fsd_chat.decoding.draft_policy`: fixed, adaptive or latency) decides each step's k; a policy
+policy (`fsd_chat.decoding.draft_policy`: fixed, heuristic or latency) decides each step's k; a policy
 chosen mid-reply starts afresh.
 """
 

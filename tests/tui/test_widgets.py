@@ -351,7 +351,7 @@ async def dial_line(dial: tuple[ThresholdDial, Pilot[None]], settings: DecodingS
     ("rule", "policy", "line"),
     [
         ("fuzzy", "fixed", "T 0.35 ▕████    ▏ js fuzzy · k 5"),
-        ("pure", "adaptive", "T 0.35 ▕████    ▏ js pure · k 5 adaptive"),
+        ("pure", "heuristic", "T 0.35 ▕████    ▏ js pure · k 5 heuristic"),
         ("exact", "latency", "T 0.35 ▕████    ▏ js exact · k ≤ 5 latency"),
     ],
 )
@@ -396,9 +396,9 @@ async def test_the_dial_under_the_mixture_rule_and_autoregressive(
     "settings",
     [
         DecodingSettings(
-            rule="mixture", threshold=0.25, draft_tokens=MAX_DRAFT_TOKENS, draft_policy="adaptive"
+            rule="mixture", threshold=0.25, draft_tokens=MAX_DRAFT_TOKENS, draft_policy="heuristic"
         ),
-        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="adaptive"),
+        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="heuristic"),
         DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="latency"),
     ],
 )

@@ -48,7 +48,7 @@ def dial_scale(settings: DecodingSettings) -> tuple[float, float]:
 
 
 BAR_CELLS = 8
-DRAFT_LENGTH = {"fixed": "k {k}", "adaptive": "k {k} adaptive", "latency": "k ≤ {k} latency"}
+DRAFT_LENGTH = {"fixed": "k {k}", "heuristic": "k {k} heuristic", "latency": "k ≤ {k} latency"}
 """How the dial shows the draft length under each draft policy."""
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
