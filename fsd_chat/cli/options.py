@@ -19,6 +19,7 @@ from fsd_chat.decoding.settings import (
     DEFAULT_THRESHOLD,
     DIVERGENCE_NAMES,
     DRAFT_POLICIES,
+    FORMER_DRAFT_POLICIES,
     LOOKUP,
     RULES,
     DecodingSettings,
@@ -155,7 +156,7 @@ DRAFT_POLICY = Option(
     "Draft length per step: fixed (k), heuristic (+2 after a full accept, −1 after a "
     "rejection) or latency (draft while one more token's expected gain beats its measured time).",
     DECODING,
-    one_of("draft policy", DRAFT_POLICIES),
+    one_of("draft policy", DRAFT_POLICIES, FORMER_DRAFT_POLICIES),
     DRAFT_POLICIES,
 )
 COMPILE_DRAFT = Option(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from fsd_chat.support.errors import SettingsError
+from fsd_chat.support.text import renamed_note
 
 Rule = Literal["exact", "fuzzy", "pure", "mixture"]
 RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
@@ -17,6 +18,10 @@ DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
 
 DraftPolicyName = Literal["fixed", "heuristic", "latency"]
 DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "heuristic", "latency")
+FORMER_DRAFT_POLICIES: dict[str, DraftPolicyName] = {"adaptive": "heuristic", "cost": "latency"}
+"""Former names of draft policies -> their names now. A saved session's settings are read with the
+new names (`fsd_chat.conversation.session.settings_from_dict`); a flag or config.toml value with a
+former name is refused in one line that names the new one."""
 
 DEFAULT_DRAFT_TOKENS = 5
 """Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
@@ -92,7 +97,8 @@ class DecodingSettings:
             )
         if self.draft_policy not in DRAFT_POLICIES:
             raise SettingsError(
-                f"unknown draft policy {self.draft_policy!r}; choose one of {', '.join(DRAFT_POLICIES)}"
+                f"unknown draft policy {self.draft_policy!r}"
+                f"{renamed_note(self.draft_policy, FORMER_DRAFT_POLICIES)}; choose one of {', '.join(DRAFT_POLICIES)}"
             )
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
