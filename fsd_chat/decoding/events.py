@@ -79,7 +79,6 @@ class StepStats:
         threshold: Threshold T in force for this step (divergence units).
         divergence: Name of the divergence in force.
         rule: Acceptance rule in force ("exact", "fuzzy", "pure"; "autoregressive" for the baseline).
-        draft_tokens: Draft length k in force.
         prefill_seconds: Wall-clock seconds encoding the prompt (first step only; not in `seconds`).
         cost: Sum of the costs (nats) of the tokens this step decided: the emitted ones, and the
             end-of-sequence token when it ends the reply (its law is part of the reply's).
@@ -99,7 +98,6 @@ class StepStats:
     threshold: float
     divergence: str
     rule: str
-    draft_tokens: int
     prefill_seconds: float = 0.0
     cost: float = 0.0
     lookup_hits: int = 0

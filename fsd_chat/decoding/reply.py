@@ -258,7 +258,6 @@ def target_step(
         threshold=settings.threshold,
         divergence=settings.divergence,
         rule=rule,
-        draft_tokens=0,
         prefill_seconds=prefill_seconds,
     )
     return reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock)

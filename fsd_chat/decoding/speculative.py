@@ -266,7 +266,6 @@ class SpeculativeDecoder:
             threshold=settings.threshold,
             divergence=settings.divergence,
             rule=settings.rule,
-            draft_tokens=k,
             prefill_seconds=prefill_seconds,
             lookup_hits=int(proposal.lookup),
         )

@@ -124,7 +124,6 @@ def stats(
         threshold=threshold,
         divergence="js",
         rule=rule,
-        draft_tokens=4,
         cost=cost,
     )
 
