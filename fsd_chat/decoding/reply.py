@@ -16,7 +16,7 @@ from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.sampling import draw, probabilities, seeded_generator
-from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.support.errors import ContextLengthError, SettingsError
 
@@ -236,7 +236,7 @@ def target_step(
     generator: torch.Generator,
     clock: PhaseClock,
     settings: DecodingSettings,
-    rule: str,
+    rule: StepRule,
     prefill_seconds: float,
 ) -> Step:
     """One target forward pass over the last token, emitting one token of origin `target`: every

@@ -12,6 +12,9 @@ from fsd_chat.support.text import renamed_note
 
 Rule = Literal["exact", "fuzzy", "pure", "mixture"]
 RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
+StepRule = Rule | Literal["autoregressive"]
+"""What decided a step's tokens (`StepStats.rule`): an acceptance rule, or "autoregressive" for a
+step of target-only decoding (`AutoregressiveDecoder`)."""
 
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
