@@ -64,7 +64,8 @@ class DecodingSettings:
     Attributes:
         rule: "exact" (standard SD), "fuzzy" (exact test or D ≤ T; FSD), "pure" (D ≤ T only; the
             paper's released code) or "mixture" (exact SD against (1 − λ)p + λq̄, q̄ = q on p's
-            support, KL ≤ T per token).
+            support, with each position's largest λ such that KL ≤ T: the per-position form of
+            transformers' static ensemble, `assistant_ensemble_weight` w, whose λ = 1 − w is fixed).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
         threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
             nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
