@@ -3,7 +3,7 @@
 Runs the CUDA tests (`pytest -m cuda`: greedy identity, bfloat16 / float16, 8-bit and 4-bit targets,
 losslessness, device_map="auto", host synchronisations) and prints their table, then a quick
 `fsd-chat bench` of the CPU-scale pair on the GPU in bfloat16 with the target unquantized, 8-bit
-and 4-bit (tokens/s, ×AR, ×exact, ×HF assisted, per-forward costs, share outside the forward passes).
+and 4-bit (tokens/s, ×AR, ×exact, ×HF assisted, per-forward times, share outside the forward passes).
 With no CUDA device it says so in one line and exits 0.
 
 The pair is stories260K's CPU-scale copy (built once by the shared builder script into .cache/)

@@ -262,7 +262,7 @@ def test_default_assisted_generation_and_draft_policies_reproduce_greedy_output(
     configs = [
         Configuration(setup, 0.0, "autoregressive"),
         Configuration(setup, 0.0, "hf-assisted-default"),
-        *(Configuration(setup, 0.0, "exact", 4, draft_policy=p) for p in ("fixed", "adaptive", "cost")),
+        *(Configuration(setup, 0.0, "exact", 4, draft_policy=p) for p in ("fixed", "heuristic", "latency")),
     ]
     try:
         runs = {c.label: runner.run(c, ids, max_new_tokens=40, seed=0, stop_strings=()) for c in configs}
@@ -275,12 +275,12 @@ def test_default_assisted_generation_and_draft_policies_reproduce_greedy_output(
         "autoregressive",
         "hf-assisted-default",
         "exact k=4",
-        "exact k=4 adaptive",
-        "exact k=4 cost",
+        "exact k=4 heuristic",
+        "exact k=4 latency",
     ]
-    fixed, adaptive = runs["exact k=4"].stats, runs["exact k=4 adaptive"].stats
-    assert fixed is not None and adaptive is not None
-    assert adaptive.drafted != fixed.drafted
+    fixed, heuristic = runs["exact k=4"].stats, runs["exact k=4 heuristic"].stats
+    assert fixed is not None and heuristic is not None
+    assert heuristic.drafted != fixed.drafted
 
 
 def test_interrupt_keeps_what_was_measured(pair: ModelPair, tmp_path: Path) -> None:

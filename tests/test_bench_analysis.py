@@ -54,7 +54,7 @@ FACTORS = [1.0, 0.5, 2.0, 1.5, 0.8, 1.2, 0.9]
 def _measurement(
     config: Configuration, prompt: int, seconds: float, target_forwards: int, draft_forwards: int
 ) -> Measurement:
-    """10 tokens in `seconds`, with the forward counts given; every target forward costs 10 ms and
+    """10 tokens in `seconds`, with the forward counts given; every target forward takes 10 ms and
     every draft forward 1 ms on the forward-work clock."""
     stats = GenerationStats(
         tokens=10, target_forwards=target_forwards, draft_forwards=draft_forwards, drafted=draft_forwards
@@ -252,15 +252,15 @@ def test_hf_ensemble_curve_starts_from_hf_assisted_and_is_quoted_at_round_costs(
 
 
 def test_a_curve_starts_from_exact_sd_under_its_own_draft_policy() -> None:
-    """mixture under the `cost` policy starts from exact SD under `cost`, not from fixed-k exact SD."""
-    exact_fixed, exact_cost = CURVE_EXACT, Configuration(SETUP, 1.0, "exact", 5, draft_policy="cost")
+    """mixture under the `latency` policy starts from exact SD under `latency`, not from fixed-k exact SD."""
+    exact_fixed, exact_latency = CURVE_EXACT, Configuration(SETUP, 1.0, "exact", 5, draft_policy="latency")
     mixture_fixed = Configuration(SETUP, 1.0, "mixture", 5, None, 0.02)
-    mixture_cost = Configuration(SETUP, 1.0, "mixture", 5, None, 0.02, "cost")
-    costs = {exact_fixed: 0.0, mixture_fixed: 0.02, exact_cost: 0.0, mixture_cost: 0.02}
-    speeds = {exact_fixed: 100.0, mixture_fixed: 120.0, exact_cost: 50.0, mixture_cost: 120.0}
+    mixture_latency = Configuration(SETUP, 1.0, "mixture", 5, None, 0.02, "latency")
+    costs = {exact_fixed: 0.0, mixture_fixed: 0.02, exact_latency: 0.0, mixture_latency: 0.02}
+    speeds = {exact_fixed: 100.0, mixture_fixed: 120.0, exact_latency: 50.0, mixture_latency: 120.0}
     runs = _constructed_runs(lambda c, prompt: speeds[c] * FACTORS[prompt], costs)
     wall = next(v for v in compare_curves(summarize(list(costs), runs), runs) if v.clock == "wall clock")
     (comparison,) = wall.comparisons
-    # At 0.01, halfway from each curve's own anchor: fixed 110, cost 85.
-    assert (comparison.a, comparison.b) == ("mixture k=5", "mixture k=5 cost")
+    # At 0.01, halfway from each curve's own anchor: fixed 110, latency 85.
+    assert (comparison.a, comparison.b) == ("mixture k=5", "mixture k=5 latency")
     assert comparison.at_costs[0].cost == 0.01 and comparison.at_costs[0].ratio == pytest.approx(110 / 85)

@@ -84,7 +84,7 @@ def test_draft_policy_option(target_dir: Path, draft_dir: Path, capsys) -> None:
         "Once upon a time",
     ]
     finals = {}
-    for policy in ("fixed", "cost"):
+    for policy in ("fixed", "latency"):
         code, out, _ = run_cli(["generate", *args, "--draft-policy", policy, "-k", "6"], capsys)
         assert code == 0
         records = [json.loads(line) for line in out.splitlines()]
@@ -93,7 +93,7 @@ def test_draft_policy_option(target_dir: Path, draft_dir: Path, capsys) -> None:
         drafted = {r["stats"]["drafted"] for r in records[:-1]}
         assert max(drafted) <= 6
     # The policy changes only how much is drafted, never the greedy tokens.
-    assert finals["fixed"]["token_ids"] == finals["cost"]["token_ids"]
+    assert finals["fixed"]["token_ids"] == finals["latency"]["token_ids"]
     code, _, err = run_cli(["generate", *args, "--draft-policy", "sometimes"], capsys)
     assert code == 2 and "sometimes" in err
 

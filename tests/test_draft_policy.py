@@ -1,8 +1,8 @@
-"""Draft-length policies: the `cost` rule follows its cost model, and no policy changes what is
+"""Draft-length policies: the `latency` rule follows its time model, and no policy changes what is
 decoded (greedy identity; sampling losslessness while the policy drops and keeps positions).
 
-Timing never enters an assertion: cost curves are injected (synthetic), except where only the
-measured curve's shape is checked.
+Timing never enters an assertion: forward timings are injected (synthetic), except where only the
+measured timings' shape is checked.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
     BINS,
     MEASURED_WIDTHS,
-    CostCurve,
-    CostPolicy,
+    ForwardTimings,
+    LatencyPolicy,
     Next,
-    measure_costs,
+    time_forwards,
 )
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.models import ModelPair
@@ -28,11 +28,11 @@ from tests.test_sampling_lossless import ALPHA, SAMPLING, chi_square_p_value, ex
 PROMPTS = ["Once upon a time", "The little bird was sad because"]
 WIDE = MAX_DRAFT_TOKENS + 1
 
-STEEP = CostCurve(draft=0.01, widths=(1, 2, 3, WIDE), verify=(1.0, 2.0, 10.0, 100.0))
-"""A third verified token costs eight forwards: a second draft token never pays."""
-FLAT = CostCurve(draft=0.001, widths=(1, WIDE), verify=(1.0, 1.0))
+STEEP = ForwardTimings(draft=0.01, widths=(1, 2, 3, WIDE), verify=(1.0, 2.0, 10.0, 100.0))
+"""A third verified token takes eight forwards: a second draft token never pays."""
+FLAT = ForwardTimings(draft=0.001, widths=(1, WIDE), verify=(1.0, 1.0))
 """Verification is free in width and drafting nearly free: draft to the cap."""
-BUMPY = CostCurve(
+BUMPY = ForwardTimings(
     draft=0.02,
     widths=(1, 2, 3, 4, 5, 6, 8, 12, 17, WIDE),
     verify=(1, 1.5, 1.64, 1.37, 1.95, 1.8, 1.59, 2.11, 2.66, 3.95),
@@ -47,11 +47,11 @@ def confident(top: float, vocab: int = 8) -> torch.Tensor:
     return q
 
 
-def decode(pair: ModelPair, policy: str, k: int, curve: CostCurve | None, prompt: str, tokens: int):
+def decode(pair: ModelPair, policy: str, k: int, curve: ForwardTimings | None, prompt: str, tokens: int):
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=k, draft_policy=policy))
     decoder = pair.speculative(controls)
     if curve is not None:
-        decoder.costs = lambda: curve
+        decoder.timings = lambda: curve
     return collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=tokens))
 
 
@@ -69,17 +69,17 @@ def test_settings_reject_an_unknown_policy() -> None:
         DecodingSettings(draft_policy="greedy")  # type: ignore[arg-type]
 
 
-def test_cost_curve_interpolates_between_measured_widths() -> None:
-    curve = CostCurve(draft=0.1, widths=(1, 3, 7), verify=(1.0, 2.0, 4.0))
+def test_forward_timings_interpolate_between_measured_widths() -> None:
+    curve = ForwardTimings(draft=0.1, widths=(1, 3, 7), verify=(1.0, 2.0, 4.0))
     assert [curve.verify_seconds(w) for w in (1, 2, 3, 5, 7)] == [1.0, 1.5, 2.0, 3.0, 4.0]
 
 
-def test_cost_policy_decides_by_its_rule() -> None:
+def test_latency_policy_decides_by_its_rule() -> None:
     """Hand-computed decisions on V(1) = 1, V(2) = 1.2, V(3) = 1.7, c_d = 0.1, λ = 1 (the
     autoregressive pseudo-step), cap 2; bins start at their middles (top 0.75 -> a = 0.75)."""
-    curve = CostCurve(draft=0.1, widths=(1, 2, 3, WIDE), verify=(1.0, 1.2, 1.7, 40.0))
-    settings = DecodingSettings(draft_tokens=2, draft_policy="cost")
-    policy = CostPolicy(curve)
+    curve = ForwardTimings(draft=0.1, widths=(1, 2, 3, WIDE), verify=(1.0, 1.2, 1.7, 40.0))
+    settings = DecodingSettings(draft_tokens=2, draft_policy="latency")
+    policy = LatencyPolicy(curve)
     policy.limit(settings, room=10)
     # Position 1, a = 0.75: a second token gains a² = 0.5625 < λ·(c_d + V(3) − V(2)) = 0.6: stop.
     assert policy.extend(confident(0.75)) is Next.STOP
@@ -93,13 +93,13 @@ def test_cost_policy_decides_by_its_rule() -> None:
     # a = 0.65: G_2 = 0.6175 ≥ 0.5: keep it, and the cap ends the block.
     assert policy.extend(confident(0.65)) is Next.STOP
     # The room left in the reply caps the block like k does.
-    assert policy.limit(DecodingSettings(draft_tokens=8, draft_policy="cost"), room=1) == 1
+    assert policy.limit(DecodingSettings(draft_tokens=8, draft_policy="latency"), room=1) == 1
 
 
-def test_cost_policy_calibrates_acceptance_per_bin() -> None:
-    policy = CostPolicy(FLAT)
+def test_latency_policy_calibrates_acceptance_per_bin() -> None:
+    policy = LatencyPolicy(FLAT)
     assert policy.acceptance(0.97) == pytest.approx(0.95)  # the prior: the bin's middle
-    policy.limit(DecodingSettings(draft_tokens=4, draft_policy="cost"), room=10)
+    policy.limit(DecodingSettings(draft_tokens=4, draft_policy="latency"), room=10)
     for _ in range(3):
         assert policy.extend(confident(0.97)) is Next.DRAFT
     policy.observe(drafted=3, accepted=1)
@@ -110,13 +110,13 @@ def test_cost_policy_calibrates_acceptance_per_bin() -> None:
 
 
 @pytest.mark.parametrize(("curve", "shortest", "longest"), [(STEEP, 1, 1), (FLAT, 7, 8)])
-def test_chosen_length_follows_the_cost_curve(
-    pair: ModelPair, curve: CostCurve, shortest: int, longest: int
+def test_chosen_length_follows_the_forward_timings(
+    pair: ModelPair, curve: ForwardTimings, shortest: int, longest: int
 ) -> None:
     """Steep verify: never more than one draft token. Flat verify and cheap drafts: most steps
     draft to the cap (k = 8). Deterministic: greedy, injected curves."""
     for prompt in PROMPTS:
-        run = decode(pair, "cost", 8, curve, prompt, 120)
+        run = decode(pair, "latency", 8, curve, prompt, 120)
         ks = [s.stats.drafted for s in run.steps if s.stats.drafted]
         assert min(ks) >= 1 and max(ks) <= longest
         assert sorted(ks)[len(ks) // 2] >= shortest  # the median step
@@ -125,49 +125,49 @@ def test_chosen_length_follows_the_cost_curve(
 def test_cheaper_verification_means_longer_drafts(pair: ModelPair) -> None:
     mean_k = {}
     for name, curve in {"steep": STEEP, "bumpy": BUMPY, "flat": FLAT}.items():
-        runs = [decode(pair, "cost", 12, curve, prompt, 120) for prompt in PROMPTS]
+        runs = [decode(pair, "latency", 12, curve, prompt, 120) for prompt in PROMPTS]
         mean_k[name] = sum(r.stats.drafted for r in runs) / sum(r.stats.target_forwards for r in runs)
     assert mean_k["steep"] < mean_k["bumpy"] < mean_k["flat"], mean_k
 
 
 @pytest.mark.parametrize(
     ("policy", "curve"),
-    [("fixed", None), ("adaptive", None), ("cost", BUMPY), ("cost", FLAT), ("cost", None)],
+    [("fixed", None), ("heuristic", None), ("latency", BUMPY), ("latency", FLAT), ("latency", None)],
 )
 def test_greedy_output_is_the_targets_under_every_policy(
-    pair: ModelPair, greedy_references: dict[str, list[int]], policy: str, curve: CostCurve | None
+    pair: ModelPair, greedy_references: dict[str, list[int]], policy: str, curve: ForwardTimings | None
 ) -> None:
     """T = 0, float32: the tokens are target-only greedy decoding's whatever k each step takes
-    (curve None: the pair's measured costs)."""
+    (curve None: the pair's measured timings)."""
     for prompt in PROMPTS:
         run = decode(pair, policy, 6, curve, prompt, 120)
         assert run.ids == greedy_references[prompt]
         assert run.stats.target_forwards < run.stats.tokens
 
 
-def test_measured_costs_cover_every_width(pair: ModelPair) -> None:
-    curve = measure_costs(pair.target, pair.draft, pair.vocab_size)
+def test_measured_timings_cover_every_width(pair: ModelPair) -> None:
+    curve = time_forwards(pair.target, pair.draft, pair.vocab_size)
     assert curve.widths == MEASURED_WIDTHS and curve.widths[-1] >= MAX_DRAFT_TOKENS + 1
     assert curve.draft > 0 and all(v > 0 for v in curve.verify)
-    assert pair.device_costs() is pair.device_costs()  # measured once per pair
+    assert pair.device_timings() is pair.device_timings()  # measured once per pair
 
 
 @pytest.mark.slow
 def test_sampling_stays_lossless_while_the_policy_drops_positions(pair: ModelPair) -> None:
     """The first two tokens follow the target's distribution (chi-square, α = 0.001 each, so a
     false alarm has probability ≤ 0.002; fixed seeds), while the first step's block is cut by the
-    cost rule after its second draft forward in some replies (DROP) and not in others.
+    latency rule after its second draft forward in some replies (DROP) and not in others.
 
     The curve makes it so: the draft's top probability at position 1 of this prompt is 0.72 (bin
     middle 0.75), so a second position is drafted (0.75² > c_d + V(3) − V(2) = 0.51), and it is
     kept iff 0.75·a_2 ≥ V(3) − V(2) = 0.5, i.e. iff its own top probability is ≥ 0.7, which
     depends on the first drawn token (about 81% of replies)."""
-    curve = CostCurve(draft=0.01, widths=(1, 2, 3, WIDE), verify=(1.0, 1.1, 1.6, 40.0))
+    curve = ForwardTimings(draft=0.01, widths=(1, 2, 3, WIDE), verify=(1.0, 1.1, 1.6, 40.0))
     tokenizer, vocab = pair.tokenizer, pair.vocab_size
     prompt_ids = tokenizer("Once upon a time, there was a").input_ids
-    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=2, draft_policy="cost"))
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=2, draft_policy="latency"))
     decoder = pair.speculative(controls)
-    decoder.costs = lambda: curve
+    decoder.timings = lambda: curve
     samples = 8_000
     firsts = torch.zeros(vocab + 1, dtype=torch.long)
     seconds = torch.zeros(vocab + 1, dtype=torch.long)

@@ -62,7 +62,7 @@ def test_text_held_back_is_flushed_when_a_step_starts_with_eos(pair: ModelPair) 
         stop_strings=(),
         controls=controls,
     )
-    stats = StepStats(1, 0, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, "js", "fuzzy", 1)
+    stats = StepStats(1, 0, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, "js", "fuzzy")
     clock = PhaseClock(torch.device("cpu"))
     steps = []
     for token in (partial, eos):

@@ -89,14 +89,14 @@ def test_max_new_tokens_is_exact_mid_block(pair: ModelPair, max_new_tokens: int)
     assert run.steps[-1].stop_reason == "max-new-tokens"
 
 
-def test_adaptive_draft_length(pair: ModelPair, greedy_references) -> None:
+def test_heuristic_draft_length(pair: ModelPair, greedy_references) -> None:
     prompt = pair.tokenizer(PROMPTS[0]).input_ids
     # Every block accepted: k grows by 2 per step (transformers' schedule), up to the room left.
-    accept_all = Controls(DecodingSettings(threshold=ACCEPT_ALL, draft_tokens=2, draft_policy="adaptive"))
+    accept_all = Controls(DecodingSettings(threshold=ACCEPT_ALL, draft_tokens=2, draft_policy="heuristic"))
     run = collect(pair.speculative(accept_all).generate(prompt, max_new_tokens=40))
     assert [s.stats.drafted for s in run.steps][:4] == [2, 4, 6, 8]
     # With the exact rule, adapting k never changes the output.
-    exact = Controls(DecodingSettings(threshold=0.0, draft_tokens=4, draft_policy="adaptive"))
+    exact = Controls(DecodingSettings(threshold=0.0, draft_tokens=4, draft_policy="heuristic"))
     run = collect(pair.speculative(exact).generate(prompt, max_new_tokens=200))
     assert run.ids == greedy_references[PROMPTS[0]]
     assert len({s.stats.drafted for s in run.steps}) > 2

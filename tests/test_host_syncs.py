@@ -8,7 +8,7 @@ test runs anywhere (torch's CUDA sync debug mode needs a GPU). Reads made inside
 (`index_select` instead). Torch's profiler sees those too; it checks `verify`, the step's part that
 decides on the device.
 
-The `cost` draft policy reads the draft's top probability once per draft forward to decide whether
+The `latency` draft policy reads the draft's top probability once per draft forward to decide whether
 to draft on (`fsd_chat.decoding.draft_policy`): one more read per draft forward, and only then.
 """
 
@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import verify
-from fsd_chat.decoding.draft_policy import CostCurve
+from fsd_chat.decoding.draft_policy import ForwardTimings
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.models import ModelPair
 
@@ -53,7 +53,7 @@ def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[
     ("rule", "threshold"), [("exact", 0.0), ("fuzzy", 0.1), ("pure", 0.3), ("mixture", 0.05)]
 )
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
-@pytest.mark.parametrize("policy", ["fixed", "adaptive", "cost"])
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "latency"])
 def test_host_reads_per_step(
     pair: ModelPair,
     host_reads: collections.Counter[str],
@@ -62,10 +62,10 @@ def test_host_reads_per_step(
     sampling: SamplingConfig,
     policy: str,
 ) -> None:
-    """One read per step (the verdict); under `cost`, one more per draft forward."""
+    """One read per step (the verdict); under `latency`, one more per draft forward."""
     settings = DecodingSettings(rule=rule, threshold=threshold, draft_tokens=4, draft_policy=policy)
     decoder = pair.speculative(Controls(settings))
-    decoder.costs = lambda: CostCurve(draft=0.02, widths=(1, 3, 33), verify=(1.0, 1.2, 4.0))
+    decoder.timings = lambda: ForwardTimings(draft=0.02, widths=(1, 3, 33), verify=(1.0, 1.2, 4.0))
     steps = decoder.generate(
         pair.tokenizer("Once upon a time").input_ids, max_new_tokens=64, sampling=sampling
     )
@@ -73,7 +73,7 @@ def test_host_reads_per_step(
     host_reads.clear()
     rest = list(steps)
     assert first.stats.drafted and len(rest) >= 5
-    draft_reads = sum(s.stats.draft_forwards for s in rest) if policy == "cost" else 0
+    draft_reads = sum(s.stats.draft_forwards for s in rest) if policy == "latency" else 0
     assert sum(host_reads.values()) == len(rest) + draft_reads, dict(host_reads)
 
 

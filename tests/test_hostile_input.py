@@ -276,6 +276,19 @@ CASES = [
     Case("chat-config-float64", ["chat", *PAIR], "unknown dtype 'float64'", config='dtype = "float64"\n'),
     Case("chat-config-bad-rule", ["chat", *PAIR], "unknown rule 'lossy'", config='rule = "lossy"\n'),
     Case("chat-config-wrong-type", ["chat", *PAIR], "raw = 'yes' has the wrong type", config='raw = "yes"\n'),
+    # a draft policy's former name, from a flag, config.toml or bench's list, names the new one
+    Case("former-policy", [*GEN, "--draft-policy", "cost", "x"], "policy 'cost' (now called 'latency'); use"),
+    Case(
+        "chat-config-former-policy",
+        ["chat", *PAIR],
+        "config.toml: unknown draft policy 'adaptive' (now called 'heuristic'); use fixed, heuristic, latency",
+        config='draft_policy = "adaptive"\n',
+    ),
+    Case(
+        "bench-former-policy",
+        [*BENCH, "--draft-policies", "fixed,cost"],
+        "--draft-policies: unknown value 'cost' (now called 'latency')",
+    ),
     # 7. bench checks its output before measuring
     Case(
         "bench-report-is-a-folder",

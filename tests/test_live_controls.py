@@ -23,8 +23,8 @@ def test_threshold_changed_from_another_thread_shows_in_the_next_step(pair: Mode
     ui.join()
 
     second = next(steps)
-    assert (first.stats.threshold, first.stats.divergence, first.stats.draft_tokens) == (0.0, "js", 3)
-    assert (second.stats.threshold, second.stats.divergence, second.stats.draft_tokens) == (0.3, "tv", 5)
+    assert (first.stats.threshold, first.stats.divergence, first.stats.drafted) == (0.0, "js", 3)
+    assert (second.stats.threshold, second.stats.divergence, second.stats.drafted) == (0.3, "tv", 5)
     assert all(s.stats.threshold == 0.3 for s in steps)
 
 

@@ -176,7 +176,7 @@ def test_the_first_token_follows_each_rules_law(
     """The first token of a lookup step proposing x, with the real target's p at that context:
     exact follows p (lossless); fuzzy (tv = 1 − a ≤ 0.9) emits x for sure; pure (−log a > 0.5)
     rejects x and draws from p; mixture follows (1 − λ)p + λδ_x. Each verdict is the decoder's
-    `verify` on the step's rows (a whole reply per sample costs 80 ms on this machine; the decoder's
+    `verify` on the step's rows (a whole reply per sample takes 80 ms on this machine; the decoder's
     end-to-end use of the same rows is the greedy test below). Power: exact's samples are tested
     against the mixture's law, the others' (but pure's, which is p) against p."""
     prompt, x, p = lookup_context

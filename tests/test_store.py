@@ -13,6 +13,7 @@ import pytest
 
 from fsd_chat.conversation.session import OriginRun, ReplyRecord, Session, Turn
 from fsd_chat.conversation.store import SCHEMA, NoSessionsError, SessionStore, SessionStoreError
+from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.conversation.writer import SessionWriter
 from fsd_chat.decoding.events import GenerationStats, Origin
 
@@ -159,6 +160,34 @@ def test_streaming_replies_load_as_stopped_and_consecutive_replies_join(tmp_path
     reply = session.turns[1].reply
     assert reply is not None and reply.text == "texttext" and reply.stop_reason == "stopped"
     assert session.turns[1].content == "text 1text 2"
+
+
+@pytest.mark.parametrize(
+    ("stored", "policy", "shown"),
+    [
+        ('"draft_policy": "cost"', "latency", "| fuzzy · js · T 0.100 · k 4 (latency) |"),
+        ('"draft_policy": "adaptive"', "heuristic", "| fuzzy · js · T 0.100 · k 4 (heuristic) |"),
+        ('"adaptive": true', "heuristic", "| fuzzy · js · T 0.100 · k 4 (heuristic) |"),  # before policies
+        ('"adaptive": false', "fixed", "| fuzzy · js · T 0.100 · k 4 |"),
+        ('"draft_policy": "latency"', "latency", "| fuzzy · js · T 0.100 · k 4 (latency) |"),
+    ],
+)
+def test_former_draft_policy_names_read_back_as_todays(
+    tmp_path: Path, stored: str, policy: str, shown: str
+) -> None:
+    """A row saved under a draft policy's former name loads with its name now, which its
+    transcript shows; reading writes nothing back."""
+    path = tmp_path / "s.sqlite3"
+    saved(SessionStore(path), make_session())
+    row = '{"rule": "fuzzy", "divergence": "js", "threshold": 0.1, "draft_tokens": 4, ' + stored + "}"
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE sessions SET settings = ?", (row,))
+    conn.commit()
+    session = SessionStore(path).load("abcd1234")
+    assert session.settings["draft_policy"] == policy and "adaptive" not in session.settings
+    assert f"| Decoding {shown}" in render_markdown(session)
+    assert conn.execute("SELECT settings FROM sessions").fetchall() == [(row,)]
+    conn.close()
 
 
 def test_unrepairable_sessions_and_newer_files_are_refused_in_one_line(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from fsd_chat.tui.stream import BATCH_INTERVAL, LONGEST_INTERVAL, BatchPacer, St
 
 
 def step(n: int) -> Step:
-    return Step((), StepStats(n, 0, 0, 0, 1, n, 0.0, 0.0, 0.0, 0.0, "js", "fuzzy", n))
+    return Step((), StepStats(n, 0, 0, 0, 1, n, 0.0, 0.0, 0.0, 0.0, "js", "fuzzy"))
 
 
 def test_the_buffer_wakes_once_per_batch_and_keeps_the_order() -> None:

@@ -5,7 +5,7 @@ Modules, one job each, by stage:
 
 - What to run and what was measured, torch-free: `records` (setup, configuration, measurement,
   sweep result), `prompts` (prompt sets and answer checks), `sweep` (the configurations to run).
-- Measuring, with the models: `meter` (forward-pass counts and costs), `methods` (one generation
+- Measuring, with the models: `meter` (forward-pass counts and times), `methods` (one generation
   per method), `quality` (target NLL), `runner` (the interleaved sweep), `environment` (versions,
   device, threads).
 - Analysis, torch-free: `metrics` (per-configuration summaries, cost per token, greedy agreement,

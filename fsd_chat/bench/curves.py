@@ -21,7 +21,7 @@ Two curves a and b are compared at matched cost, paired by prompt:
    that quote speed at a given cost ("at 0.02 nats/token").
 
 Every comparison is made on each of `CLOCKS` (`metrics`): wall clock; forward work (forward counts
-× per-forward costs shared by the whole group), which a busy machine cannot disturb; and τ, tokens
+× per-forward times shared by the whole group), which a busy machine cannot disturb; and τ, tokens
 per target forward, which no timing enters at all.
 
 The intervals cover the prompt-to-prompt spread of speed, not the uncertainty of the costs' means,

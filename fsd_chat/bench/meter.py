@@ -1,8 +1,8 @@
-"""Forward-pass counts and costs of a model, measured with torch forward hooks into a `ForwardTally`.
+"""Forward-pass counts and times of a model, measured with torch forward hooks into a `ForwardTally`.
 
 The hooks see every call of the model's top-level module, whoever makes it (fsd-chat's decoders
 or transformers' `generate`), so every method is measured by the same clock. The first call of a
-generation is its prompt prefill; it is counted but kept out of the per-forward cost.
+generation is its prompt prefill; it is counted but kept out of the per-forward time.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-configuration summaries of a sweep: speed, acceptance, forward costs, quality; and the
+"""Per-configuration summaries of a sweep: speed, acceptance, forward times, quality; and the
 trade-off's points and Pareto front that the plot and the terminal draw. Torch-free: it reads
 `records` only.
 
@@ -14,7 +14,7 @@ tokens = generated tokens − target forwards (each step emits its accepted toke
 Speed is measured on two clocks. Wall clock (`tokens_per_second`, `speedup`) is what a user sees,
 but on a machine shared with other processes one run can wait seconds for a core. Forward work
 (`work_speedup`) is immune to that: each run's tokens / (its target forwards × t_target + its draft
-forwards × t_draft), where t_target and t_draft are the median per-forward costs over all runs of
+forwards × t_draft), where t_target and t_draft are the median per-forward times over all runs of
 the same setup, temperature and k (the verify width), so every configuration of that kind is charged
 the same price per forward and only the forward counts differ. It leaves out time outside forward
 passes (1–3% in fsd-chat's decoders), so it cannot see a rule's own arithmetic.
@@ -128,7 +128,7 @@ class Summary:
         draft_forward_seconds: Mean seconds of one draft forward (prefill excluded).
         limit_tokens_per_second: The analytic limit with zero overhead, median over runs of
             tokens / (target forwards × mean target forward seconds + draft forwards × mean draft
-            forward seconds), each run with its own measured costs (comparable to tokens_per_second).
+            forward seconds), each run with its own measured times (comparable to tokens_per_second).
         overhead_share: fsd-chat's other_seconds / decode seconds (acceptance, rollback,
             detokenisation); None for hf-assisted.
         outside_forward_share: Share of wall-clock time outside the models' forward passes
@@ -218,7 +218,7 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def _mean_cost(seconds: Iterable[float], calls: Iterable[int]) -> float | None:
+def _mean_forward_seconds(seconds: Iterable[float], calls: Iterable[int]) -> float | None:
     total_calls = sum(calls)
     return sum(seconds) / total_calls if total_calls else None
 
@@ -306,7 +306,7 @@ class _Counts:
 
 
 def _limit(run: Measurement, counts: _Counts) -> float | None:
-    """Zero-overhead tokens/s of one run: its forward counts × its mean forward costs."""
+    """Zero-overhead tokens/s of one run: its forward counts × its mean forward times."""
     g = run.generation
     seconds = 0.0
     for tally, calls in ((g.target, counts.target), (g.draft, counts.draft)):
@@ -326,11 +326,11 @@ def work_rate(runs: list[Measurement]) -> RunRate:
     per_forward: dict[tuple[object, ...], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for run in runs:
         g, c = run.generation, run.config
-        for tally, costs in zip((g.target, g.draft), per_forward[(*c.group, c.draft_tokens)], strict=True):
+        for tally, times in zip((g.target, g.draft), per_forward[(*c.group, c.draft_tokens)], strict=True):
             if tally.decode_calls:
-                costs.append(tally.decode_seconds / tally.decode_calls)
+                times.append(tally.decode_seconds / tally.decode_calls)
     medians = {
-        key: tuple(statistics.median(costs) if costs else 0.0 for costs in pair)
+        key: tuple(statistics.median(times) if times else 0.0 for times in pair)
         for key, pair in per_forward.items()
     }
 
@@ -473,11 +473,11 @@ def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Sum
         target_forwards = sum(c.target for c in counts)
         draft_forwards = sum(c.draft for c in counts)
         limits = [x for r, c in zip(mine, counts, strict=True) if (x := _limit(r, c)) is not None]
-        t_target = _mean_cost(
+        t_target = _mean_forward_seconds(
             (r.generation.target.decode_seconds for r in mine),
             (r.generation.target.decode_calls for r in mine),
         )
-        t_draft = _mean_cost(
+        t_draft = _mean_forward_seconds(
             (r.generation.draft.decode_seconds for r in mine), (r.generation.draft.decode_calls for r in mine)
         )
         engine = [r.generation.stats for r in mine if r.generation.stats is not None]

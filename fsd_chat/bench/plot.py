@@ -1,6 +1,6 @@
 """tradeoff.png: speed against cost per token, one column per (setup, temperature), one row per clock:
 wall-clock tokens/s (what a user sees), and the paired speed-up over exact SD on the forward-work
-clock (forward counts at shared per-forward costs, which other processes on the machine cannot
+clock (forward counts at shared per-forward times, which other processes on the machine cannot
 disturb; see `metrics`).
 
 In each panel: one curve per lossy rule × divergence (fuzzy, pure) or rule (mixture, transformers'

@@ -113,7 +113,7 @@ class Configuration:
     @property
     def label(self) -> str:
         """Short label of the method part, e.g. "fuzzy js T=0.2 k=4", "mixture T=0.02 k=4" or
-        "exact k=8 cost"."""
+        "exact k=8 latency"."""
         parts: list[str] = [self.method]
         if self.divergence is not None:
             parts.append(self.divergence)
@@ -133,7 +133,7 @@ class Configuration:
     @property
     def curve(self) -> str | None:
         """The trade-off curve this configuration lies on (its rule, divergence and k, through the
-        thresholds, and its draft-length policy), e.g. "fuzzy js k=4", "mixture k=4 cost" or
+        thresholds, and its draft-length policy), e.g. "fuzzy js k=4", "mixture k=4 latency" or
         "hf-ensemble k=4"; None for the lossless baselines."""
         if self.method not in (*FSD_RULES, "hf-ensemble"):
             return None

@@ -15,7 +15,7 @@ draft-length policy asked for.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -23,11 +23,13 @@ from fsd_chat.bench.records import BASELINES, DIVERGENCE_RULES, FSD_RULES, Confi
 from fsd_chat.decoding.settings import (
     DIVERGENCE_NAMES,
     DRAFT_POLICIES,
+    FORMER_DRAFT_POLICIES,
     DecodingSettings,
     SamplingConfig,
 )
 from fsd_chat.models.options import DTYPES, QUANTIZATIONS
 from fsd_chat.support.errors import FsdChatError, SettingsError
+from fsd_chat.support.text import renamed_note
 
 T = TypeVar("T")
 C = TypeVar("C", bound=str)
@@ -56,8 +58,11 @@ def parse_list(text: str, option: str, convert: Callable[[str], T]) -> list[T]:
     return values
 
 
-def parse_choices(text: str, option: str, allowed: tuple[C, ...]) -> list[C]:
-    """Comma-separated names of `option`, each one of `allowed`, de-duplicated in order.
+def parse_choices(
+    text: str, option: str, allowed: tuple[C, ...], renamed: Mapping[str, C] | None = None
+) -> list[C]:
+    """Comma-separated names of `option`, each one of `allowed`, de-duplicated in order (an error
+    names the current name of a former one: `renamed`, former -> current name).
 
     Raises:
         FsdChatError: an empty list, or a name not in `allowed`.
@@ -68,7 +73,8 @@ def parse_choices(text: str, option: str, allowed: tuple[C, ...]) -> list[C]:
         for choice in allowed:
             if choice == item:
                 return choice
-        raise FsdChatError(f"{option}: unknown value {item!r}; choose from {', '.join(allowed)}")
+        note = renamed_note(item, renamed or {})
+        raise FsdChatError(f"{option}: unknown value {item!r}{note}; choose from {', '.join(allowed)}")
 
     return parse_list(text, option, choose)
 
@@ -141,7 +147,7 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     budgets = parse_list(spec.mixture_thresholds, "--mixture-thresholds", _threshold)
     weights = parse_list(spec.ensemble_weights, "--ensemble-weights", _ensemble_weight)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
-    policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES)
+    policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES, FORMER_DRAFT_POLICIES)
     temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
     truncations = list(
         itertools.product(

@@ -14,7 +14,7 @@ import typer
 
 from fsd_chat.support.config import ConfigError, UserConfig
 from fsd_chat.support.errors import FsdChatError, SettingsError
-from fsd_chat.support.text import some
+from fsd_chat.support.text import renamed_note, some
 
 T = TypeVar("T")
 
@@ -138,8 +138,9 @@ def takes(*options: Option[Any]) -> Callable[[F], F]:
     return add
 
 
-def one_of(kind: str, choices: tuple[S, ...]) -> Callable[[str], S]:
-    """The check of an option whose value is one of `choices`; its error names the `kind` of value.
+def one_of(kind: str, choices: tuple[S, ...], renamed: Mapping[str, S] | None = None) -> Callable[[str], S]:
+    """The check of an option whose value is one of `choices`; its error names the `kind` of value,
+    and the current name of a former one (`renamed`: former -> current name).
 
     The returned check raises SettingsError for any other value.
     """
@@ -148,7 +149,8 @@ def one_of(kind: str, choices: tuple[S, ...]) -> Callable[[str], S]:
         for choice in choices:
             if value == choice:
                 return choice
-        raise SettingsError(f"unknown {kind} {value!r}; use {', '.join(choices)}")
+        note = renamed_note(value, renamed or {})
+        raise SettingsError(f"unknown {kind} {value!r}{note}; use {', '.join(choices)}")
 
     return check
 

@@ -19,6 +19,7 @@ from fsd_chat.decoding.settings import (
     DEFAULT_THRESHOLD,
     DIVERGENCE_NAMES,
     DRAFT_POLICIES,
+    FORMER_DRAFT_POLICIES,
     LOOKUP,
     RULES,
     DecodingSettings,
@@ -144,7 +145,7 @@ DRAFT_TOKENS = Option(
     ("--draft-tokens", "-k"),
     int,
     DEFAULT_DRAFT_TOKENS,
-    "Draft length k (fixed), its start (adaptive) or its cap (cost).",
+    "Draft length k (fixed), its start (heuristic) or its cap (latency).",
     DECODING,
 )
 DRAFT_POLICY = Option(
@@ -152,10 +153,10 @@ DRAFT_POLICY = Option(
     ("--draft-policy",),
     str,
     _DEFAULTS.draft_policy,
-    "Draft length per step: fixed (k), adaptive (+2 after a full accept, −1 after a "
-    "rejection) or cost (draft while one more token's expected gain beats its measured cost).",
+    "Draft length per step: fixed (k), heuristic (+2 after a full accept, −1 after a "
+    "rejection) or latency (draft while one more token's expected gain beats its measured time).",
     DECODING,
-    one_of("draft policy", DRAFT_POLICIES),
+    one_of("draft policy", DRAFT_POLICIES, FORMER_DRAFT_POLICIES),
     DRAFT_POLICIES,
 )
 COMPILE_DRAFT = Option(

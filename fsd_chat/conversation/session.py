@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from fsd_chat.decoding.events import GenerationStats, Origin, Step
+from fsd_chat.decoding.settings import FORMER_DRAFT_POLICIES
 from fsd_chat.models.chat_template import Message, Role
 from fsd_chat.support.errors import FsdChatError
 
@@ -288,12 +289,20 @@ def models_from_dict(data: object) -> dict[str, str]:
 
 def settings_from_dict(data: object) -> dict[str, Any]:
     """A session's `settings` as stored (each of its type; any may be missing, which a transcript
-    shows as "?": files of early versions have none).
+    shows as "?": files of early versions have none), with today's name of its draft policy: the
+    former names of `FORMER_DRAFT_POLICIES`, and the `adaptive` flag that sessions saved before
+    draft policies have instead (true: "heuristic", false: "fixed").
 
     Raises:
         MalformedSessionError: see `checked_fields`.
     """
-    return checked_fields("settings", data, SETTING_FIELDS, ())
+    settings = checked_fields("settings", data, SETTING_FIELDS, ())
+    policy = settings.get("draft_policy")
+    if policy is None and "adaptive" in settings:
+        policy = "heuristic" if settings.pop("adaptive") else "fixed"
+    if policy is not None:
+        settings["draft_policy"] = FORMER_DRAFT_POLICIES.get(policy, policy)
+    return settings
 
 
 def reply_from_dict(data: object) -> ReplyRecord:

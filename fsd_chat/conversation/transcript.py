@@ -63,8 +63,7 @@ def decoding_summary(settings: dict[str, Any]) -> str:
         settings.get("divergence", "?"),
         "T ?" if threshold is None else f"T {threshold:.3f}",
     ]
-    # Sessions saved before draft policies had an `adaptive` flag instead.
-    policy = settings.get("draft_policy", "adaptive" if settings.get("adaptive") else "fixed")
+    policy = settings.get("draft_policy", "fixed")
     parts.append(f"k {settings.get('draft_tokens', '?')}" + ("" if policy == "fixed" else f" ({policy})"))
     return " · ".join(parts)
 

@@ -13,7 +13,10 @@ Rules (Holsman, Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025,
 - `mixture`: exact speculative sampling against r_i = (1 − λ_i)·p_i + λ_i·q̄_i, q̄_i = q_i
   restricted to p_i's support and renormalised, with the largest λ_i ∈ [0, 1] such that
   KL(r_i ‖ p_i) ≤ T (see `mixture_weight`). Greedy: accept iff the log-probability regret
-  log p_i(argmax p_i) − log p_i(x̃_i) ≤ T. Every token's cost is ≤ T.
+  log p_i(argmax p_i) − log p_i(x̃_i) ≤ T. Every token's cost is ≤ T. It is the per-position form
+  of transformers' static ensemble (`assistant_ensemble_weight` w, transformers ≥ 5.23), which
+  verifies against (1 − λ)p + λq with one fixed λ = 1 − w at every position, whatever that costs
+  there; `mixture` picks each position's λ_i, the largest within the budget T.
 
 At T = 0 every rule is `exact` (lossless), `pure` included.
 

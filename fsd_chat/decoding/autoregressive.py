@@ -6,6 +6,7 @@ One target forward pass per token over the KV cache (no re-encoding of the conte
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import ClassVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -14,7 +15,7 @@ from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import CachedModel, context_length
 from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import begin, eos_token_ids, target_step
-from fsd_chat.decoding.settings import SamplingConfig
+from fsd_chat.decoding.settings import SamplingConfig, StepRule
 
 
 class AutoregressiveDecoder:
@@ -30,7 +31,7 @@ class AutoregressiveDecoder:
         reuse_prefix: Keep the KV cache between replies (see `SpeculativeDecoder`).
     """
 
-    rule = "autoregressive"
+    rule: ClassVar[StepRule] = "autoregressive"
 
     def __init__(
         self,

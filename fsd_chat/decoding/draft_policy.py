@@ -1,4 +1,4 @@
-"""How many tokens each step drafts: `fixed`, `adaptive` and `cost` draft-length policies.
+"""How many tokens each step drafts: `fixed`, `heuristic` and `latency` draft-length policies.
 
 A policy only decides the length of a step's draft block, from the draft's own outputs and past
 verdicts, never from the target's distributions at the step being decided; the acceptance rules
@@ -8,15 +8,15 @@ position joins the block and whether to draft another (`extend`; the first posit
 so k ≥ 1), and after the verdict how many drafted tokens were accepted (`observe`).
 
 - `fixed`: k = settings.draft_tokens.
-- `adaptive`: transformers' "heuristic" schedule (`num_assistant_tokens_schedule`): start at
+- `heuristic`: transformers' "heuristic" schedule (`num_assistant_tokens_schedule`): start at
   settings.draft_tokens, +2 after a fully accepted block (up to MAX_DRAFT_TOKENS), −1 after a
   rejection (down to 1); a k set by the user restarts it.
-- `cost`: the block length that maximises expected tokens per second, with k = settings.draft_tokens
+- `latency`: the block length that maximises expected tokens per second, with k = settings.draft_tokens
   as the cap:
 
   Let a_i be the estimated probability that draft token i is accepted given tokens 1..i−1 were,
   G_i = a_1···a_i, and E_m = 1 + G_1 + … + G_m the expected tokens a block of m draft tokens emits
-  (the target adds one after the accepted prefix). It costs T_m = m·c_d + V(m + 1) seconds (c_d: one
+  (the target adds one after the accepted prefix). It takes T_m = m·c_d + V(m + 1) seconds (c_d: one
   draft position; V(w): a target forward over w tokens). λ is the reply's running rate: tokens
   emitted by its speculative steps / their modelled seconds, starting from one pseudo-step of
   autoregressive decoding (1 token in V(1)). Long-run tokens per second E[tokens]/E[seconds] is at
@@ -41,15 +41,15 @@ so k ≥ 1), and after the verdict how many drafted tokens were accepted (`obser
 
   The decision is taken before x̃_{j+1} is drawn and depends on q_{j+1} alone (not on the sampled
   token's probability q_{j+1}(x̃_{j+1})), so a kept position's token is still a draw from q_{j+1}
-  and the exact test keeps sampling lossless. Reading c costs one host synchronisation per draft
-  forward under `cost` (the other policies read nothing: one per step, the verdict's).
+  and the exact test keeps sampling lossless. Reading c takes one host synchronisation per draft
+  forward under `latency` (the other policies read nothing: one per step, the verdict's).
 
-  c_d and V(w) are measured once per loaded pair on its device (`measure_costs`; `ModelPair` keeps
-  the curve, a decoder given none measures its own models once) and can be injected (tests pass a
-  synthetic `CostCurve`). Sampling, verification and rollback are left out of the costs.
+  c_d and V(w) are measured once per loaded pair on its device (`time_forwards`; `ModelPair` keeps
+  the timings, a decoder given none measures its own models once) and can be injected (tests pass
+  synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
 
 Sources: SpecDec++ (Huang, Guo, Wang 2024, arXiv 2405.19715: stop drafting when a predicted
-acceptance probability says a rejection is likely; here the threshold comes from measured costs);
+acceptance probability says a rejection is likely; here the threshold comes from measured forward times);
 DISCO (Mamou et al. 2024, arXiv 2405.04304: a dynamic draft length from the draft's confidence);
 transformers' `assistant_confidence_threshold` (stop when the draft token's probability is below a
 constant, 0.4 by default) and `num_assistant_tokens_schedule="heuristic"` (the +2/−1 schedule);
@@ -80,18 +80,18 @@ PRIOR_STRENGTH = 2.0
 outweighs it after a couple of observations."""
 
 MEASURED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, MAX_DRAFT_TOKENS + 1)
-"""Verify widths `measure_costs` times (tokens); other widths are linearly interpolated."""
+"""Verify widths (tokens) `time_forwards` times; other widths are linearly interpolated."""
 
 MEASURE_CONTEXT = 64
 """Tokens of context the timed forwards attend to."""
 
 MEASURE_REPEATS = 3
-"""Timed passes over the widths (after one untimed pass); each cost is their minimum (timing noise only adds)."""
+"""Timed passes over the widths (after one untimed pass); each time is their minimum (timing noise only adds)."""
 
 
 @dataclass(frozen=True, slots=True)
-class CostCurve:
-    """What drafting and verifying cost on a device.
+class ForwardTimings:
+    """How long drafting and verifying take on a device.
 
     Attributes:
         draft: Seconds of one draft position (a 1-token draft forward and its softmax).
@@ -113,12 +113,12 @@ class CostCurve:
         return v0 + (v1 - v0) * (width - w0) / (w1 - w0)
 
 
-def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_size: int) -> CostCurve:
+def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_size: int) -> ForwardTimings:
     """Time the draft's 1-token forward and the target's forward at `MEASURED_WIDTHS` on their
     devices, over a `MEASURE_CONTEXT`-token context, with caches of their own (a decoder's caches
     are not touched). Takes (1 + MEASURE_REPEATS) × (len(MEASURED_WIDTHS) + 1) forward passes,
-    all eager (a compiled draft's forward is cheaper than measured: `cost` then drafts less than
-    it could). Without a draft model (prompt lookup) a draft position costs 0 seconds."""
+    all eager (a compiled draft's forward is faster than measured: `latency` then drafts less than
+    it could). Without a draft model (prompt lookup) a draft position takes 0 seconds."""
     t_model = CachedModel(target, vocab_size)
     d_model = CachedModel(draft, vocab_size) if draft is not None else None
     longest = MEASURE_CONTEXT + MEASURED_WIDTHS[-1]
@@ -151,7 +151,7 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
             for sample, seconds in zip(samples, times, strict=True):
                 sample.append(seconds)
     fastest = [min(s) for s in samples]
-    return CostCurve(draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]))
+    return ForwardTimings(draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]))
 
 
 def _bin(confidence: float) -> int:
@@ -203,7 +203,7 @@ class FixedPolicy:
         """Nothing to learn."""
 
 
-class AdaptivePolicy(FixedPolicy):
+class HeuristicPolicy(FixedPolicy):
     """transformers' heuristic schedule: +2 after a fully accepted block, −1 after a rejection,
     starting from (and restarted by a change of) settings.draft_tokens."""
 
@@ -222,17 +222,17 @@ class AdaptivePolicy(FixedPolicy):
         self._k = min(drafted + 2, MAX_DRAFT_TOKENS) if accepted == drafted else max(drafted - 1, 1)
 
 
-class CostPolicy:
+class LatencyPolicy:
     """The block length that maximises E_m − λ·T_m, decided position by position (module docstring).
 
     Args:
-        costs: The device's draft and verify costs.
+        timings: The device's draft and verify forward times.
     """
 
-    def __init__(self, costs: CostCurve) -> None:
-        self._draft = costs.draft
+    def __init__(self, timings: ForwardTimings) -> None:
+        self._draft = timings.draft
         # V(w) for w = 0..MAX_DRAFT_TOKENS + 1 (w = 0 unused).
-        self._verify = [costs.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+        self._verify = [timings.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
         self._accepted = [PRIOR_STRENGTH * (b + 0.5) / BINS for b in range(BINS)]
         self._observed = [PRIOR_STRENGTH] * BINS
         self._tokens, self._seconds = 1.0, self._verify[1]  # λ's pseudo-step: autoregressive
@@ -294,8 +294,8 @@ class CostPolicy:
         self._seconds += self._forwards * self._draft + self._verify[drafted + 1]
 
 
-def make_policy(name: DraftPolicyName, costs: Callable[[], CostCurve]) -> DraftPolicy:
-    """A fresh policy of that name; `costs` is called only by `cost` (measurements may be slow)."""
-    if name == "cost":
-        return CostPolicy(costs())
-    return AdaptivePolicy() if name == "adaptive" else FixedPolicy()
+def make_policy(name: DraftPolicyName, timings: Callable[[], ForwardTimings]) -> DraftPolicy:
+    """A fresh policy of that name; `timings` is called only by `latency` (measurements may be slow)."""
+    if name == "latency":
+        return LatencyPolicy(timings())
+    return HeuristicPolicy() if name == "heuristic" else FixedPolicy()

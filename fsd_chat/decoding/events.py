@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from fsd_chat.decoding.settings import StepRule
+
 
 class Origin(StrEnum):
     """How a token was produced."""
@@ -78,8 +80,8 @@ class StepStats:
         other_seconds: Wall-clock seconds in everything else (acceptance, cache rollback, detokenisation).
         threshold: Threshold T in force for this step (divergence units).
         divergence: Name of the divergence in force.
-        rule: Acceptance rule in force ("exact", "fuzzy", "pure"; "autoregressive" for the baseline).
-        draft_tokens: Draft length k in force.
+        rule: Acceptance rule in force (a `Rule`), or "autoregressive" for a step of
+            `AutoregressiveDecoder` (a speculative step that drafted nothing keeps its rule).
         prefill_seconds: Wall-clock seconds encoding the prompt (first step only; not in `seconds`).
         cost: Sum of the costs (nats) of the tokens this step decided: the emitted ones, and the
             end-of-sequence token when it ends the reply (its law is part of the reply's).
@@ -98,8 +100,7 @@ class StepStats:
     other_seconds: float
     threshold: float
     divergence: str
-    rule: str
-    draft_tokens: int
+    rule: StepRule
     prefill_seconds: float = 0.0
     cost: float = 0.0
     lookup_hits: int = 0

@@ -165,7 +165,7 @@ class CachedModel:
 class CompiledModel(CachedModel):
     """A model whose one-token forward passes are compiled (`torch.compile`) over a static KV cache.
 
-    A draft model's forward pass over one token costs mostly framework overhead on a CPU and kernel
+    A draft model's forward pass over one token is mostly framework overhead on a CPU and kernel
     launches on a GPU; compiling it (on CUDA with CUDA graphs, mode "reduce-overhead") removes most
     of both. The static cache (transformers' `StaticCache`) keeps tensor shapes and addresses fixed:
     rolling back only moves each layer's write position, and the slots beyond it are masked out

@@ -16,7 +16,7 @@ from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.sampling import draw, probabilities, seeded_generator
-from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.support.errors import ContextLengthError, SettingsError
 
@@ -73,7 +73,7 @@ class Reply:
         self._eos = eos_token_ids
         self._stop_strings = stop_strings
         # The last characters of the reply, enough for a stop string to end in the next delta:
-        # checking a bounded tail keeps the per-token cost constant however long the reply grows.
+        # checking a bounded tail keeps the per-token work constant however long the reply grows.
         self._tail = ""
         self._tail_length = max((len(s) for s in stop_strings), default=1) - 1
         self._controls = controls
@@ -236,7 +236,7 @@ def target_step(
     generator: torch.Generator,
     clock: PhaseClock,
     settings: DecodingSettings,
-    rule: str,
+    rule: StepRule,
     prefill_seconds: float,
 ) -> Step:
     """One target forward pass over the last token, emitting one token of origin `target`: every
@@ -258,7 +258,6 @@ def target_step(
         threshold=settings.threshold,
         divergence=settings.divergence,
         rule=rule,
-        draft_tokens=0,
         prefill_seconds=prefill_seconds,
     )
     return reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock)

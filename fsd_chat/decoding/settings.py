@@ -8,15 +8,23 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from fsd_chat.support.errors import SettingsError
+from fsd_chat.support.text import renamed_note
 
 Rule = Literal["exact", "fuzzy", "pure", "mixture"]
 RULES: tuple[Rule, ...] = ("exact", "fuzzy", "pure", "mixture")
+StepRule = Rule | Literal["autoregressive"]
+"""What decided a step's tokens (`StepStats.rule`): an acceptance rule, or "autoregressive" for a
+step of target-only decoding (`AutoregressiveDecoder`)."""
 
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
 
-DraftPolicyName = Literal["fixed", "adaptive", "cost"]
-DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "adaptive", "cost")
+DraftPolicyName = Literal["fixed", "heuristic", "latency"]
+DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "heuristic", "latency")
+FORMER_DRAFT_POLICIES: dict[str, DraftPolicyName] = {"adaptive": "heuristic", "cost": "latency"}
+"""Former names of draft policies -> their names now. A saved session's settings are read with the
+new names (`fsd_chat.conversation.session.settings_from_dict`); a flag or config.toml value with a
+former name is refused in one line that names the new one."""
 
 DEFAULT_DRAFT_TOKENS = 5
 """Default draft length k: the best median tokens/s of exact SD over k = 2..6 on the CPU-scale
@@ -56,18 +64,19 @@ class DecodingSettings:
     Attributes:
         rule: "exact" (standard SD), "fuzzy" (exact test or D ≤ T; FSD), "pure" (D ≤ T only; the
             paper's released code) or "mixture" (exact SD against (1 − λ)p + λq̄, q̄ = q on p's
-            support, KL ≤ T per token).
+            support, with each position's largest λ such that KL ≤ T: the per-position form of
+            transformers' static ensemble, `assistant_ensemble_weight` w, whose λ = 1 − w is fixed).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
         threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
             nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
             output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS: the draft length of `fixed`, the
-            starting length of `adaptive`, the longest draft of `cost`.
+            starting length of `heuristic`, the longest draft of `latency`.
         draft_policy: How each step's draft length is chosen (`fsd_chat.decoding.draft_policy`):
-            "fixed" (k), "adaptive" (+2 after a fully accepted block, −1 after a rejection:
-            transformers' heuristic schedule) or "cost" (draft while one more token's expected
-            gain per second of its measured cost beats the block's running rate).
+            "fixed" (k), "heuristic" (+2 after a fully accepted block, −1 after a rejection:
+            transformers' "heuristic" schedule) or "latency" (draft while one more token's expected
+            gain per measured second beats the block's running rate).
 
     Raises:
         SettingsError: on any value out of range.
@@ -92,7 +101,8 @@ class DecodingSettings:
             )
         if self.draft_policy not in DRAFT_POLICIES:
             raise SettingsError(
-                f"unknown draft policy {self.draft_policy!r}; choose one of {', '.join(DRAFT_POLICIES)}"
+                f"unknown draft policy {self.draft_policy!r}"
+                f"{renamed_note(self.draft_policy, FORMER_DRAFT_POLICIES)}; choose one of {', '.join(DRAFT_POLICIES)}"
             )
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")

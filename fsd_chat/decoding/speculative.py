@@ -13,7 +13,7 @@ Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 
 The settings (rule, divergence, threshold T, draft length k, draft policy) are read from
 `Controls` at the start of every step, so another thread can retune them mid-reply. The draft
-policy (`fsd_chat.decoding.draft_policy`: fixed, adaptive or cost) decides each step's k; a policy
+policy (`fsd_chat.decoding.draft_policy`: fixed, heuristic or latency) decides each step's k; a policy
 chosen mid-reply starts afresh.
 """
 
@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import CostCurve, DraftPolicy, make_policy, measure_costs
+from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, time_forwards
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
@@ -64,9 +64,9 @@ class SpeculativeDecoder:
             draft model.
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
             share with the last sequence (see `begin`); a mapped draft's cache starts anew.
-        costs: The device's draft and verify costs, asked for when the `cost` policy is first
-            used (default: measured on these models then, once, a proposer without a draft model
-            costing nothing per position; `ModelPair` keeps its own).
+        timings: The device's draft and verify forward times, asked for when the `latency` policy
+            is first used (default: measured on these models then, once, a proposer without a draft
+            model taking no time per position; `ModelPair` keeps its own).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
 
@@ -86,7 +86,7 @@ class SpeculativeDecoder:
         time_phases: bool = False,
         compile_draft: bool = False,
         reuse_prefix: bool = True,
-        costs: Callable[[], CostCurve] | None = None,
+        timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
@@ -123,7 +123,7 @@ class SpeculativeDecoder:
             )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
         common = min(vocab_size, draft_vocab)
-        self.costs = costs or cache(lambda: measure_costs(target, draft_model, common))
+        self.timings = timings or cache(lambda: time_forwards(target, draft_model, common))
 
     @property
     def compile_error(self) -> str | None:
@@ -161,7 +161,7 @@ class SpeculativeDecoder:
         """
         sampling = sampling or SamplingConfig()
         policy_name = self.controls.snapshot().draft_policy
-        policy = make_policy(policy_name, self.costs)  # before the clock starts: it may measure
+        policy = make_policy(policy_name, self.timings)  # before the clock starts: it may measure
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -182,8 +182,8 @@ class SpeculativeDecoder:
         while True:
             settings = self.controls.snapshot()
             if settings.draft_policy != policy_name:
-                policy, policy_name = make_policy(settings.draft_policy, self.costs), settings.draft_policy
-                clock.lap()  # a first measurement of the costs is no step's time
+                policy, policy_name = make_policy(settings.draft_policy, self.timings), settings.draft_policy
+                clock.lap()  # a first measurement of the forward times is no step's time
             k = policy.limit(settings, reply.room())
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
@@ -266,7 +266,6 @@ class SpeculativeDecoder:
             threshold=settings.threshold,
             divergence=settings.divergence,
             rule=settings.rule,
-            draft_tokens=k,
             prefill_seconds=prefill_seconds,
             lookup_hits=int(proposal.lookup),
         )

@@ -12,7 +12,7 @@ class PhaseClock:
 
     With `synchronize` (the default) it waits for the device first on CUDA, so that a phase is
     charged for its kernels and not for the ones queued before it: exact phase times for a
-    benchmark, at the price of stalling the pipeline at every mark. Without it a mark costs nothing
+    benchmark, at the price of stalling the pipeline at every mark. Without it a mark takes no time
     on the device; the laps then add up to the right wall-clock time only at points where the host
     already waited (a decoding step's end), and kernel time shows in the lap where that wait falls.
     """

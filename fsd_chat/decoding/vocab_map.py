@@ -218,7 +218,7 @@ class VocabularyMap:
     def translate(self, target_ids: list[int]) -> list[int]:
         """The draft's ids for a run of target tokens: each token's partner, else the draft's
         tokenisation of the bytes it stands for (nothing for an unpaired special token).
-        Cached per target id, so a reply's tokens cost a dictionary look-up each."""
+        Cached per target id, so a reply's tokens take a dictionary look-up each."""
         out: list[int] = []
         for token_id in target_ids:
             found = self._translations.get(token_id)

@@ -14,7 +14,7 @@ from transformers import (
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import CostCurve, measure_costs
+from fsd_chat.decoding.draft_policy import ForwardTimings, time_forwards
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
@@ -36,7 +36,7 @@ class ModelPair:
             vocabulary, the draft's too.
         device: The device inputs go to (the draft's; the target's first shard).
         dtype: Compute dtype of the unquantized weights.
-        costs: The draft and verify forward costs on this device (`device_costs`), once measured.
+        timings: The draft and verify forward times on this device (`device_timings`), once measured.
         vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
         coverage: With a vocab_map, the share of the target's probability mass its paired tokens
             hold (`fsd_chat.decoding.vocab_map.coverage`).
@@ -51,7 +51,7 @@ class ModelPair:
     draft_spec: ModelSpec
     device: torch.device
     dtype: torch.dtype
-    costs: CostCurve | None = None
+    timings: ForwardTimings | None = None
     vocab_map: VocabularyMap | None = None
     coverage: float | None = None
     draft_tokenizer: PreTrainedTokenizerBase | None = None
@@ -125,17 +125,17 @@ class ModelPair:
             vocab_size=self.vocab_size,
             time_phases=time_phases,
             compile_draft=compile_draft,
-            costs=self.device_costs,
+            timings=self.device_timings,
             vocab_map=self.vocab_map,
         )
 
-    def device_costs(self) -> CostCurve:
-        """The pair's draft and verify forward costs on its device: measured on the first call
-        (by the `cost` draft policy), then kept for every decoder of the pair."""
-        if self.costs is None:
+    def device_timings(self) -> ForwardTimings:
+        """The pair's draft and verify forward times on its device: measured on the first call
+        (by the `latency` draft policy), then kept for every decoder of the pair."""
+        if self.timings is None:
             draft_vocab = self.vocab_size if self.vocab_map is None else self.vocab_map.draft_vocab
-            self.costs = measure_costs(self.target, self.draft, min(self.vocab_size, draft_vocab))
-        return self.costs
+            self.timings = time_forwards(self.target, self.draft, min(self.vocab_size, draft_vocab))
+        return self.timings
 
     def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target."""

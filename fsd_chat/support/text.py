@@ -18,6 +18,7 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 from fsd_chat.support.errors import FsdChatError
@@ -117,6 +118,12 @@ def some(items: list[str], shown: int = 3) -> str:
     (100,000 unknown settings, 10,000 matching sessions) in one line of sane length."""
     more = f", … {len(items) - shown:,} more" if len(items) > shown else ""
     return ", ".join(items[:shown]) + more
+
+
+def renamed_note(value: str, renamed: Mapping[str, str]) -> str:
+    """ " (now called 'new')" when `value` is a former name in `renamed` (former -> current name), else
+    "": what a refusal of a retired spelling adds, so that the user's one line names its successor."""
+    return f" (now called {renamed[value]!r})" if value in renamed else ""
 
 
 def one_line(text: str) -> str:

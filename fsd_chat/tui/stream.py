@@ -3,7 +3,7 @@
 Posting every step makes the UI thread wake, re-render and re-wrap at the decoder's pace, and the
 two threads then contend for the interpreter. Instead the worker adds steps to a `StepBuffer` and
 wakes the UI only when the buffer was empty; the UI takes everything buffered when its
-`BatchPacer` allows: about 30 times a second at most, less when drawing the screen is costly. A
+`BatchPacer` allows: about 30 times a second at most, less when drawing the screen is slow. A
 step is never held longer than that interval, however slow the next step is.
 """
 
@@ -44,7 +44,7 @@ UI_SHARE = 0.03
 interpreter lock that the decoding thread needs between forward passes, so every millisecond the
 UI spends is taken from decoding (small models, whose steps are mostly Python, feel it most)."""
 LONGEST_INTERVAL = 0.5
-"""Seconds between two batches at most, however costly the screen is to draw."""
+"""Seconds between two batches at most, however slow the screen is to draw."""
 
 
 class BatchPacer:
@@ -71,7 +71,7 @@ class BatchPacer:
         return 0.0 if self._last is None else max(0.0, self._last + self.interval - self._clock())
 
     def shown(self) -> None:
-        """A batch is being shown now: the interval to the next one follows the UI's recent cost."""
+        """A batch is being shown now: the interval to the next one follows the UI's recent drawing time."""
         now, cpu = self._clock(), self._cpu_clock()
         if self._last is not None:
             spent = cpu - self._last_cpu

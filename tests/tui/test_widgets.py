@@ -124,7 +124,6 @@ def stats(
         threshold=threshold,
         divergence="js",
         rule=rule,
-        draft_tokens=4,
         cost=cost,
     )
 
@@ -351,8 +350,8 @@ async def dial_line(dial: tuple[ThresholdDial, Pilot[None]], settings: DecodingS
     ("rule", "policy", "line"),
     [
         ("fuzzy", "fixed", "T 0.35 ▕████    ▏ js fuzzy · k 5"),
-        ("pure", "adaptive", "T 0.35 ▕████    ▏ js pure · k 5 adaptive"),
-        ("exact", "cost", "T 0.35 ▕████    ▏ js exact · k ≤ 5 cost"),
+        ("pure", "heuristic", "T 0.35 ▕████    ▏ js pure · k 5 heuristic"),
+        ("exact", "latency", "T 0.35 ▕████    ▏ js exact · k ≤ 5 latency"),
     ],
 )
 async def test_the_dial_shows_the_settings_in_force(
@@ -396,10 +395,10 @@ async def test_the_dial_under_the_mixture_rule_and_autoregressive(
     "settings",
     [
         DecodingSettings(
-            rule="mixture", threshold=0.25, draft_tokens=MAX_DRAFT_TOKENS, draft_policy="adaptive"
+            rule="mixture", threshold=0.25, draft_tokens=MAX_DRAFT_TOKENS, draft_policy="heuristic"
         ),
-        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="adaptive"),
-        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="cost"),
+        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="heuristic"),
+        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="latency"),
     ],
 )
 async def test_the_dial_line_fits_the_dial(

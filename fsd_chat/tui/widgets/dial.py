@@ -98,7 +98,7 @@ def cycle_rule(settings: DecodingSettings) -> DialChange:
 
 
 BAR_CELLS = 8
-DRAFT_LENGTH = {"fixed": "k {k}", "adaptive": "k {k} adaptive", "cost": "k ≤ {k} cost"}
+DRAFT_LENGTH = {"fixed": "k {k}", "heuristic": "k {k} heuristic", "latency": "k ≤ {k} latency"}
 """How the dial shows the draft length under each draft policy."""
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
