@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats
-from fsd_chat.models import LoadOptions, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a bird"]
 

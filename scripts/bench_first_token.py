@@ -28,8 +28,10 @@ import torch
 from fsd_chat.conversation.session import ReplyRecord, Session, Turn, new_session_id, now
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig, SpeculativeDecoder
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
 from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 
 QUESTIONS = [
     "Once upon a time there was a little girl who liked to play.",

@@ -26,7 +26,9 @@ from fsd_chat.bench.metrics import median_ci95
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from tests.mapped_pairs import multi_character_tokens, permuted_draft, pruned_draft
 
 REMOVED_SHARES = (0.1, 0.25, 0.5, 0.75)

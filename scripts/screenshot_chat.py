@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
-from fsd_chat.models import LoadOptions, ModelSpec
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 

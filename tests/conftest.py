@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import DistilBertConfig, DistilBertModel
 
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 
 MODELS_DIR = Path(
     os.environ.get("FSD_CHAT_MODELS", Path(__file__).resolve().parents[1] / ".." / "shared" / "models")

@@ -12,7 +12,7 @@ from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import SamplingConfig
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 
 TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play with her red ball in the"

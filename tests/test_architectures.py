@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings
-from fsd_chat.models import LoadOptions, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.support.errors import UnsupportedCacheError
 from tests.decoding_helpers import collect
 from tests.tiny_models import save_tiny_model

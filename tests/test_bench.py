@@ -31,8 +31,8 @@ from fsd_chat.bench.prompts import (
 from fsd_chat.bench.records import Configuration, Setup
 from fsd_chat.bench.runner import run_sweep
 from fsd_chat.cli import main
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 
 pytestmark = pytest.mark.slow  # runs benchmark sweeps

@@ -18,7 +18,7 @@ from fsd_chat.conversation.session import STOPPED, ReplyBuilder
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, DecodingSettings, Step
 from fsd_chat.decoding.settings import SamplingRequest
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 
 MAX_NEW_TOKENS = 16

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import Message, fit_to_context, has_chat_template, prompt_ids
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import ContextLengthError
 
 TEMPLATE = (

@@ -12,7 +12,7 @@ import torch._dynamo
 import torch._inductor.config
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 from tests.test_cli_generate import pair_args, run_cli
 from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two

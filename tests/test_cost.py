@@ -16,7 +16,7 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, Origin, SamplingConfig
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import DIFFERENCE_ROUNDING, LOG_PROB_ROUNDING, Collected, collect
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a bird"]

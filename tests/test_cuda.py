@@ -17,7 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.decoding_helpers import collect
 from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two

@@ -6,7 +6,7 @@ import pytest
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 
 TEXTS = [

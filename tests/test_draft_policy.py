@@ -20,7 +20,7 @@ from fsd_chat.decoding.draft_policy import (
     time_forwards,
 )
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
 from tests.decoding_helpers import collect
 from tests.test_sampling_lossless import ALPHA, SAMPLING, chi_square_p_value, exact_first_two

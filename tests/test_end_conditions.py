@@ -14,7 +14,9 @@ from fsd_chat.decoding import Controls, DecodingSettings, StopReason
 from fsd_chat.decoding.events import Origin, StepStats
 from fsd_chat.decoding.reply import Reply
 from fsd_chat.decoding.timing import PhaseClock
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import UnsupportedCacheError
 from tests.decoding_helpers import collect
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, Origin
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 
 # Thresholds are finite (JSON has no infinity); 1e9 nats is above any divergence of float32

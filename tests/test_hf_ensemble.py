@@ -19,8 +19,8 @@ from fsd_chat.bench.records import Configuration, Setup
 from fsd_chat.decoding import SamplingConfig
 from fsd_chat.decoding.divergence import kl
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.pair import ModelPair
 from tests.test_sampling_lossless import chi_square_p_value
 
 SAMPLING = SamplingConfig(temperature=1.0)

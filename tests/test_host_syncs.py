@@ -26,7 +26,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.draft_policy import ForwardTimings
 from fsd_chat.decoding.sampling import draw, probabilities
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 
 READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
 READING_OPERATORS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim")

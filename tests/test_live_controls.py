@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from fsd_chat.decoding import Controls, DecodingSettings, StopReason
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 
 
 def test_threshold_changed_from_another_thread_shows_in_the_next_step(pair: ModelPair) -> None:

@@ -21,7 +21,7 @@ from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, RULES, DivergenceName, Rule
 from fsd_chat.decoding.speculative import SpeculativeDecoder
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 from tests.test_sampling_lossless import ALPHA, POWER, chi_square_p_value
 

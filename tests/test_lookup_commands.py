@@ -14,9 +14,10 @@ from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import Configuration, Setup
 from fsd_chat.cli import main
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.models import ModelPair, load_pair
 from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from tests.test_bench import DATA_DIR
 from tests.test_cli_generate import run_cli
 

@@ -29,7 +29,9 @@ from fsd_chat.decoding.mapped_draft import MappedProposer
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import Rule
 from fsd_chat.decoding.vocab_map import VocabularyMap
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError
 from fsd_chat.tui.widgets.legend import Legend
 from tests.decoding_helpers import collect

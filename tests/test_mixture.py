@@ -17,7 +17,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import mixture_weight
 from fsd_chat.decoding.divergence import kl, tv
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import DIFFERENCE_ROUNDING, collect
 from tests.test_acceptance import TEXT
 from tests.test_sampling_lossless import chi_square_p_value, emitted

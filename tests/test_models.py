@@ -8,7 +8,9 @@ import pytest
 
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, Decoder, DecodingSettings, SpeculativeDecoder
 from fsd_chat.decoding.kv_cache import CompiledModel
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import ContextLengthError, IncompatibleModelsError, ModelLoadError
 from tests.decoding_helpers import collect
 from tests.tiny_models import save_tiny_model

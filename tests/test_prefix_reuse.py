@@ -11,8 +11,8 @@ import torch
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 
 QUESTIONS = [

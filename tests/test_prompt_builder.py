@@ -10,7 +10,6 @@ from typing import Any
 import jinja2
 import pytest
 
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import (
     Message,
     PromptBuilder,
@@ -19,6 +18,7 @@ from fsd_chat.models.chat_template import (
     check_template,
     prompt_ids,
 )
+from fsd_chat.models.pair import ModelPair
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

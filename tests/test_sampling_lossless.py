@@ -26,7 +26,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import judge
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import Rule
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 
 pytestmark = pytest.mark.slow  # statistical: 10,000 replies per rule
 

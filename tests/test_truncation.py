@@ -21,7 +21,7 @@ import torch
 from fsd_chat.decoding import Controls, DecodingSettings, Origin, SamplingConfig
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import Collected, collect
 from tests.test_sampling_lossless import chi_square_p_value
 

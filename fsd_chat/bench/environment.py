@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 
 
 def _version(package: str) -> str | None:

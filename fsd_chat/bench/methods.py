@@ -48,7 +48,7 @@ from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError
 
 

@@ -27,8 +27,9 @@ from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setu
 from fsd_chat.bench.runner import run_sweep
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, check_max_new_tokens
-from fsd_chat.models import ModelPair, load_pair, resolve_device, resolve_dtype
+from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
 from fsd_chat.models.options import pair_specs
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import visible
 from fsd_chat.support.threads import apply_threads

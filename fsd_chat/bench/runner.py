@@ -15,8 +15,8 @@ from fsd_chat.bench.methods import PairRunner
 from fsd_chat.bench.prompts import PromptSet
 from fsd_chat.bench.quality import target_nll
 from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.pair import ModelPair
 
 WARMUP_TOKENS = 8
 

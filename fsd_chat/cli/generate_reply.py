@@ -14,8 +14,9 @@ from rich.text import Text
 
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step
 from fsd_chat.decoding.settings import SamplingRequest
-from fsd_chat.models import LoadOptions, ModelSpec, load_pair
 from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.support.text import TextError, decode_utf8, require_utf8, to_json, visible
 from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.theme_files import default_origin_styles

@@ -33,8 +33,9 @@ from fsd_chat.decoding.settings import (
     SamplingConfig,
     SamplingRequest,
 )
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec
 from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.log import log_exception, log_path
 

@@ -1,6 +1,6 @@
 """`Decoder`: what the chat, `generate` and the bench may rely on of a decoder.
 
-`SpeculativeDecoder` and `AutoregressiveDecoder` both satisfy it; `fsd_chat.models.ModelPair.decoder`
+`SpeculativeDecoder` and `AutoregressiveDecoder` both satisfy it; `fsd_chat.models.pair.ModelPair.decoder`
 returns one or the other. It is runtime-checkable, so a wrapper (a test's paced decoder) can be
 checked with `isinstance`; that check sees only that the members exist, not their types.
 """

@@ -46,7 +46,7 @@ COMPILED_CONTEXT = 8192
 class SpeculativeDecoder:
     """Draft-then-verify decoding of a target model with a smaller draft model or another proposer.
 
-    A draft model shares the tokenizer's vocabulary (see `fsd_chat.models.check_compatible`), or a
+    A draft model shares the tokenizer's vocabulary (see `fsd_chat.models.loading.check_compatible`), or a
     `VocabularyMap` maps the draft's onto it (`MappedProposer`: the draft reads the target's text in
     its own tokens and proposes over the paired tokens).
 

@@ -23,7 +23,8 @@ from textual.worker import Worker, WorkerState
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.models import ModelPair, Progress
+from fsd_chat.models.loading import Progress
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import one_line
 from fsd_chat.support.threads import apply_threads
@@ -105,7 +106,7 @@ class FsdChatApp(App[None]):
         return pair.decoder(controls, autoregressive=o.autoregressive, compile_draft=o.compile_draft)
 
     def _load_pair(self, progress: Progress) -> ModelPair:
-        from fsd_chat.models import load_pair
+        from fsd_chat.models.loading import load_pair
 
         o = self.options
         return load_pair(o.target, o.draft, o.load, progress)

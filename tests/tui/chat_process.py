@@ -16,7 +16,9 @@ from textual.pilot import Pilot
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, Decoder, DecodingSettings, Step
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.config import sessions_path
 from fsd_chat.tui.app import FsdChatApp
 from tests.conftest import DRAFT_DIR, TARGET_DIR

@@ -14,7 +14,7 @@ from textual.pilot import Pilot
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, Decoder, DecodingSettings, SamplingConfig, Step
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 
 SIZE = (110, 32)

@@ -11,7 +11,7 @@ from fsd_chat.conversation.session import ReplyRecord
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.events import Origin, StopReason
 from fsd_chat.decoding.settings import DecodingSettings
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
 from fsd_chat.tui.widgets.dial import THRESHOLD_STEP, ThresholdDial

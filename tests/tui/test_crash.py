@@ -16,7 +16,7 @@ import pytest
 
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from tests.tui.chat_process import MAX_NEW_TOKENS, PROMPT, SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,8 +16,9 @@ from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
 from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.models import ModelPair, load_pair
+from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat

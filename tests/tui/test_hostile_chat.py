@@ -13,7 +13,9 @@ from textual.command import CommandList, CommandPalette
 
 from fsd_chat.conversation.session import Session, Turn
 from fsd_chat.conversation.store import SessionStore
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from tests.test_hostile_input import _add_token
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 from tests.tui.test_sessions import send

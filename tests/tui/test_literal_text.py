@@ -10,7 +10,7 @@ from textual.widgets import Markdown
 
 from fsd_chat.conversation.session import OriginRun, ReplyRecord
 from fsd_chat.decoding.events import Origin
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.widgets.conversation import ReplyView
 from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
 

@@ -13,8 +13,8 @@ from textual.keys import _character_to_key
 
 from fsd_chat.conversation.session import Session, Turn, now
 from fsd_chat.conversation.store import SessionStore
-from fsd_chat.models import ModelPair
 from fsd_chat.models.chat_template import PromptBuilder
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.widgets.prompt import PromptInput

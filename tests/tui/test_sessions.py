@@ -15,7 +15,9 @@ from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.session import ReplyRecord, Session, Turn
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.events import Step, StopReason
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.dial import ThresholdDial

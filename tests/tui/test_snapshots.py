@@ -13,7 +13,7 @@ import pytest
 from textual.pilot import Pilot
 
 from fsd_chat.conversation.session import Session
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.widgets.prompt import PromptInput
 from tests.tui.helpers import GatedDecoder, make_app, wait_for, wait_for_chat

@@ -8,7 +8,9 @@ from textual.widgets import Static
 
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
-from fsd_chat.models import LoadOptions, ModelPair, ModelSpec, load_pair
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.loading import LoadingScreen
 from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat

@@ -11,7 +11,7 @@ from textual.widgets import Button, Markdown, Static
 from fsd_chat.conversation.session import ReplyBuilder, Session, Turn, now
 from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding.events import Origin
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import SHOWN_TURNS, ChatScreen
 from fsd_chat.tui.screens.help import colours_content
 from fsd_chat.tui.widgets.conversation import LIVE_LIMIT, ReplyView

@@ -40,7 +40,7 @@ from fsd_chat.conversation.session import Session, Turn
 from fsd_chat.conversation.store import BUSY_TIMEOUT
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.models import ModelPair
+from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.tui.keys import CHAT_BINDINGS
 from fsd_chat.tui.messages import PromptFailed, PromptReady, SaveFailed, SaveRecovered, StepsReady
