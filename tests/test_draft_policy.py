@@ -12,7 +12,6 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
-    BINS,
     MEASURED_WIDTHS,
     CostCurve,
     CostPolicy,
@@ -106,7 +105,6 @@ def test_cost_policy_calibrates_acceptance_per_bin() -> None:
     # Two positions observed (the accepted one and the first rejection), one accepted.
     assert policy.acceptance(0.97) == pytest.approx((2 * 0.95 + 1) / (2 + 2))
     assert policy.acceptance(0.15) == pytest.approx(0.15)  # other bins keep their prior
-    assert BINS == 10
 
 
 @pytest.mark.parametrize(("curve", "shortest", "longest"), [(STEEP, 1, 1), (FLAT, 7, 8)])
