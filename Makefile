@@ -40,7 +40,8 @@ lock: | $(BIN)/python
 test: setup
 	$(BIN)/python -m pytest -q
 
-# Everything but the statistical and subprocess tests (marked slow): for the edit-test loop.
+# Everything but the tests marked slow (more than a few seconds each: statistical laws, subprocesses,
+# long chats; one quick test per area stays): for the edit-test loop, under 2 minutes on 2 cores.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not cuda"
 

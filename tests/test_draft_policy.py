@@ -120,6 +120,7 @@ def test_chosen_length_follows_the_cost_curve(
         assert sorted(ks)[len(ks) // 2] >= shortest  # the median step
 
 
+@pytest.mark.slow
 def test_cheaper_verification_means_longer_drafts(pair: ModelPair) -> None:
     mean_k = {}
     for name, curve in {"steep": STEEP, "bumpy": BUMPY, "flat": FLAT}.items():
@@ -132,6 +133,7 @@ def test_cheaper_verification_means_longer_drafts(pair: ModelPair) -> None:
     ("policy", "curve"),
     [("fixed", None), ("adaptive", None), ("cost", BUMPY), ("cost", FLAT), ("cost", None)],
 )
+@pytest.mark.slow
 def test_greedy_output_is_the_targets_under_every_policy(
     pair: ModelPair, greedy_references: dict[str, list[int]], policy: str, curve: CostCurve | None
 ) -> None:
