@@ -44,7 +44,8 @@ PYTEST_WORKERS ?= auto
 test: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
-# Everything but the statistical and subprocess tests (marked slow): for the edit-test loop.
+# Everything but the tests marked slow (more than a few seconds each: statistical laws, subprocesses,
+# long chats; one quick test per area stays): for the edit-test loop, under 2 minutes on 2 cores.
 test-fast: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not cuda"
 

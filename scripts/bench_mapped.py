@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import fsd_chat.models.loading
-from fsd_chat.bench.metrics import median_ci95
 from fsd_chat.bench.prompts import load_prompt_set
+from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.loading import load_pair

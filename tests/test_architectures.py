@@ -36,6 +36,7 @@ def _perturbed_copy(source: Path, destination: Path, scale: float) -> Path:
     ("arch", "target_vocab"),
     [("llama", 512), ("llama", 576), ("qwen2", 512), ("gpt2", 512), ("gemma2", 512), ("gemma4", 512)],
 )
+@pytest.mark.slow
 def test_greedy_speculative_equals_target_greedy(
     tmp_path: Path, target_dir: Path, arch: str, target_vocab: int
 ) -> None:

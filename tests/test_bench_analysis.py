@@ -16,11 +16,11 @@ from rich.console import Console
 
 from fsd_chat.bench import report, terminal
 from fsd_chat.bench.curves import Verdict, compare_curves
-from fsd_chat.bench.metrics import median_ci95, summarize
+from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.records import Configuration, ForwardTally, Generation, Measurement, Setup
 from fsd_chat.decoding.events import GenerationStats
 
-ANALYSIS_MODULES = ("records", "sweep", "prompts", "metrics", "curves", "report", "plot", "terminal")
+ANALYSIS_MODULES = ("records", "sweep", "prompts", "stats", "metrics", "curves", "report", "plot", "terminal")
 """The bench modules that must load without torch or transformers."""
 HEAVY = ("torch", "transformers")
 
@@ -150,16 +150,6 @@ def test_report_is_read_back_without_torch(tmp_path: Path) -> None:
     terminal.show(Console(width=200, color_system=None, file=shown), summaries)
     assert result.stdout == shown.getvalue()
     assert (tmp_path / "rebuilt.md").read_text() == (tmp_path / "report.md").read_text()
-
-
-@pytest.mark.parametrize(
-    ("n", "expected"),
-    # Order statistics of the 95% CI of a median, as tabulated (binomial coverage): coverage
-    # 99.2% at n = 8, 96.1% at n = 9, 95.9% at n = 20; none exists below n = 6.
-    [(5, None), (6, (1, 6)), (8, (1, 8)), (9, (2, 8)), (20, (6, 15))],
-)
-def test_median_confidence_interval(n: int, expected: tuple[int, int] | None) -> None:
-    assert median_ci95([float(v) for v in range(n, 0, -1)]) == expected
 
 
 def _constructed_runs(

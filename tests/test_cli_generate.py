@@ -137,6 +137,7 @@ def test_bad_settings_exit_2_with_one_line(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_failed_quantization_exits_2_with_one_line(
     target_dir: Path, draft_dir: Path, capsys, failing_4bit_kernel: str
 ) -> None:

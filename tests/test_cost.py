@@ -51,6 +51,7 @@ def teacher_forced(pair: ModelPair, prompt_ids: list[int], reply_ids: list[int],
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9)])
 @pytest.mark.parametrize("rule", ["exact", "fuzzy", "mixture"])
+@pytest.mark.slow
 def test_exact_and_zero_threshold_cost_nothing(pair: ModelPair, rule: str, sampling: SamplingConfig) -> None:
     threshold = 0.3 if rule == "exact" else 0.0
     for run in replies(pair, DecodingSettings(rule=rule, threshold=threshold), sampling, 200):
@@ -100,6 +101,7 @@ def test_greedy_costs_are_the_targets_regret(pair: ModelPair) -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_mean_cost_is_the_kl_of_the_decoders_law(pair: ModelPair) -> None:
     """Fuzzy (js), k = 1, 3-token replies from a prompt whose first position is not fuzzy.
 

@@ -30,6 +30,7 @@ def test_incremental_pieces_add_up_to_the_full_decode(pair: ModelPair, text: str
 
 
 @pytest.mark.parametrize("max_new_tokens", [37, 150])
+@pytest.mark.slow
 def test_decoder_text_equals_decode_of_ids(pair: ModelPair, max_new_tokens: int) -> None:
     controls = Controls(DecodingSettings(threshold=0.3, draft_tokens=4))
     for seed in range(5):

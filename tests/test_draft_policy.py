@@ -12,7 +12,6 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
-    BINS,
     MEASURED_WIDTHS,
     ForwardTimings,
     LatencyPolicy,
@@ -106,7 +105,6 @@ def test_latency_policy_calibrates_acceptance_per_bin() -> None:
     # Two positions observed (the accepted one and the first rejection), one accepted.
     assert policy.acceptance(0.97) == pytest.approx((2 * 0.95 + 1) / (2 + 2))
     assert policy.acceptance(0.15) == pytest.approx(0.15)  # other bins keep their prior
-    assert BINS == 10
 
 
 @pytest.mark.parametrize(("curve", "shortest", "longest"), [(STEEP, 1, 1), (FLAT, 7, 8)])
@@ -122,6 +120,7 @@ def test_chosen_length_follows_the_forward_timings(
         assert sorted(ks)[len(ks) // 2] >= shortest  # the median step
 
 
+@pytest.mark.slow
 def test_cheaper_verification_means_longer_drafts(pair: ModelPair) -> None:
     mean_k = {}
     for name, curve in {"steep": STEEP, "bumpy": BUMPY, "flat": FLAT}.items():
@@ -134,6 +133,7 @@ def test_cheaper_verification_means_longer_drafts(pair: ModelPair) -> None:
     ("policy", "curve"),
     [("fixed", None), ("heuristic", None), ("latency", BUMPY), ("latency", FLAT), ("latency", None)],
 )
+@pytest.mark.slow
 def test_greedy_output_is_the_targets_under_every_policy(
     pair: ModelPair, greedy_references: dict[str, list[int]], policy: str, curve: ForwardTimings | None
 ) -> None:

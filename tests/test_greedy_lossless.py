@@ -30,6 +30,7 @@ def greedy_references(pair: ModelPair) -> dict[str, list[int]]:
     return refs
 
 
+@pytest.mark.slow
 def test_autoregressive_matches_transformers_generate(pair: ModelPair, greedy_references) -> None:
     for prompt in PROMPTS:
         ids = pair.tokenizer(prompt).input_ids
@@ -41,6 +42,7 @@ def test_autoregressive_matches_transformers_generate(pair: ModelPair, greedy_re
 
 @pytest.mark.parametrize("rule", ["exact", "fuzzy"])
 @pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.slow
 def test_speculative_greedy_equals_target_greedy(
     pair: ModelPair, greedy_references, rule: str, k: int
 ) -> None:

@@ -11,6 +11,7 @@ against a teacher-forced recomputation of KL(v ‖ p) from the text it produced.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.generation.utils import _speculative_sampling
 
@@ -29,6 +30,7 @@ WEIGHT = 0.5
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_transformers_ensemble_verification_emits_the_mixture_law(pair: ModelPair) -> None:
     samples = 20_000
     prompt = pair.tokenizer("The little dog").input_ids

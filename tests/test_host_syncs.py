@@ -54,6 +54,7 @@ def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[
 )
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
 @pytest.mark.parametrize("policy", ["fixed", "heuristic", "latency"])
+@pytest.mark.slow
 def test_host_reads_per_step(
     pair: ModelPair,
     host_reads: collections.Counter[str],

@@ -477,6 +477,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.slow
 def test_hostile_command_line(
     case: Case,
     models: dict[str, Path],
@@ -688,6 +689,7 @@ def test_reading_an_empty_store_writes_nothing(home: Path, capsys: pytest.Captur
     assert _snapshot(home) == before  # no schema written into it, no journal beside it
 
 
+@pytest.mark.slow
 def test_history_into_a_pipe_closed_early_is_silent(home: Path) -> None:
     _session_rows(
         home,
@@ -706,6 +708,7 @@ def test_history_into_a_pipe_closed_early_is_silent(home: Path) -> None:
     assert result.stderr == "status 0\n"  # no message, no traceback, and not click's exit 1
 
 
+@pytest.mark.slow
 def test_export_to_standard_output_opened_for_append_appends(home: Path) -> None:
     everything = home / "all.md"
     everything.write_text("earlier transcripts\n")
@@ -723,6 +726,7 @@ def test_export_to_standard_output_opened_for_append_appends(home: Path) -> None
     assert text.startswith("earlier transcripts\n# fsd-chat session feed0001\n")
 
 
+@pytest.mark.slow
 def test_sigterm_during_export_removes_its_temporary_file(home: Path) -> None:
     big = saved_session()
     big.id = "b1g00001"

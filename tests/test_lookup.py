@@ -166,6 +166,7 @@ SAMPLES = 10_000
     ("rule", "divergence_name", "threshold"),
     [("exact", "js", 0.0), ("fuzzy", "tv", 0.9), ("pure", "reverse-kl", 0.5), ("mixture", "js", 0.05)],
 )
+@pytest.mark.slow
 def test_the_first_token_follows_each_rules_law(
     pair: ModelPair,
     lookup_context: tuple[list[int], int, torch.Tensor],

@@ -128,6 +128,7 @@ def test_greedy_at_zero_threshold_is_the_target(
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
+@pytest.mark.slow
 def test_the_draft_reads_the_targets_text_after_every_step(pruned: ModelPair, temperature: float) -> None:
     # Hot sampling reaches rare tokens (bytes of multi-byte characters among them).
     tokenizer, draft_tokenizer = pruned.tokenizer, AutoTokenizer.from_pretrained(pruned.draft_spec.source)

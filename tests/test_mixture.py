@@ -49,6 +49,7 @@ def teacher_forced(pair: ModelPair) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95)])
+@pytest.mark.slow
 def test_zero_budget_is_exact_speculative_decoding(pair: ModelPair, sampling: SamplingConfig) -> None:
     for prompt, seed in itertools.product(PROMPTS, range(2)):
         ids = pair.tokenizer(prompt).input_ids
@@ -115,6 +116,7 @@ def test_first_token_follows_the_mixture(pair: ModelPair) -> None:
     assert chi_square_p_value(counts, q1) < 1e-6
 
 
+@pytest.mark.slow
 def test_every_sampled_token_costs_at_most_the_budget(pair: ModelPair) -> None:
     budget = 0.05
     decoder = pair.speculative(Controls(DecodingSettings(rule="mixture", threshold=budget)))

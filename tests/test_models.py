@@ -69,6 +69,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(target_dir: Path, draft_dir: Path) 
         load_pair(ModelSpec(str(target_dir)), ModelSpec(str(draft_dir)), LoadOptions(device="cuda"))
 
 
+@pytest.mark.slow
 def test_8bit_pair_on_the_cpu(pair, target_dir: Path, draft_dir: Path) -> None:
     quantized = load_pair(ModelSpec(str(target_dir), "8bit"), ModelSpec(str(draft_dir), "8bit"), CPU)
     assert type(quantized.target.model.layers[0].mlp.down_proj).__name__ == "Linear8bitLt"

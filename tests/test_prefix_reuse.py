@@ -58,6 +58,7 @@ def decoders(pair: ModelPair, kind: str) -> tuple[Decoder, Decoder]:
 
 
 @pytest.mark.parametrize("kind", ["speculative", "autoregressive", "compiled"])
+@pytest.mark.slow
 def test_a_reused_cache_replies_as_a_fresh_one(pair: ModelPair, kind: str) -> None:
     reusing, fresh = decoders(pair, kind)
     fed = count_fed(reusing.cached_models[0])  # type: ignore[attr-defined]

@@ -115,6 +115,7 @@ def teacher_forced(pair: ModelPair, run: Collected, sampling: SamplingConfig) ->
 
 @pytest.mark.parametrize("truncation", list(TRUNCATIONS))
 @pytest.mark.parametrize("name", list(RELAXED_RULES))
+@pytest.mark.slow
 def test_relaxed_rules_stay_live_with_exact_costs(pair: ModelPair, truncation: str, name: str) -> None:
     sampling = TRUNCATIONS[truncation]
     rule, divergence_name, threshold = RELAXED_RULES[name]
@@ -205,6 +206,7 @@ def first_position(pair: ModelPair) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_first_token_follows_the_mixture_under_top_k(first_position) -> None:
     p1, q1 = first_position["p"], first_position["q"]
     full = _kl(restricted(q1, p1).double(), p1.double())
@@ -216,6 +218,7 @@ def test_first_token_follows_the_mixture_under_top_k(first_position) -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_first_token_follows_the_fuzzy_law_under_top_k(first_position) -> None:
     p1, q1 = first_position["p"], first_position["q"]
     threshold = float(divergence64("kl", first_position["p°"].double(), first_position["q°"].double())) + 0.05
@@ -226,6 +229,7 @@ def test_first_token_follows_the_fuzzy_law_under_top_k(first_position) -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.slow
 def test_pure_at_zero_emits_the_targets_law(first_position) -> None:
     p1, q1 = first_position["p"], first_position["q"]
     counts = first_token_counts(first_position, rule="pure", divergence_name="tv", threshold=0.0)

@@ -15,7 +15,7 @@ Two curves a and b are compared at matched cost, paired by prompt:
    prompt's runs at the two neighbouring points (the weights come from the points' mean costs, so
    they are the same for every prompt); the paired ratio a/b is taken per prompt.
 3. Per level: the median over prompts of that ratio with its distribution-free 95% interval
-   (`median_ci95`). Overall: per prompt, the geometric mean of its ratios over the levels; then the
+   (`stats.median_ci95`). Overall: per prompt, the geometric mean of its ratios over the levels; then the
    median over prompts of that, with its interval: "a is x times as fast as b at equal cost".
 4. The same paired ratio at the round costs of `COST_LEVELS` that both curves reach, for reports
    that quote speed at a given cost ("at 0.02 nats/token").
@@ -40,16 +40,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from fsd_chat.bench.metrics import (
-    RunRate,
-    Summary,
-    median_ci95,
-    run_rate,
-    tau_rate,
-    trial_key,
-    work_rate,
-)
+from fsd_chat.bench.metrics import RunRate, Summary, run_rate, tau_rate, trial_key, work_rate
 from fsd_chat.bench.records import Configuration, Measurement, Setup
+from fsd_chat.bench.stats import median_with_ci95
 
 Trial = tuple[int, int]
 
@@ -282,27 +275,14 @@ def _compare(setup: str, temperature: float, clock: str, a: _Curve, b: _Curve) -
     if not levels or not trials:
         return None
     ratios = [[a.rate_at(c, t) / b.rate_at(c, t) for c in levels] for t in sorted(trials)]
-    matched = []
-    for i, cost in enumerate(levels):
-        values = [r[i] for r in ratios]
-        matched.append(Level(cost, statistics.median(values), median_ci95(values)))
-    pooled = [math.exp(statistics.fmean(math.log(x) for x in r)) for r in ratios]
-    at_costs = []
-    for cost in (c for c in COST_LEVELS if c <= top):
-        values = [a.rate_at(cost, t) / b.rate_at(cost, t) for t in sorted(trials)]
-        at_costs.append(Level(cost, statistics.median(values), median_ci95(values)))
-    return Comparison(
-        setup,
-        temperature,
-        clock,
-        a.name,
-        b.name,
-        matched,
-        statistics.median(pooled),
-        median_ci95(pooled),
-        len(trials),
-        at_costs,
-    )
+    matched = [Level(cost, *median_with_ci95([r[i] for r in ratios])) for i, cost in enumerate(levels)]
+    ratio, ci95 = median_with_ci95([statistics.geometric_mean(r) for r in ratios])
+    at_costs = [
+        Level(cost, *median_with_ci95([a.rate_at(cost, t) / b.rate_at(cost, t) for t in sorted(trials)]))
+        for cost in COST_LEVELS
+        if cost <= top
+    ]
+    return Comparison(setup, temperature, clock, a.name, b.name, matched, ratio, ci95, len(trials), at_costs)
 
 
 def compare_curves(summaries: list[Summary], runs: list[Measurement]) -> list[Verdict]:

@@ -36,6 +36,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 from fsd_chat.bench.records import BASELINES, Configuration, Measurement, Method, Setup
+from fsd_chat.bench.stats import Spread, mean_ci95, median_with_ci95, paired_ratios
 
 SPEEDUP_BASELINES: tuple[Method, ...] = tuple(m for m in BASELINES if m != "hf-ensemble")
 """The methods every configuration's speed-up is paired against (when the sweep ran them):
@@ -43,28 +44,6 @@ the lossless baselines (hf-ensemble, a curve through its weights, is compared at
 `curves`)."""
 NLL_REFERENCES: tuple[Method, ...] = ("autoregressive", "exact")
 """The methods target_nll_change is relative to, the first one the sweep ran."""
-
-Z95 = 1.959964
-"""Two-sided 95% normal quantile (confidence intervals of means over prompts: NLL change, cost)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Spread:
-    """Distribution of a per-prompt value: median, quartiles, extremes."""
-
-    median: float
-    q1: float
-    q3: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Spread:
-        """Spread of a non-empty list (quartiles by the inclusive method; equal to the value for one)."""
-        if len(values) == 1:
-            return cls(values[0], values[0], values[0], values[0], values[0])
-        q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-        return cls(median, q1, q3, min(values), max(values))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +94,7 @@ class Summary:
             hf-assisted.
         speedup: Paired median tokens/s ratio against each baseline of the same group (and k).
         speedup_ci95: Distribution-free 95% confidence interval of each of those medians (from 6
-            prompts × repeats up; see `median_ci95`).
+            prompts × repeats up; see `stats.median_ci95`).
         work_speedup: The same paired medians on the forward-work clock (see the module docstring).
         work_speedup_ci95: Their intervals.
         mean_accepted_length: τ, tokens per target forward.
@@ -238,15 +217,6 @@ def trial_key(run: Measurement) -> tuple[int, int]:
     """(prompt, repeat): runs of different configurations with the same key are paired (same
     prompt, same seed)."""
     return (run.prompt, run.repeat)
-
-
-def mean_ci95(values: list[float]) -> tuple[float, float | None]:
-    """Mean of a non-empty sample and the half-width of its 95% confidence interval by the normal
-    approximation, Z95 · s / √n (None for n < 2, or when a value is infinite: an infinite cost)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2 or not all(map(math.isfinite, values)):
-        return mean, None
-    return mean, Z95 * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def per_prompt(pairs: Iterable[tuple[int, float]]) -> list[float]:
@@ -420,21 +390,6 @@ def _quality(
     )
 
 
-def median_ci95(values: list[float]) -> tuple[float, float] | None:
-    """Distribution-free 95% confidence interval of the median: the order statistics
-    (x_(j), x_(n+1-j)) with the largest j whose coverage 1 - 2·P(Bin(n, ½) < j) is still ≥ 95%
-    (the sign-test interval; Conover, Practical Nonparametric Statistics). None for n < 6 (no such j)."""
-    n = len(values)
-    ordered = sorted(values)
-    j, below = 0, 0.0  # below = P(Bin(n, ½) < j + 1) as j grows
-    while True:
-        below += math.comb(n, j) / 2**n
-        if 1 - 2 * below < 0.95:
-            break
-        j += 1
-    return (ordered[j - 1], ordered[n - j]) if j >= 1 else None
-
-
 def _speedups(
     config: Configuration,
     runs: list[Measurement],
@@ -448,11 +403,12 @@ def _speedups(
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
-        rates = {trial_key(r): rate(r) for r in reference}
-        ratios = [rate(r) / rates[trial_key(r)] for r in runs if rates.get(trial_key(r))]
+        ratios = paired_ratios(
+            {trial_key(r): rate(r) for r in runs}, {trial_key(r): rate(r) for r in reference}
+        )
         if ratios:
-            speedups[method] = statistics.median(ratios)
-            if (interval := median_ci95(ratios)) is not None:
+            speedups[method], interval = median_with_ci95(ratios)
+            if interval is not None:
                 intervals[method] = interval
     return speedups, intervals
 
@@ -535,15 +491,3 @@ def trade_off_points(
         and math.isfinite(cost)
         and (v := speed(s)) is not None
     ]
-
-
-def pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[int]:
-    """Indices of the points (speed, quality) no other point beats on both, fastest first."""
-    sign = 1.0 if higher_is_better else -1.0
-    front: list[int] = []
-    best = -math.inf
-    for i in sorted(range(len(points)), key=lambda i: -points[i][0]):
-        if sign * points[i][1] > best:
-            front.append(i)
-            best = sign * points[i][1]
-    return front

@@ -21,7 +21,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on a terminal machine
 import matplotlib.pyplot as plt
 
-from fsd_chat.bench.metrics import Speed, Summary, pareto_front, trade_off_points
+from fsd_chat.bench.metrics import Speed, Summary, trade_off_points
+from fsd_chat.bench.stats import pareto_front
 
 BASELINE_MARKERS = {
     "autoregressive": "s",

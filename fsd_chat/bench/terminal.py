@@ -9,8 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fsd_chat.bench.metrics import Summary, pareto_front, trade_off_points
+from fsd_chat.bench.metrics import Summary, trade_off_points
 from fsd_chat.bench.report import HEADERS, table_rows
+from fsd_chat.bench.stats import pareto_front
 
 BASELINE_GLYPHS = {
     "autoregressive": "A",

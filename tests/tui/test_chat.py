@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from textual.widgets import Markdown, Static
 
 from fsd_chat.conversation.session import ReplyRecord
@@ -84,6 +85,7 @@ async def test_reply_streams_with_the_engines_origins(pair: ModelPair, tmp_path:
     assert saved.turns[1].reply is not None and saved.turns[1].reply.runs == reply.record.runs
 
 
+@pytest.mark.slow
 async def test_ctrl_up_mid_reply_changes_the_next_steps_threshold(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=60)
@@ -106,6 +108,7 @@ async def test_ctrl_up_mid_reply_changes_the_next_steps_threshold(pair: ModelPai
         assert "T 0.100 → 0.120" in reply.query_one(".reply-stats", Static).content.plain  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_escape_stops_and_keeps_the_partial_reply(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=200)
@@ -155,6 +158,7 @@ async def test_dial_keys_and_keymap(pair: ModelPair, tmp_path: Path) -> None:
         assert dial.settings == app.controls.snapshot()
 
 
+@pytest.mark.slow
 async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=30, system="Tell a story.")
@@ -196,6 +200,7 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
     assert not list(suggested.parent.glob(".*.tmp"))  # the atomic write left no temporary file
 
 
+@pytest.mark.slow
 async def test_resumed_session_shows_the_earlier_turns(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     first = make_app(pair, tmp_path, gate=gate, max_new_tokens=20)
@@ -221,6 +226,7 @@ async def test_resumed_session_shows_the_earlier_turns(pair: ModelPair, tmp_path
     assert [t.content for t in saved.turns[:3]] == [PROMPT, earlier_reply, "The dog"]
 
 
+@pytest.mark.slow
 async def test_toggle_markdown_view_and_new_chat(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=20)
@@ -258,6 +264,7 @@ async def test_a_message_too_long_for_the_context_is_kept(pair: ModelPair, tmp_p
         assert not app.screen.session.turns
 
 
+@pytest.mark.slow
 async def test_newline_key_and_command_palette(pair: ModelPair, tmp_path: Path) -> None:
     app = make_app(pair, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -273,6 +280,7 @@ async def test_newline_key_and_command_palette(pair: ModelPair, tmp_path: Path) 
         await wait_for(pilot, lambda: app.controls.snapshot().threshold == 0.0)
 
 
+@pytest.mark.slow
 async def test_the_stats_strip_shows_the_cost_and_follows_the_dial(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     start_settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.0, draft_tokens=4)

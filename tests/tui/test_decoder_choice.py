@@ -32,6 +32,7 @@ from tests.tui.helpers import SIZE, wait_for, wait_for_chat
         (False, True, SpeculativeDecoder, True),
     ],
 )
+@pytest.mark.slow
 async def test_the_chat_builds_the_decoder_its_options_ask_for(
     pair: ModelPair,
     tmp_path: Path,
@@ -57,6 +58,7 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
         assert isinstance(decoder.cached_models[-1], CompiledModel) == compiled  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_a_target_alone_chats_with_prompt_lookup_and_says_so(target_dir: Path, tmp_path: Path) -> None:
     pair = load_pair(ModelSpec(str(target_dir)), ModelSpec(LOOKUP), LoadOptions(device="cpu"))
     options = ChatOptions(
@@ -82,6 +84,7 @@ async def test_a_target_alone_chats_with_prompt_lookup_and_says_so(target_dir: P
         assert "lookup hits" in render_markdown(screen.session)
 
 
+@pytest.mark.slow
 async def test_a_failed_compilation_is_told_once_and_the_chat_goes_on(
     pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

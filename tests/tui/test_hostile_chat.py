@@ -78,6 +78,7 @@ def larger_pair(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draf
     return load_pair(ModelSpec(str(folders[0])), ModelSpec(str(folders[1])), LoadOptions(device="cpu"))
 
 
+@pytest.mark.slow
 async def test_a_token_beyond_the_vocabulary_leaves_the_session_usable(
     larger_pair: ModelPair, tmp_path: Path
 ) -> None:
@@ -129,6 +130,7 @@ def _others_folder(path: Path) -> None:
     ],
     ids=["file-of-another-user", "symlink", "open-folder-of-another-user"],
 )
+@pytest.mark.slow
 async def test_a_store_that_is_not_private_is_refused(
     make: object, refusal: str, pair: ModelPair, tmp_path: Path
 ) -> None:
@@ -165,6 +167,7 @@ async def test_a_store_of_ones_own_that_others_may_read_is_made_private(
     assert saved.turns[0].content == "Once"
 
 
+@pytest.mark.slow
 async def test_a_crafted_session_id_exports_inside_the_transcripts_folder(
     pair: ModelPair, tmp_path: Path
 ) -> None:
@@ -184,6 +187,7 @@ async def test_a_crafted_session_id_exports_inside_the_transcripts_folder(
     assert suggested.is_file() and not (tmp_path.parent / "x").exists()
 
 
+@pytest.mark.slow
 async def test_a_reply_is_saved_again_when_the_data_folder_is_deleted_mid_reply(
     pair: ModelPair, tmp_path: Path
 ) -> None:

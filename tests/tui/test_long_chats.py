@@ -8,6 +8,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
 from textual import events
 from textual.keys import _character_to_key
 
@@ -53,6 +54,7 @@ async def test_a_burst_of_keys_sends_exactly_what_was_typed(pair: ModelPair, tmp
         assert screen.query_one(PromptInput).text == "three"
 
 
+@pytest.mark.slow
 async def test_quitting_with_a_locked_store_keeps_the_exchange_in_a_transcript(
     pair: ModelPair, tmp_path: Path
 ) -> None:
@@ -93,6 +95,7 @@ async def test_quitting_with_a_locked_store_keeps_the_exchange_in_a_transcript(
 LOOPING_TEMPLATE = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 
 
+@pytest.mark.slow
 async def test_a_runaway_template_leaves_the_chat_working(pair: ModelPair, tmp_path: Path) -> None:
     app = make_app(pair, tmp_path, max_new_tokens=3)
     async with app.run_test(size=SIZE) as pilot:

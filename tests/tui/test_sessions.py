@@ -54,6 +54,7 @@ async def send(pilot, text: str) -> ChatScreen:  # type: ignore[no-untyped-def]
     return pilot.app.screen  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 async def test_interrupted_reply_then_a_new_message_with_a_strict_template(
     strict_pair: ModelPair, tmp_path: Path
 ) -> None:
@@ -100,6 +101,7 @@ async def test_a_template_error_is_shown_and_the_message_stays(
     assert not app.tracebacks  # the template's own error, named: not an unexpected one
 
 
+@pytest.mark.slow
 async def test_two_chats_on_one_session_lose_nothing(pair: ModelPair, tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "sessions.sqlite3")
     gate: list[GatedDecoder] = []
@@ -147,6 +149,7 @@ async def test_a_locked_database_does_not_freeze_the_chat(pair: ModelPair, tmp_p
     assert session.turns[1].reply is not None and session.turns[1].reply.stop_reason == "max-new-tokens"
 
 
+@pytest.mark.slow
 async def test_escape_before_the_first_step_stops_the_reply(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=200)
@@ -158,6 +161,7 @@ async def test_escape_before_the_first_step_stops_the_reply(pair: ModelPair, tmp
         assert len(gate[0].steps) == 1 and gate[0].steps[0].stop_reason == StopReason.STOPPED
 
 
+@pytest.mark.slow
 async def test_a_message_typed_right_after_ctrl_n_is_sent(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=6)
@@ -198,6 +202,7 @@ class FailingOnceDecoder(WrappedDecoder):
         yield from steps
 
 
+@pytest.mark.slow
 async def test_a_decoding_failure_ends_the_reply_and_keeps_the_message(
     pair: ModelPair, tmp_path: Path
 ) -> None:

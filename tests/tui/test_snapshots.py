@@ -42,6 +42,7 @@ def snapshot_app(pair: ModelPair, tmp_path: Path) -> tuple[FsdChatApp, list[Gate
     return app, gate
 
 
+@pytest.mark.slow
 def test_main_screen_with_a_coloured_reply(snap_compare, snapshot_app) -> None:  # type: ignore[no-untyped-def]
     app, gate = snapshot_app
 
@@ -58,6 +59,7 @@ def test_main_screen_with_a_coloured_reply(snap_compare, snapshot_app) -> None: 
     assert snap_compare(app, terminal_size=TERMINAL, run_before=run_before)
 
 
+@pytest.mark.slow
 def test_help_screen(snap_compare, snapshot_app) -> None:  # type: ignore[no-untyped-def]
     app, _ = snapshot_app
 
@@ -69,6 +71,7 @@ def test_help_screen(snap_compare, snapshot_app) -> None:  # type: ignore[no-unt
     assert snap_compare(app, terminal_size=TERMINAL, run_before=run_before)
 
 
+@pytest.mark.slow
 def test_export_dialog(snap_compare, snapshot_app) -> None:  # type: ignore[no-untyped-def]
     app, _ = snapshot_app
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from textual.widgets import Static
 
 from fsd_chat.conversation.controller import ChatOptions
@@ -49,6 +50,7 @@ async def test_load_failure_is_shown_on_the_loading_view(tmp_path: Path, target_
     assert app.return_code == 0
 
 
+@pytest.mark.slow
 async def test_the_real_loader_reports_progress_then_opens_the_chat(
     tmp_path: Path, target_dir: Path, draft_dir: Path
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from textual.widgets import Button, Markdown, Static
 
 from fsd_chat.conversation.session import ReplyBuilder, Session, Turn, now
@@ -51,6 +52,7 @@ def engine_text(decoder: GatedDecoder) -> str:
     return "".join(step.text for step in decoder.steps)
 
 
+@pytest.mark.slow
 async def test_a_long_reply_re_renders_only_its_last_line(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=400)
@@ -71,6 +73,7 @@ async def test_a_long_reply_re_renders_only_its_last_line(pair: ModelPair, tmp_p
         assert not reply.query_one(".provenance-frozen").display
 
 
+@pytest.mark.slow
 async def test_a_hundred_turn_session_keeps_the_work_per_update_flat(pair: ModelPair, tmp_path: Path) -> None:
     builder = ReplyBuilder()
     decoder = pair.speculative(Controls(DecodingSettings(threshold=0.1)))
@@ -112,6 +115,7 @@ def test_the_legend_and_help_list_the_target_origin() -> None:
     assert set(Origin) <= {o for o in Origin if o.value in colours_content().plain}
 
 
+@pytest.mark.slow
 async def test_a_long_live_chat_puts_its_oldest_turns_away(pair: ModelPair, tmp_path: Path) -> None:
     app = make_app(pair, tmp_path, max_new_tokens=2)
     async with app.run_test(size=SIZE) as pilot:
