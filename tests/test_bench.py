@@ -12,6 +12,7 @@ whose speeds and costs are known, in test_bench_analysis.py.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -462,3 +463,57 @@ def test_truncations_are_each_measured(target_dir: Path, draft_dir: Path, tmp_pa
         cost = c["quality"]["cost_per_token"]
         assert cost == 0.0 if c["method"] == "exact" else 0.0 < cost <= 0.1
     assert "top-p 0.9 · min-p 0.1" in (out / "report.md").read_text()
+
+
+def _tiny_sweep(target: Path, draft_dir: Path, out: Path, *extra: str) -> dict:
+    threads = torch.get_num_threads()
+    main(
+        [
+            "bench",
+            "--target", str(target),
+            "--draft", str(draft_dir),
+            "--prompts", "tinystories",
+            "--data-dir", str(DATA_DIR),
+            "--limit", "1",
+            "--max-new-tokens", "6",
+            "--rules", "none",
+            "--baselines", "exact",
+            "--draft-tokens", "3",
+            "--device", "cpu",
+            "--dtype", "float32",
+            "--threads", "1",
+            "--output", str(out),
+            *extra,
+        ]
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    return json.loads((out / "report.json").read_text())
+
+
+def test_sampling_not_given_is_the_targets_generation_config(
+    target_dir: Path, draft_dir: Path, tmp_path: Path
+) -> None:
+    """Like chat and generate, bench starts from the target's own sampling; a given list overrides
+    its value alone, and processors fsd-chat does not apply are recorded."""
+    target = tmp_path / "sampling-target"
+    shutil.copytree(target_dir, target)
+    config = json.loads((target / "generation_config.json").read_text())
+    config |= {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.05}
+    (target / "generation_config.json").write_text(json.dumps(config))
+
+    data = _tiny_sweep(target, draft_dir, tmp_path / "model")
+    sampling = {(c["temperature"], c["top_k"], c["top_p"], c["min_p"]) for c in data["configs"]}
+    assert sampling == {(0.7, 0, 0.9, 0.0)}
+    assert (
+        data["sweep"]["model_sampling"] == "sampling-target's generation_config: temperature 0.7, top-p 0.9"
+    )
+    assert data["sweep"]["not_applied"] == ["repetition_penalty 1.05"]
+
+    data = _tiny_sweep(target, draft_dir, tmp_path / "given", "--temperature", "0,1", "--top-p", "1")
+    sampling = {(c["temperature"], c["top_p"]) for c in data["configs"]}
+    assert sampling == {(0.0, 1.0), (1.0, 1.0)}
+
+    # The offline target's config asks for nothing: greedy, untruncated, as before.
+    data = _tiny_sweep(target_dir, draft_dir, tmp_path / "plain")
+    assert {(c["temperature"], c["top_p"]) for c in data["configs"]} == {(0.0, 1.0)}
+    assert data["sweep"]["model_sampling"] == "built-in default"

@@ -26,8 +26,8 @@ from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup, SweepResult
 from fsd_chat.bench.runner import run_sweep
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
-from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, check_max_new_tokens
-from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
+from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
+from fsd_chat.models.loading import load_pair, read_generation_config, resolve_device, resolve_dtype
 from fsd_chat.models.options import pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
@@ -73,6 +73,9 @@ def run_bench(
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
     """
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
+    # Sampling lists not given start from the target's own sampling, as chat and generate do.
+    model_sampling = SamplingRequest().resolve(read_generation_config(target), Path(target).name)
+    spec = spec.with_sampling(model_sampling.config)
     setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
     if draft == LOOKUP and any(c.method in HF_ASSISTED for c in configs):
         raise FsdChatError(
@@ -90,6 +93,11 @@ def run_bench(
         apply_threads(threads)
     check_writable(output)
     console = Console(stderr=True)
+    console.print(Text(f"sampling not given: {model_sampling.source}", style="dim"))
+    if model_sampling.not_applied:
+        console.print(
+            Text(f"not applied (p and q alike): {', '.join(model_sampling.not_applied)}", style="dim")
+        )
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
@@ -132,7 +140,11 @@ def run_bench(
         runs=result.runs,
         configs=configs,
         pairs=pairs,
-        sweep=_sweep_record(spec, prompt_set.name, len(prompt_set.items), max_new_tokens, seed, repeats),
+        sweep={
+            **_sweep_record(spec, prompt_set.name, len(prompt_set.items), max_new_tokens, seed, repeats),
+            "model_sampling": model_sampling.source,
+            "not_applied": list(model_sampling.not_applied),
+        },
         interrupted=result.interrupted,
         title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
         f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",

@@ -123,14 +123,35 @@ class SweepSpec:
     draft_policies: str
     mixture_thresholds: str
     ensemble_weights: str
-    temperatures: str
+    temperatures: str | None
     baselines: str
     dtypes: str
     quantize_target: str
     quantize_draft: str
-    top_ks: str = "0"
-    top_ps: str = "1"
-    min_ps: str = "0"
+    top_ks: str | None = None
+    top_ps: str | None = None
+    min_ps: str | None = None
+
+    def with_sampling(self, model: SamplingConfig) -> SweepSpec:
+        """This spec with each sampling list left unset (None) taken from `model`, the sampling
+        the target's generation_config asks for (`SamplingRequest.resolve`)."""
+
+        def default(given: str | None, value: float) -> str:
+            return given if given is not None else f"{value:g}"
+
+        return replace(
+            self,
+            temperatures=default(self.temperatures, model.temperature),
+            top_ks=default(self.top_ks, model.top_k),
+            top_ps=default(self.top_ps, model.top_p),
+            min_ps=default(self.min_ps, model.min_p),
+        )
+
+
+def _resolved(text: str | None) -> str:
+    if text is None:
+        raise ValueError("a sampling list is unset: resolve it first (SweepSpec.with_sampling)")
+    return text
 
 
 def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[Configuration]]:
@@ -140,6 +161,7 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
 
     Raises:
         FsdChatError: any malformed or out-of-range list item.
+        ValueError: a sampling list left unset (resolve it first: `SweepSpec.with_sampling`).
     """
     thresholds = parse_list(spec.thresholds, "--thresholds", _threshold)
     divergences = parse_choices(spec.divergences, "--divergences", DIVERGENCE_NAMES)
@@ -148,12 +170,12 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
     weights = parse_list(spec.ensemble_weights, "--ensemble-weights", _ensemble_weight)
     ks = parse_list(spec.draft_tokens, "--draft-tokens", _draft_tokens)
     policies = parse_choices(spec.draft_policies, "--draft-policies", DRAFT_POLICIES, FORMER_DRAFT_POLICIES)
-    temperatures = parse_list(spec.temperatures, "--temperature", _temperature)
+    temperatures = parse_list(_resolved(spec.temperatures), "--temperature", _temperature)
     truncations = list(
         itertools.product(
-            parse_list(spec.top_ks, "--top-k", _top_k),
-            parse_list(spec.top_ps, "--top-p", _top_p),
-            parse_list(spec.min_ps, "--min-p", _min_p),
+            parse_list(_resolved(spec.top_ks), "--top-k", _top_k),
+            parse_list(_resolved(spec.top_ps), "--top-p", _top_p),
+            parse_list(_resolved(spec.min_ps), "--min-p", _min_p),
         )
     )
     baselines = (

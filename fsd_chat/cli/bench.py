@@ -78,10 +78,11 @@ THRESHOLDS = o.THRESHOLD.replace(default=None).listed("--thresholds")
 DIVERGENCES = o.DIVERGENCE.replace(default=None).listed("--divergences")
 DRAFT_TOKENS = o.DRAFT_TOKENS.replace(default=None).listed()
 DRAFT_POLICIES = o.DRAFT_POLICY.replace(default=None).listed("--draft-policies")
-TEMPERATURES = o.TEMPERATURE.replace(default=0.0).listed()
-TOP_KS = o.TOP_K.replace(default=0, help="Keep the k most likely tokens (0 = off).").listed()
-TOP_PS = o.TOP_P.replace(default=1.0, help="Nucleus sampling mass (1 = off).").listed()
-MIN_PS = o.MIN_P.replace(default=0.0, help="min-p (0 = off).").listed()
+# Unset, each takes the target's generation_config (as chat and generate do), else greedy, untruncated.
+TEMPERATURES = o.TEMPERATURE.listed()
+TOP_KS = o.TOP_K.listed()
+TOP_PS = o.TOP_P.listed()
+MIN_PS = o.MIN_P.listed()
 DTYPES = o.DTYPE.listed()
 QUANTIZE_TARGET = o.QUANTIZE_TARGET.listed()
 QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
@@ -169,10 +170,10 @@ def bench(
         ensemble_weights=ensemble_weights if ensemble_weights is not None else preset.ensemble_weights,
         draft_tokens=draft_tokens if draft_tokens is not None else preset.draft_tokens,
         draft_policies=draft_policies if draft_policies is not None else preset.draft_policies,
-        temperatures=TEMPERATURES.of(values),
-        top_ks=TOP_KS.of(values),
-        top_ps=TOP_PS.of(values),
-        min_ps=MIN_PS.of(values),
+        temperatures=TEMPERATURES.get(values),
+        top_ks=TOP_KS.get(values),
+        top_ps=TOP_PS.get(values),
+        min_ps=MIN_PS.get(values),
         baselines=baselines,
         dtypes=DTYPES.of(values),
         quantize_target=QUANTIZE_TARGET.of(values),
