@@ -45,6 +45,7 @@ from fsd_chat.bench.records import HF_ASSISTED, RULE_OF, Configuration, ForwardT
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.divergence import kl
 from fsd_chat.decoding.kv_cache import context_length
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
@@ -166,10 +167,15 @@ class PairRunner:
             min_p=config.min_p,
             seed=seed,
         )
+        # Built before the meters start: a decoder's KV caches run a probe forward pass when they
+        # are made (`CachedModel`), which is no part of the reply (the chat builds its decoder once).
+        decoder = self._decoder(config)
         target = self._target_meter.start()
         draft = self._draft_meter.start() if self._draft_meter is not None else ForwardTally()
         try:
-            generation = self._run(config, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft)
+            generation = self._run(
+                config, decoder, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft
+            )
         finally:
             self._target_meter.stop()
             if self._draft_meter is not None:
@@ -180,9 +186,27 @@ class PairRunner:
             generation = replace(generation, costs=costs)
         return generation
 
+    def _decoder(self, config: Configuration) -> Decoder | None:
+        """fsd-chat's decoder for `config` (None for transformers' methods, which decode alone)."""
+        if config.method in HF_ASSISTED or config.method == "hf-prompt-lookup":
+            return None
+        defaults = DecodingSettings()
+        controls = Controls(
+            DecodingSettings(
+                rule=RULE_OF.get(config.method, "exact"),  # the autoregressive decoder has none
+                divergence=config.divergence or defaults.divergence,
+                threshold=config.threshold or 0.0,
+                draft_tokens=config.draft_tokens or defaults.draft_tokens,
+                draft_policy=config.draft_policy,
+            )
+        )
+        # Exact phase times on CUDA: the report splits draft, target and other seconds.
+        return self.pair.decoder(controls, autoregressive=config.method == "autoregressive", time_phases=True)
+
     def _run(
         self,
         config: Configuration,
+        decoder: Decoder | None,
         prompt_ids: list[int],
         sampling: SamplingConfig,
         max_new_tokens: int,
@@ -220,20 +244,7 @@ class PairRunner:
             }
             ids = self._hf_generate(prompt_ids, lookup, sampling, max_new_tokens, stop_strings, None)
             return Generation(ids, clock.lap(), None, target, draft)
-        defaults = DecodingSettings()
-        controls = Controls(
-            DecodingSettings(
-                rule=RULE_OF.get(config.method, "exact"),  # the autoregressive decoder has none
-                divergence=config.divergence or defaults.divergence,
-                threshold=config.threshold or 0.0,
-                draft_tokens=config.draft_tokens or defaults.draft_tokens,
-                draft_policy=config.draft_policy,
-            )
-        )
-        # Exact phase times on CUDA: the report splits draft, target and other seconds.
-        decoder = self.pair.decoder(
-            controls, autoregressive=config.method == "autoregressive", time_phases=True
-        )
+        assert decoder is not None  # every method but transformers' has one (`_decoder`)
         stats = GenerationStats()
         ids = []
         clock = PhaseClock(self.pair.device)
