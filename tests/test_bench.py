@@ -299,6 +299,9 @@ def test_default_assisted_generation_and_draft_policies_reproduce_greedy_output(
         runs = {c.label: runner.run(c, ids, max_new_tokens=40, seed=0, stop_strings=()) for c in configs}
     finally:
         runner.close()
+    # latency's timing passes (made once per pair) are metered in no run.
+    latency = runs["exact k=4 latency"]
+    assert latency.stats is not None and latency.target.decode_calls == latency.stats.target_forwards
     reference = runs["autoregressive"].token_ids
     assert len(reference) == 40
     assert all(run.token_ids == reference for run in runs.values()), runs.keys()
