@@ -75,6 +75,13 @@ def run_bench(
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
     # Sampling lists not given start from the target's own sampling, as chat and generate do.
     model_sampling = SamplingRequest().resolve(read_generation_config(target), Path(target).name)
+    lists = {
+        "--temperature": spec.temperatures,
+        "--top-k": spec.top_ks,
+        "--top-p": spec.top_ps,
+        "--min-p": spec.min_ps,
+    }
+    from_model = [flag for flag, given in lists.items() if given is None]
     spec = spec.with_sampling(model_sampling.config)
     setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
     if draft == LOOKUP and any(c.method in HF_ASSISTED for c in configs):
@@ -93,7 +100,8 @@ def run_bench(
         apply_threads(threads)
     check_writable(output)
     console = Console(stderr=True)
-    console.print(Text(f"sampling not given: {model_sampling.source}", style="dim"))
+    if from_model:
+        console.print(Text(f"{', '.join(from_model)} from {model_sampling.source}", style="dim"))
     if model_sampling.not_applied:
         console.print(
             Text(f"not applied (p and q alike): {', '.join(model_sampling.not_applied)}", style="dim")
