@@ -14,6 +14,7 @@ from transformers import DistilBertConfig, DistilBertModel
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
+from tests.mapped_pairs import permuted_draft
 
 MODELS_DIR = Path(
     os.environ.get("FSD_CHAT_MODELS", Path(__file__).resolve().parents[1] / ".." / "shared" / "models")
@@ -46,6 +47,15 @@ def pair() -> ModelPair:
     """The offline pair on the CPU in float32 (shared: decoders never modify the models)."""
     return load_pair(
         ModelSpec(str(TARGET_DIR)), ModelSpec(str(DRAFT_DIR)), LoadOptions(device="cpu", dtype="float32")
+    )
+
+
+@pytest.fixture(scope="session")
+def shuffled(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """The target with its draft under shuffled token ids (a mapped pair: same strings, other ids)."""
+    directory, _ = permuted_draft(DRAFT_DIR, tmp_path_factory.mktemp("mapped") / "shuffled", seed=0)
+    return load_pair(
+        ModelSpec(str(TARGET_DIR)), ModelSpec(str(directory)), LoadOptions(device="cpu", dtype="float32")
     )
 
 

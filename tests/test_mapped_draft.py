@@ -32,10 +32,10 @@ from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
-from fsd_chat.support.errors import IncompatibleModelsError
+from fsd_chat.support.errors import DeviceMemoryError, IncompatibleModelsError
 from fsd_chat.tui.widgets.legend import Legend
 from tests.decoding_helpers import collect
-from tests.mapped_pairs import multi_character_tokens, permuted_draft, pruned_draft
+from tests.mapped_pairs import multi_character_tokens, pruned_draft
 from tests.test_cli_generate import run_cli
 from tests.test_mixture import bisection_weight
 from tests.test_sampling_lossless import chi_square_p_value, rejected_by_the_statistic
@@ -50,13 +50,6 @@ weakest, `exact` against the mixture's law, at about 1e-100)."""
 ALPHA = 1e-3
 LAW_SAMPLING = SamplingConfig(temperature=0.9)
 MIXTURE_BUDGET = 0.2
-
-
-@pytest.fixture(scope="module")
-def shuffled(tmp_path_factory: pytest.TempPathFactory, target_dir: Path, draft_dir: Path) -> ModelPair:
-    """The target with its draft under shuffled token ids."""
-    directory, _ = permuted_draft(draft_dir, tmp_path_factory.mktemp("mapped") / "shuffled", seed=0)
-    return load_pair(ModelSpec(str(target_dir)), ModelSpec(str(directory)), CPU)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +207,37 @@ def test_first_token_law_under_each_rule(
     wrong = [_law("mixture", p, q)] if rule == "exact" else [p, _law(rule, p, original)]
     for law in wrong:
         assert rejected_by_the_statistic(counts, law)
+
+
+def test_running_out_of_memory_frees_the_mapped_drafts_cache(
+    shuffled: ModelPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No GPU runs here: torch's out-of-memory error is raised by the draft model's forward,
+    # patched on the instance (a mock standing in for CUDA, as in test_device_errors).
+    decoder = shuffled.speculative(Controls(DecodingSettings(threshold=0.0)))
+    assert isinstance(decoder.proposer, MappedProposer)
+    draft = decoder.proposer.mapped.model
+    ids = shuffled.tokenizer("Once upon a time").input_ids
+    expected = collect(decoder.generate(ids, max_new_tokens=40)).ids
+    assert draft.seen > 0  # kept between replies
+    forward = draft.model.forward
+    calls = 0
+
+    def failing(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(draft.model, "forward", failing)
+    with pytest.raises(DeviceMemoryError):
+        collect(decoder.generate(ids, max_new_tokens=40))
+    assert calls == 3
+    assert draft.seen == 0 and draft.cache.get_seq_length() == 0
+    assert decoder.target.seen == 0
+    monkeypatch.undo()
+    assert collect(decoder.generate(ids, max_new_tokens=40)).ids == expected
 
 
 def test_a_draft_covering_too_little_is_refused_with_its_share(

@@ -1,7 +1,8 @@
 """Prefix reuse: decoders keep their KV caches between replies and prefill only what a prompt does
 not share with the last sequence. The replies must be token for token those of a decoder that
-starts every reply from an empty cache (greedy, float32, the offline pair), through a multi-turn
-conversation whose oldest exchanges are trimmed, an edited turn and a new chat."""
+starts every reply from an empty cache (greedy, float32, the offline pair, and its draft under
+shuffled ids for a draft with another tokenizer), through a multi-turn conversation whose oldest
+exchanges are trimmed, an edited turn and a new chat."""
 
 from __future__ import annotations
 
@@ -57,26 +58,36 @@ def decoders(pair: ModelPair, kind: str) -> tuple[Decoder, Decoder]:
     return reusing, fresh
 
 
-@pytest.mark.parametrize("kind", ["speculative", "autoregressive", "compiled"])
+@pytest.mark.parametrize("kind", ["speculative", "autoregressive", "compiled", "mapped"])
 @pytest.mark.slow
-def test_a_reused_cache_replies_as_a_fresh_one(pair: ModelPair, kind: str) -> None:
+def test_a_reused_cache_replies_as_a_fresh_one(request: pytest.FixtureRequest, kind: str) -> None:
+    pair: ModelPair = request.getfixturevalue("shuffled" if kind == "mapped" else "pair")
     reusing, fresh = decoders(pair, kind)
-    fed = count_fed(reusing.cached_models[0])  # type: ignore[attr-defined]
+    owned = [d.owned_models for d in (reusing, fresh)]  # type: ignore[attr-defined]
+    fed = count_fed(owned[0][0])
+    # The draft's tokens fed per reply, reusing and fresh: the replies and their acceptances are
+    # the same, so their steps feed the same tokens and the difference is what the prefill kept.
+    draft_fed = [count_fed(models[1]) for models in owned if len(models) > 1]
     builder = PromptBuilder(pair.tokenizer, raw=False)
     messages = [Message("system", "Tell short stories.")]
     trims = 0
     reused: list[int] = []
+    draft_reused: list[int] = []
 
     def reply(messages: list[Message]) -> str:
         nonlocal trims
         dropped, ids = builder.build(messages, context=reusing.context, reserve=MAX_NEW_TOKENS)
         trims += dropped > 0
         fed.clear()
+        for counts in draft_fed:
+            counts.clear()
         got = collect(reusing.generate(ids, max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingConfig()))
         want = collect(fresh.generate(ids, max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingConfig()))
         assert got.ids == want.ids
         assert [s.stats.accepted for s in got.steps] == [s.stats.accepted for s in want.steps]
         reused.append(len(ids) - 1 - fed[0])  # the prefill is the first forward pass
+        if draft_fed:
+            draft_reused.append(sum(draft_fed[1]) - sum(draft_fed[0]))
         return got.text
 
     for question in QUESTIONS:
@@ -85,6 +96,8 @@ def test_a_reused_cache_replies_as_a_fresh_one(pair: ModelPair, kind: str) -> No
     assert trims > 0, "the conversation should outgrow the 512-token window"
     # Every reply but the first and those after a trim reused most of its prompt.
     assert reused[0] == 0 and sum(r > 100 for r in reused) >= len(QUESTIONS) // 2
+    if draft_fed:  # the draft too, a mapped one in its own spelling
+        assert draft_reused[0] == 0 and sum(r > 100 for r in draft_reused) >= len(QUESTIONS) // 2
     edited = [*messages[:3], Message("user", "An edited question?")]  # an edit: the prefix changes
     reply(edited)
     reply([Message("user", "A new chat.")])  # ctrl+n: only the start of the text is shared

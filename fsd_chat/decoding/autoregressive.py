@@ -53,8 +53,13 @@ class AutoregressiveDecoder:
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
-        """The models whose KV caches this decoder fills."""
+        """The models whose KV caches this decoder fills (`begin` prefills them)."""
         return (self.target,)
+
+    @property
+    def owned_models(self) -> tuple[CachedModel, ...]:
+        """Every model whose KV cache this decoder holds (freed on out-of-memory): the target."""
+        return self.cached_models
 
     @property
     def compile_error(self) -> str | None:

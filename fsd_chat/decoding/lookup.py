@@ -73,6 +73,7 @@ class PromptLookup:
 
     kind: DraftKind = "lookup"
     cached_models: tuple[CachedModel, ...] = ()
+    owned_models: tuple[CachedModel, ...] = ()
     compile_error: str | None = None
 
     def __init__(self, ngram: int = DEFAULT_LOOKUP_NGRAM) -> None:
@@ -80,7 +81,7 @@ class PromptLookup:
             raise ValueError(f"the lookup n-gram must be ≥ 1 token, got {ngram}")
         self.ngram = ngram
 
-    def prefill(self, reply: Reply) -> None:
+    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
         """Nothing to encode: the context is searched at each step."""
 
     def propose(

@@ -5,7 +5,7 @@ The draft reads the target's text in its own tokens: its sequence is the draft-s
 every target token emitted so far (`VocabularyMap.translate`, a cached look-up per token), built
 once for the prompt and then extended by each step's emitted tokens only, never re-tokenised
 whole. Its KV cache follows that sequence and is rolled back to the accepted prefix as the
-target's is.
+target's is; between replies it keeps what the new prompt's spelling shares with the last one.
 
 Its proposal law at each position is its next-token distribution with every unpaired token masked
 out before temperature / top-k / top-p (so the draw and its law agree), moved to the target's ids:
@@ -54,13 +54,27 @@ class MappedDraft:
         self.length = 0
         """Draft tokens that spell the reply's emitted text (prompt included)."""
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], reuse_prefix: bool) -> None:
         """Start a reply: spell the prompt in draft tokens and prefill the draft's cache with all
-        but the last of them."""
-        self.model.reset()
-        self.length = 0
-        self._append(self.mapping.translate(prompt_ids))
-        if 1 < self.length < self._limit():
+        but the last of them.
+
+        Args:
+            prompt_ids: The prompt in target ids.
+            reuse_prefix: Keep the cached draft tokens the new spelling begins with
+                (`CachedModel.keep_prefix`) and prefill only the rest; else start from an empty
+                cache.
+        """
+        spelling = self.mapping.translate(prompt_ids)
+        # A new buffer: keep_prefix compares the new spelling with the buffer the cache was fed.
+        self._seq = self._allocate(len(spelling))
+        self._seq[0, : len(spelling)] = torch.tensor(spelling, dtype=torch.long)
+        self.length = len(spelling)
+        if reuse_prefix:
+            # A prompt may spell as nothing (a lone BOS the draft lacks): compare no tokens then.
+            self.model.keep_prefix(self._seq, max(self.length - 1, 0))
+        else:
+            self.model.reset()
+        if self.model.seen < self.length - 1 and self.length < self._limit():
             self.model.forward(self._seq, self.length - 1, keep=1)
 
     def spelled(self) -> list[int]:
@@ -113,12 +127,16 @@ class MappedDraft:
         # The accepted tokens are paired ones: spelled again they are the draft ids already there.
         self._append(self.mapping.translate(emitted))
 
+    def _allocate(self, length: int) -> torch.Tensor:
+        """A draft-id buffer for `length` tokens and a step's drafts, with room to grow."""
+        return torch.empty(
+            (1, 2 * (length + MAX_DRAFT_TOKENS + 1)), dtype=torch.long, device=self.model.device
+        )
+
     def _append(self, draft_ids: list[int]) -> None:
         end = self.length + len(draft_ids)
         if end + MAX_DRAFT_TOKENS + 1 > self._seq.shape[1]:
-            grown = torch.empty(
-                (1, 2 * (end + MAX_DRAFT_TOKENS + 1)), dtype=torch.long, device=self._seq.device
-            )
+            grown = self._allocate(end)
             grown[0, : self.length] = self._seq[0, : self.length]
             self._seq = grown
         self._seq[0, self.length : end] = torch.tensor(draft_ids, dtype=torch.long)
@@ -149,18 +167,23 @@ class MappedProposer:
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
         """None that reads the target's ids: the draft's cache follows its own spelling and is
-        reset by `prefill` (freeing it on out-of-memory is left to the next reply's reset)."""
+        prefilled by `prefill`."""
         return ()
+
+    @property
+    def owned_models(self) -> tuple[CachedModel, ...]:
+        """The draft model (its cache is freed on out-of-memory)."""
+        return (self.mapped.model,)
 
     @property
     def compile_error(self) -> str | None:
         """See `Proposer.compile_error`."""
         return self.mapped.model.compile_error
 
-    def prefill(self, reply: Reply) -> None:
-        """Spell the prompt in draft tokens and prefill the draft's cache (no prefix reuse)."""
+    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
+        """Spell the prompt in draft tokens and prefill the draft's cache (`MappedDraft.begin`)."""
         self._reply = reply
-        self.mapped.begin([int(i) for i in reply.seq[0, : reply.length].tolist()])
+        self.mapped.begin([int(i) for i in reply.seq[0, : reply.length].tolist()], reuse_prefix)
         self._spelled = reply.length
 
     def propose(

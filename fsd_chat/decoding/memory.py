@@ -18,10 +18,10 @@ T = TypeVar("T")
 
 
 class HasModels(Protocol):
-    """A decoder and the cached models it runs."""
+    """A decoder and the cached models it holds."""
 
     @property
-    def cached_models(self) -> Sequence[CachedModel]: ...
+    def owned_models(self) -> Sequence[CachedModel]: ...
 
 
 D = TypeVar("D", bound=HasModels)
@@ -32,8 +32,9 @@ def frees_memory_on_oom(
 ) -> Callable[Concatenate[D, P], Iterator[T]]:
     """Decorate a decoder's `generate`: torch's out-of-memory error becomes a `DeviceMemoryError`.
 
-    The decoder's KV caches are dropped and the allocator's cached blocks released first, so the
-    next reply starts from free memory and the conversation stays usable.
+    The decoder's KV caches (`owned_models`: a draft with another tokenizer's too) are dropped and
+    the allocator's cached blocks released first, so the next reply starts from free memory and the
+    conversation stays usable.
 
     Raises (from the decorated generator):
         DeviceMemoryError: the device ran out of memory; the message names the KV cache's size in
@@ -45,7 +46,7 @@ def frees_memory_on_oom(
         try:
             yield from generate(decoder, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            models = decoder.cached_models
+            models = decoder.owned_models
             context = max((model.seen for model in models), default=0)
             for model in models:
                 model.reset()

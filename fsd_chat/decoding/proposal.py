@@ -61,7 +61,12 @@ class Proposer(Protocol):
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
-        """The models whose KV caches this proposer fills (freed on out-of-memory)."""
+        """The models that read the target's ids, whose KV caches `reply.begin` prefills."""
+        ...
+
+    @property
+    def owned_models(self) -> tuple[CachedModel, ...]:
+        """Every model whose KV cache this proposer holds (freed on out-of-memory)."""
         ...
 
     @property
@@ -69,9 +74,10 @@ class Proposer(Protocol):
         """Why compiled draft forward passes fell back to eager ones (None: they did not, or none)."""
         ...
 
-    def prefill(self, reply: Reply) -> None:
+    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
         """Start a reply whose prompt is seq[0, : length] (the last prompt token is fed by the
-        first step), after `reply.begin` has prefilled the `cached_models`."""
+        first step), after `reply.begin` has prefilled the `cached_models`; `reuse_prefix` as
+        there (a cache of another model keeps what it shares with the last reply)."""
         ...
 
     def propose(
@@ -157,11 +163,16 @@ class ModelDraft:
         return (self.model,)
 
     @property
+    def owned_models(self) -> tuple[CachedModel, ...]:
+        """The draft model."""
+        return (self.model,)
+
+    @property
     def compile_error(self) -> str | None:
         """See `Proposer.compile_error`."""
         return self.model.compile_error
 
-    def prefill(self, reply: Reply) -> None:
+    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
         """Nothing more: `reply.begin` prefills the draft's cache (a `cached_models` entry) as the
         target's, keeping the prefix it shares with the last reply."""
 

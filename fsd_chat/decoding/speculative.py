@@ -63,7 +63,8 @@ class SpeculativeDecoder:
             (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens. Only for a
             draft model.
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
-            share with the last sequence (see `begin`); a mapped draft's cache starts anew.
+            share with the last sequence (see `begin`; a mapped draft compares its own spelling,
+            see `MappedDraft.begin`).
         timings: The device's draft and verify forward times, asked for when the `latency` policy
             is first used (default: measured on these models then, once, a proposer without a draft
             model taking no time per position; `ModelPair` keeps its own).
@@ -133,8 +134,13 @@ class SpeculativeDecoder:
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
-        """The models whose KV caches this decoder fills."""
+        """The models that read the target's ids, whose KV caches `begin` prefills."""
         return (self.target, *self.proposer.cached_models)
+
+    @property
+    def owned_models(self) -> tuple[CachedModel, ...]:
+        """Every model whose KV cache this decoder holds (freed on out-of-memory)."""
+        return (self.target, *self.proposer.owned_models)
 
     @frees_memory_on_oom
     def generate(
@@ -177,7 +183,7 @@ class SpeculativeDecoder:
             reuse_prefix=self.reuse_prefix,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
-        self.proposer.prefill(reply)
+        self.proposer.prefill(reply, self.reuse_prefix)
         prefill_seconds = start.prefill_seconds + clock.lap()
         while True:
             settings = self.controls.snapshot()
