@@ -27,7 +27,7 @@ from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setu
 from fsd_chat.bench.runner import run_sweep
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
-from fsd_chat.models.loading import load_pair, read_generation_config, resolve_device, resolve_dtype
+from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
 from fsd_chat.models.options import pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
@@ -73,8 +73,6 @@ def run_bench(
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
     """
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
-    # Sampling lists not given start from the target's own sampling, as chat and generate do.
-    model_sampling = SamplingRequest().resolve(read_generation_config(target), Path(target).name)
     lists = {
         "--temperature": spec.temperatures,
         "--top-k": spec.top_ks,
@@ -82,8 +80,9 @@ def run_bench(
         "--min-p": spec.min_ps,
     }
     from_model = [flag for flag, given in lists.items() if given is None]
-    spec = spec.with_sampling(model_sampling.config)
-    setups, configs = build_sweep(spec, auto_dtype=auto_dtype)
+    # Every list is checked before a model loads (the sampling lists not given, at their defaults);
+    # the sampling itself is resolved once the target is loaded, from its generation_config.
+    setups, configs = build_sweep(spec.with_sampling(SamplingConfig()), auto_dtype=auto_dtype)
     if draft == LOOKUP and any(c.method in HF_ASSISTED for c in configs):
         raise FsdChatError(
             "hf-assisted baselines need a draft model; with prompt lookup compare with hf-prompt-lookup "
@@ -100,12 +99,6 @@ def run_bench(
         apply_threads(threads)
     check_writable(output)
     console = Console(stderr=True)
-    if from_model:
-        console.print(Text(f"{', '.join(from_model)} from {model_sampling.source}", style="dim"))
-    if model_sampling.not_applied:
-        console.print(
-            Text(f"not applied (p and q alike): {', '.join(model_sampling.not_applied)}", style="dim")
-        )
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
@@ -115,6 +108,18 @@ def run_bench(
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
         pairs[setup.label] = by_setup[setup] = pair
+    # Sampling lists not given start from the target's own sampling, as chat and generate do.
+    model_sampling = SamplingRequest().resolve(
+        by_setup[setups[0]].target.generation_config, Path(target).name
+    )
+    spec = spec.with_sampling(model_sampling.config)
+    _, configs = build_sweep(spec, auto_dtype=auto_dtype)
+    if from_model:
+        console.print(Text(f"{', '.join(from_model)} from {model_sampling.source}", style="dim"))
+    if model_sampling.not_applied:
+        console.print(
+            Text(f"not applied (p and q alike): {', '.join(model_sampling.not_applied)}", style="dim")
+        )
 
     runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
     columns = (

@@ -19,7 +19,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BitsAndBytesConfig,
-    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -290,16 +289,6 @@ def check_coverage(share: float, draft: ModelSpec) -> None:
             f"mass (at least {MIN_COVERAGE:.0%} pays for a draft with another tokenizer): choose a draft "
             "whose vocabulary is closer to the target's"
         )
-
-
-def read_generation_config(source: str) -> GenerationConfig | None:
-    """A model's generation_config.json (a local folder or a Hub id), without loading its weights;
-    None when it has none or it cannot be read, as when transformers loads the model itself (the
-    model then decodes greedily, and chat and generate say "built-in default")."""
-    try:
-        return GenerationConfig.from_pretrained(source)
-    except (OSError, ValueError):  # ValueError: json.JSONDecodeError and malformed values
-        return None
 
 
 def load_pair(
