@@ -56,37 +56,49 @@ REQUIRED_KEYS = {
 }
 
 
+def _bench(target: Path, draft: Path, out: Path, *sweep: str) -> dict:
+    """`fsd-chat bench` through the real CLI on TinyStories prompts, k = 3, CPU float32, one torch
+    thread, plus `sweep`'s options; returns report.json."""
+    threads = torch.get_num_threads()  # --threads sets a process-wide value: give it back after
+    main(
+        [
+            "bench",
+            "--target", str(target),
+            "--draft", str(draft),
+            "--prompts", "tinystories",
+            "--data-dir", str(DATA_DIR),
+            "--draft-tokens", "3",
+            "--device", "cpu",
+            "--dtype", "float32",
+            "--threads", "1",
+            "--output", str(out),
+            *sweep,
+        ]
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    return json.loads((out / "report.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def report(target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One tiny sweep through the real CLI: greedy and sampling, four baselines (transformers' lossy
     hf-ensemble among them), fuzzy js at three thresholds and mixture at two budgets."""
     out = tmp_path_factory.mktemp("bench")
-    threads = torch.get_num_threads()  # --threads sets a process-wide value: give it back after
-    main(
-        [
-            "bench",
-            "--target", str(target_dir),
-            "--draft", str(draft_dir),
-            "--prompts", "tinystories",
-            "--data-dir", str(DATA_DIR),
-            "--limit", "3",
-            "--max-new-tokens", "24",
-            "--thresholds", "0,0.2,0.7",
-            "--divergences", "js",
-            "--rules", "fuzzy,mixture",
-            "--mixture-thresholds", f"{MIXTURE_LOW},{MIXTURE_HIGH}",
-            "--baselines", "autoregressive,exact,hf-assisted,hf-ensemble",
-            "--ensemble-weights", str(ENSEMBLE_WEIGHT),
-            "--draft-tokens", "3",
-            "--temperature", "0,1",
-            "--device", "cpu",
-            "--dtype", "float32",
-            "--threads", "1",
-            "--output", str(out),
-        ]
+    data = _bench(
+        target_dir,
+        draft_dir,
+        out,
+        "--limit", "3",
+        "--max-new-tokens", "24",
+        "--thresholds", "0,0.2,0.7",
+        "--divergences", "js",
+        "--rules", "fuzzy,mixture",
+        "--mixture-thresholds", f"{MIXTURE_LOW},{MIXTURE_HIGH}",
+        "--baselines", "autoregressive,exact,hf-assisted,hf-ensemble",
+        "--ensemble-weights", str(ENSEMBLE_WEIGHT),
+        "--temperature", "0,1",
     )  # fmt: skip
-    torch.set_num_threads(threads)
-    return json.loads((out / "report.json").read_text()), out
+    return data, out
 
 
 def _config(report: dict, temperature: float, method: str, threshold: float | None = None) -> dict:
@@ -496,28 +508,10 @@ def test_truncations_are_each_measured(target_dir: Path, draft_dir: Path, tmp_pa
 
 
 def _tiny_sweep(target: Path, draft_dir: Path, out: Path, *extra: str) -> dict:
-    threads = torch.get_num_threads()
-    main(
-        [
-            "bench",
-            "--target", str(target),
-            "--draft", str(draft_dir),
-            "--prompts", "tinystories",
-            "--data-dir", str(DATA_DIR),
-            "--limit", "1",
-            "--max-new-tokens", "6",
-            "--rules", "none",
-            "--baselines", "exact",
-            "--draft-tokens", "3",
-            "--device", "cpu",
-            "--dtype", "float32",
-            "--threads", "1",
-            "--output", str(out),
-            *extra,
-        ]
+    return _bench(
+        target, draft_dir, out,
+        "--limit", "1", "--max-new-tokens", "6", "--rules", "none", "--baselines", "exact", *extra,
     )  # fmt: skip
-    torch.set_num_threads(threads)
-    return json.loads((out / "report.json").read_text())
 
 
 def test_sampling_not_given_is_the_targets_generation_config(

@@ -73,13 +73,7 @@ def run_bench(
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
     """
     auto_dtype = str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")
-    lists = {
-        "--temperature": spec.temperatures,
-        "--top-k": spec.top_ks,
-        "--top-p": spec.top_ps,
-        "--min-p": spec.min_ps,
-    }
-    from_model = [flag for flag, given in lists.items() if given is None]
+    from_model = spec.unset_sampling()
     # Every list is checked before a model loads (the sampling lists not given, at their defaults);
     # the sampling itself is resolved once the target is loaded, from its generation_config.
     setups, configs = build_sweep(spec.with_sampling(SamplingConfig()), auto_dtype=auto_dtype)

@@ -132,6 +132,16 @@ class SweepSpec:
     top_ps: str | None = None
     min_ps: str | None = None
 
+    def unset_sampling(self) -> list[str]:
+        """The sampling lists not given (their flags), which `with_sampling` takes from the model."""
+        lists = {
+            "--temperature": self.temperatures,
+            "--top-k": self.top_ks,
+            "--top-p": self.top_ps,
+            "--min-p": self.min_ps,
+        }
+        return [flag for flag, given in lists.items() if given is None]
+
     def with_sampling(self, model: SamplingConfig) -> SweepSpec:
         """This spec with each sampling list left unset (None) taken from `model`, the sampling
         the target's generation_config asks for (`SamplingRequest.resolve`)."""
