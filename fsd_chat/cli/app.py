@@ -1,4 +1,4 @@
-"""The `fsd-chat` command: chat (default), generate, bench, history, export.
+"""The `fsd-chat` command: chat (default), generate, bench, serve, history, export.
 
 Heavy modules (torch, transformers, Textual) are imported inside the commands so that `--help`
 stays fast. Every `FsdChatError` and usage error ends in one line on stderr and exit code 2.
@@ -6,6 +6,7 @@ stays fast. Every `FsdChatError` and usage error ends in one line on stderr and 
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from typing import Any, NoReturn
@@ -14,7 +15,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import Abort, TyperException
 
-from fsd_chat.cli import bench, chat, generate
+from fsd_chat.cli import bench, chat, generate, serve
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import one_line, require_utf8
 
@@ -62,6 +63,7 @@ app.command("chat")(chat.chat)
 app.command("history")(chat.history)
 app.command("export")(chat.export)
 app.command("bench")(bench.bench)
+app.command("serve")(serve.serve)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +77,10 @@ def main(argv: list[str] | None = None) -> None:
         # with one line rather than by a tokenizer or SQLite halfway through.
         for position, arg in enumerate(args, 1):
             require_utf8(arg, f"command-line argument {position}")
-        if "chat" in commands and (not args or (args[0] not in commands and args[0] not in ("--help", "-h"))):
+        if args and not args[0].startswith("-") and args[0] not in commands:
+            # The chat takes no arguments, only options: a first word is a command's name.
+            raise FsdChatError(unknown_command(args[0], sorted(commands)))
+        if not args or (args[0] not in commands and args[0] not in ("--help", "-h")):
             args.insert(0, "chat")
         status = command.main(args, prog_name="fsd-chat", standalone_mode=False)
         # Flushed here, not at interpreter exit, so that a full disk is reported like any other error.
@@ -94,6 +99,13 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"{where}{exc.strerror or exc}", EXIT_OUTPUT_ERROR)
     if isinstance(status, int) and status:
         raise SystemExit(status)
+
+
+def unknown_command(name: str, commands: list[str]) -> str:
+    """One line for a first argument that names no command: the closest one, and the list."""
+    close = difflib.get_close_matches(name, commands, n=1)
+    guess = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown command {name!r}{guess}; the commands: {', '.join(commands)} (chat when none is given)"
 
 
 def _discard_stdout() -> None:

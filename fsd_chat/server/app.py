@@ -1,0 +1,468 @@
+"""The OpenAI-compatible HTTP API over one loaded pair: `GET /v1/models`, `POST /v1/chat/completions`
+and `POST /v1/completions`, streamed as server-sent events or not.
+
+Each request is checked (fields, the dial, the sampling, the prompt against the context window) and
+answered in OpenAI's error shape when it is refused, before it joins the `Engine`'s queue. Replies
+carry `usage`, llama-server's `timings`, and fsd-chat's own figures (`fsd`); with `fsd.origins` (or
+`logprobs`), each token's origin, divergence and cost (`fsd_tokens`). Nothing of a conversation is
+written anywhere: the server keeps no sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from fsd_chat.decoding.events import GenerationStats, Step, StopReason
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, SamplingRequest
+from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
+from fsd_chat.models.pair import ModelPair
+from fsd_chat.server import errors
+from fsd_chat.server.engine import Delivery, Engine, Job, QueueFullError
+from fsd_chat.server.errors import APIError
+from fsd_chat.server.schema import ChatCompletionRequest, CompletionFields, CompletionRequest
+from fsd_chat.support.errors import ContextLengthError, FsdChatError, SettingsError
+from fsd_chat.support.log import log_exception
+from fsd_chat.support.text import to_json
+
+Kind = Literal["chat", "text"]
+
+FINISH_REASONS: dict[StopReason, str] = {
+    StopReason.EOS: "stop",
+    StopReason.STOP_STRING: "stop",
+    StopReason.STOPPED: "stop",
+    StopReason.MAX_NEW_TOKENS: "length",
+    StopReason.CONTEXT: "length",
+}
+"""OpenAI's finish_reason of each way a reply ends."""
+
+DISCONNECT_POLL = 0.25
+"""Seconds between two checks, while a non-streamed reply decodes, that its client is still there."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """What `fsd-chat serve` was asked for, besides the pair and its engine.
+
+    Attributes:
+        model_id: The served model's name (`GET /v1/models`); requests must name it (or `aliases`).
+        aliases: Other names a request may use for it (the target's source as given).
+        settings: The decoding settings of a request that sends no `fsd` object.
+        sampling: The sampling flags; a request's fields override them, the target's
+            generation_config fills in the rest.
+        max_new_tokens: Cap on a reply's tokens when a request gives none.
+        raw: Plain-text prompts even for a model with a chat template (`--raw`).
+        api_key: The key a request must send as `Authorization: Bearer KEY` (None: none).
+    """
+
+    model_id: str
+    aliases: frozenset[str]
+    settings: DecodingSettings
+    sampling: SamplingRequest
+    max_new_tokens: int
+    raw: bool = False
+    api_key: str | None = None
+
+
+class _Reply:
+    """One reply's text and figures as its steps arrive. Text that could be the start of a stop
+    string is held back until it is known not to be one, so that a stop string is never sent
+    (OpenAI's behaviour; the decoder emits the token that completes it)."""
+
+    def __init__(self, stop_strings: tuple[str, ...], origins: bool) -> None:
+        self.stop_strings = stop_strings
+        self.origins = origins
+        self.totals = GenerationStats()
+        self.stop_reason: StopReason | None = None
+        self.text = ""
+        self._pending = ""
+        self._hold = max((len(s) for s in stop_strings), default=1) - 1
+        self._stopped = False
+
+    def add(self, step: Step) -> tuple[str, list[dict[str, Any]]]:
+        """Fold `step` in; returns the text now sure to be sent and its tokens' records (when
+        origins are asked for)."""
+        self.totals.add(step)
+        self.stop_reason = step.stop_reason
+        tokens = (
+            [
+                {
+                    "id": t.id,
+                    "token": t.text,
+                    "origin": str(t.origin),
+                    "divergence": t.divergence,
+                    "cost": t.cost,
+                }
+                for t in step.tokens
+            ]
+            if self.origins
+            else []
+        )
+        if self._stopped:
+            return "", tokens
+        self._pending += step.text
+        cut = min((i for s in self.stop_strings if (i := self._pending.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            ready, self._pending, self._stopped = self._pending[:cut], "", True
+        elif step.stop_reason is not None:
+            ready, self._pending = self._pending, ""
+        else:
+            keep = len(self._pending) - self._hold
+            ready, self._pending = self._pending[:keep], self._pending[keep:]
+        self.text += ready
+        return ready, tokens
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason."""
+        return FINISH_REASONS.get(self.stop_reason or StopReason.STOPPED, "stop")
+
+    def usage(self, prompt_tokens: int) -> dict[str, int]:
+        """OpenAI's `usage`."""
+        completion = self.totals.tokens
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def timings(self, prompt_tokens: int) -> dict[str, float | int]:
+        """llama-server's `timings` (milliseconds; draft_n counts drafted tokens)."""
+        t = self.totals
+        prompt_ms = t.prefill_seconds * 1000
+        return {
+            "prompt_n": prompt_tokens,
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": prompt_tokens / t.prefill_seconds if t.prefill_seconds > 0 else 0.0,
+            "predicted_n": t.tokens,
+            "predicted_ms": t.decode_seconds * 1000,
+            "predicted_per_second": t.tokens_per_second,
+            "draft_n": t.drafted,
+            "draft_n_accepted": t.accepted_exact + t.accepted_fuzzy,
+        }
+
+    def figures(self, settings: DecodingSettings, sampling: SamplingConfig) -> dict[str, Any]:
+        """fsd-chat's own figures: the totals of `GenerationStats.to_dict` (acceptance rate, mean
+        accepted length τ, cost per token in nats, ...), how the reply ended, and its settings."""
+        return {
+            **self.totals.to_dict(),
+            "stop_reason": None if self.stop_reason is None else str(self.stop_reason),
+            "settings": asdict(settings),
+            "sampling": asdict(sampling),
+        }
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A checked request, ready to queue."""
+
+    prompt_ids: list[int]
+    settings: DecodingSettings
+    sampling: SamplingConfig
+    max_new_tokens: int
+
+
+def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAPI:
+    """The FastAPI app serving `pair` through `engine`."""
+    app = FastAPI(title="fsd-chat", docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install(app)
+    created = int(time.time())
+    # Prompts are built one at a time: a Rust tokenizer may refuse use from two threads at once.
+    tokenizer_lock = threading.Lock()
+    expected = None if options.api_key is None else options.api_key.encode()
+
+    def authorise(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
+            raise APIError(401, "invalid API key: send Authorization: Bearer KEY", code="invalid_api_key")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": options.model_id, "object": "model", "created": created, "owned_by": "fsd-chat"}
+
+    def check_model(name: str) -> None:
+        if name != options.model_id and name not in options.aliases:
+            raise APIError(
+                404,
+                f"the model {name!r} is not served here; this server serves {options.model_id!r}",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    def prompt_of(body: CompletionFields, kind: Kind) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            messages = [
+                Message("system" if m.role == "developer" else m.role, m.text()) for m in body.messages
+            ]
+            raw = options.raw
+        else:
+            assert isinstance(body, CompletionRequest)
+            messages, raw = [Message("user", body.text())], True
+        with tokenizer_lock:
+            return prompt_ids(
+                pair.tokenizer, messages, raw=raw, vocab_size=pair.vocab_size, limits=RenderLimits()
+            )
+
+    async def prepare(body: CompletionFields, kind: Kind) -> _Prepared:
+        check_model(body.model)
+        given = {} if body.fsd is None else body.fsd.model_dump(exclude_none=True, exclude={"origins"})
+        try:
+            settings = DecodingSettings(**{**asdict(options.settings), **given})
+        except SettingsError as exc:
+            raise APIError(400, str(exc), param="fsd") from None
+        except TypeError as exc:  # a field of the wrong type reaches the dataclass
+            raise APIError(400, f"fsd: {exc}", param="fsd") from None
+        asked = {
+            "temperature": body.temperature,
+            "top_k": body.top_k,
+            "top_p": body.top_p,
+            "min_p": body.min_p,
+            "seed": body.seed,
+        }
+        given_sampling = {name: value for name, value in asked.items() if value is not None}
+        for name, value in given_sampling.items():  # one at a time, to name the field at fault
+            try:
+                SamplingRequest(**{name: value})  # type: ignore[arg-type]
+            except SettingsError as exc:
+                raise APIError(400, str(exc), param=name) from None
+        request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
+        sampling = request.resolve(pair.target.generation_config, options.model_id).config
+        try:
+            ids = await run_in_threadpool(prompt_of, body, kind)
+        except FsdChatError as exc:
+            param = "messages" if kind == "chat" else "prompt"
+            raise APIError(400, str(exc), param=param) from None
+        context = engine.decoder.context
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="messages" if kind == "chat" else "prompt")
+        if context is not None and len(ids) + 1 > context:
+            raise APIError(
+                413,
+                f"the prompt is {len(ids)} tokens but the model's context window is {context} tokens: "
+                "shorten it to leave room for the reply",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        return _Prepared(ids, settings, sampling, body.token_cap() or options.max_new_tokens)
+
+    def submit(prepared: _Prepared, body: CompletionFields) -> tuple[Job, asyncio.Queue[Delivery]]:
+        loop = asyncio.get_running_loop()
+        deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
+
+        def deliver(item: Delivery) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the server is shutting down
+                loop.call_soon_threadsafe(deliveries.put_nowait, item)
+
+        job = Job(
+            prepared.prompt_ids,
+            prepared.settings,
+            prepared.sampling,
+            prepared.max_new_tokens,
+            body.stop_strings(),
+            deliver,
+        )
+        try:
+            engine.submit(job)
+        except QueueFullError:
+            raise APIError(
+                429,
+                "the server is busy: every place in its queue is taken; retry later",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
+        return job, deliveries
+
+    async def complete(request: Request, body: CompletionFields, kind: Kind) -> Response:
+        prepared = await prepare(body, kind)
+        job, deliveries = submit(prepared, body)
+        reply = _Reply(job.stop_strings, body.origins)
+        answer = _Answer(kind, options.model_id, reply, prepared)
+        if body.stream:
+            return _EventStream(
+                _stream(answer, deliveries, body.include_usage), on_close=lambda: engine.cancel(job)
+            )
+        tokens: list[dict[str, Any]] = []
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(deliveries.get(), DISCONNECT_POLL)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # no one reads it: the job is cancelled below
+                    continue
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise _decoding_error(item)
+                tokens += reply.add(item)[1]
+        finally:
+            engine.cancel(job)
+        return JSONResponse(answer.whole(tokens))
+
+    app.get("/v1/models", dependencies=[Depends(authorise)])(
+        lambda: {"object": "list", "data": [model_card()]}
+    )
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorise)])
+    def one_model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorise)])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await complete(request, body, "chat")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorise)])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await complete(request, body, "text")
+
+    return app
+
+
+def _decoding_error(error: BaseException) -> APIError:
+    """An error that ended a reply, in OpenAI's shape (an unexpected one is logged first)."""
+    if isinstance(error, ContextLengthError):
+        return APIError(413, str(error), code="context_length_exceeded")
+    if isinstance(error, FsdChatError):
+        return APIError(500, str(error), type="server_error")
+    log_exception(error, "decoding a reply")
+    return APIError(
+        500,
+        f"internal error: {type(error).__name__} (details in the server's error log)",
+        type="server_error",
+    )
+
+
+class _Answer:
+    """The response objects of one reply, chat or text completion, whole or in chunks."""
+
+    def __init__(self, kind: Kind, model: str, reply: _Reply, prepared: _Prepared) -> None:
+        self.kind = kind
+        self.model = model
+        self.reply = reply
+        self.prepared = prepared
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "text":
+            return "text_completion"
+        return "chat.completion.chunk" if chunk else "chat.completion"
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self._object(chunk), "created": self.created, "model": self.model}
+
+    def _extras(self) -> dict[str, Any]:
+        n = len(self.prepared.prompt_ids)
+        return {
+            "usage": self.reply.usage(n),
+            "timings": self.reply.timings(n),
+            "fsd": self.reply.figures(self.prepared.settings, self.prepared.sampling),
+        }
+
+    def _choice(
+        self, text: str | None, finish: str | None, tokens: list[dict[str, Any]], chunk: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.kind == "text":
+            choice["text"] = text or ""
+        elif chunk:
+            choice["delta"] = {} if text is None else {"content": text}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        if self.reply.origins:
+            choice["fsd_tokens"] = {"content": tokens}
+        return choice
+
+    def whole(self, tokens: list[dict[str, Any]]) -> dict[str, Any]:
+        """The non-streamed response."""
+        return {
+            **self._head(False),
+            "choices": [self._choice(self.reply.text, self.reply.finish_reason, tokens, chunk=False)],
+            **self._extras(),
+        }
+
+    def first(self) -> dict[str, Any] | None:
+        """The chunk that opens a streamed chat reply (the assistant's role); None for text."""
+        if self.kind != "chat":
+            return None
+        chunk = {**self._head(True), "choices": [self._choice("", None, [], chunk=True)]}
+        chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return chunk
+
+    def delta(self, text: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
+        """A chunk of new text."""
+        return {**self._head(True), "choices": [self._choice(text, None, tokens, chunk=True)]}
+
+    def last(self) -> dict[str, Any]:
+        """The chunk that ends a streamed reply: its finish_reason, `timings` and `fsd` (as
+        llama-server puts its timings on the last chunk)."""
+        extras = self._extras()
+        del extras["usage"]
+        return {
+            **self._head(True),
+            "choices": [self._choice(None, self.reply.finish_reason, [], chunk=True)],
+            **extras,
+        }
+
+    def usage(self) -> dict[str, Any]:
+        """The chunk of `stream_options.include_usage`: no choices, the usage."""
+        return {**self._head(True), "choices": [], "usage": self.reply.usage(len(self.prepared.prompt_ids))}
+
+
+def _event(data: object) -> str:
+    return f"data: {to_json(data)}\n\n"
+
+
+async def _stream(
+    answer: _Answer, deliveries: asyncio.Queue[Delivery], include_usage: bool
+) -> AsyncIterator[str]:
+    """The server-sent events of a streamed reply, ending in `data: [DONE]`; an error that ends the
+    reply midway is sent as an event in OpenAI's error shape."""
+    if (first := answer.first()) is not None:
+        yield _event(first)
+    while (item := await deliveries.get()) is not None:
+        if isinstance(item, BaseException):
+            yield _event(_decoding_error(item).body())
+            continue
+        text, tokens = answer.reply.add(item)
+        if text or tokens:
+            yield _event(answer.delta(text, tokens))
+    yield _event(answer.last())
+    if include_usage:
+        yield _event(answer.usage())
+    yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that call `on_close` however the response ends: all sent, or the client
+    gone (Starlette then cancels the sending, possibly while the events' generator waits at a
+    `yield`, where no `finally` of its own would run until it is collected)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
