@@ -236,7 +236,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         given_sampling = {name: value for name, value in asked.items() if value is not None}
         for name, value in given_sampling.items():  # one at a time, to name the field at fault
             try:
-                SamplingRequest(**{name: value})  # type: ignore[arg-type]
+                SamplingConfig(**{name: value})  # type: ignore[arg-type]
             except SettingsError as exc:
                 raise APIError(400, str(exc), param=name) from None
         request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
