@@ -8,6 +8,7 @@ Every sampled request sets its seed, so each figure compared here is determinist
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -15,17 +16,21 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from openai import OpenAI
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.settings import DecodingSettings, SamplingRequest
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.server import errors
 from fsd_chat.server.app import ServeOptions, create_app
 from fsd_chat.server.engine import Engine
 from fsd_chat.server.run import bind, url
@@ -48,8 +53,27 @@ class Served:
 
 
 @contextmanager
+def running(app: FastAPI) -> Iterator[str]:
+    """`app` under a real uvicorn server in a thread on a free localhost port; yields its /v1 URL."""
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield url(sock)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@contextmanager
 def serving(pair: ModelPair, *, queue_size: int = 16, api_key: str | None = None) -> Iterator[Served]:
-    """A real uvicorn server in a thread on a free port, over its own decoder of `pair`."""
+    """The server's app over its own decoder of `pair`, running (see `running`)."""
     controls = Controls(DecodingSettings())
     engine = Engine(pair.speculative(controls), controls, queue_size)
     options = ServeOptions(
@@ -60,21 +84,11 @@ def serving(pair: ModelPair, *, queue_size: int = 16, api_key: str | None = None
         max_new_tokens=64,
         api_key=api_key,
     )
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(pair, engine, options), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
     try:
-        yield Served(url(sock), engine, pair)
+        with running(create_app(pair, engine, options)) as address:
+            yield Served(address, engine, pair)
     finally:
-        server.should_exit = True
-        thread.join(30)
         engine.close()
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +238,36 @@ def test_closing_a_stream_stops_the_decoder(served: Served) -> None:
 
 
 @pytest.mark.slow
+def test_a_client_giving_up_on_a_whole_reply_stops_the_decoder(served: Served) -> None:
+    """A non-streamed request whose client times out and closes its connection is cancelled: the
+    server sees the disconnection while it waits for the reply (every `DISCONNECT_POLL` seconds)."""
+    client = served.client()
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": user(),
+        "max_tokens": 400,
+        "temperature": 1.0,
+        "seed": 3,
+        "fsd": {"draft_tokens": 1},
+    }
+    body_without_fsd = {k: v for k, v in body.items() if k != "fsd"}
+    full = extra(client.chat.completions.create(**body_without_fsd, extra_body={"fsd": body["fsd"]}), "fsd")[
+        "steps"
+    ]
+    assert full >= 40
+    before = served.engine.steps
+    payload = json.dumps(body).encode()
+    address = urlparse(served.url)
+    with socket.create_connection((address.hostname, address.port)) as conn:
+        head = f"POST {address.path}/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        conn.sendall(head.encode() + payload)
+        time.sleep(0.2)  # decoding: then the client hangs up
+    after = client.chat.completions.create(model=MODEL, messages=user(), max_tokens=1)  # type: ignore[arg-type]
+    assert served.engine.steps - before - extra(after, "fsd")["steps"] < full / 2
+
+
+@pytest.mark.slow
 def test_a_resent_history_prefills_only_what_is_new(served: Served) -> None:
     """A multi-turn client re-sends the conversation: the decoder's KV cache keeps the shared start,
     so the target's prefill feeds only the tokens after it (counted by a forward hook)."""
@@ -365,3 +409,22 @@ def test_a_full_queue_answers_429(pair: ModelPair) -> None:
             "max-new-tokens",
             "context",
         }
+
+
+def test_an_unexpected_error_is_one_line_and_logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catch-all: a route that fails unexpectedly answers a one-line 500 in OpenAI's shape, and
+    its traceback goes to the error log (a real app and server; the route is the test's own)."""
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path))
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/v1/boom")
+    def boom() -> None:
+        raise RuntimeError("secret internal detail")
+
+    with running(app) as address:
+        status, body = plain_http(f"{address}/boom")
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert body["error"]["message"] == "internal error: RuntimeError (details in the server's error log)"
+    log = (tmp_path / "fsd-chat.log").read_text()
+    assert "Traceback" in log and "secret internal detail" in log

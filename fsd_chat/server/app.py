@@ -48,6 +48,9 @@ FINISH_REASONS: dict[StopReason, str] = {
 }
 """OpenAI's finish_reason of each way a reply ends."""
 
+_WAITING = object()
+"""No delivery yet: time to check that the client is still there."""
+
 DISCONNECT_POLL = 0.25
 """Seconds between two checks, while a non-streamed reply decodes, that its client is still there."""
 
@@ -296,19 +299,26 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 _stream(answer, deliveries, body.include_usage), on_close=lambda: engine.cancel(job)
             )
         tokens: list[dict[str, Any]] = []
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_POLL
         try:
             while True:
+                item: Delivery | object
                 try:
-                    item = await asyncio.wait_for(deliveries.get(), DISCONNECT_POLL)
+                    item = await asyncio.wait_for(deliveries.get(), max(check_at - loop.time(), 0.0))
                 except TimeoutError:
+                    item = _WAITING
+                # Checked on a clock, not only when nothing arrives: steps may come every millisecond.
+                if loop.time() >= check_at:
                     if await request.is_disconnected():
                         return Response(status_code=499)  # no one reads it: the job is cancelled below
-                    continue
+                    check_at = loop.time() + DISCONNECT_POLL
                 if item is None:
                     break
                 if isinstance(item, BaseException):
                     raise _decoding_error(item)
-                tokens += reply.add(item)[1]
+                if isinstance(item, Step):
+                    tokens += reply.add(item)[1]
         finally:
             engine.cancel(job)
         return JSONResponse(answer.whole(tokens))
