@@ -7,6 +7,7 @@ Every sampled request sets its seed, so each figure compared here is determinist
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import threading
@@ -15,7 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -72,7 +73,9 @@ def running(app: FastAPI) -> Iterator[str]:
 
 
 @contextmanager
-def serving(pair: ModelPair, *, queue_size: int = 16, api_key: str | None = None) -> Iterator[Served]:
+def serving(
+    pair: ModelPair, *, queue_size: int = 16, api_key: str | None = None, raw: bool = False
+) -> Iterator[Served]:
     """The server's app over its own decoder of `pair`, running (see `running`)."""
     controls = Controls(DecodingSettings())
     engine = Engine(pair.speculative(controls), controls, queue_size)
@@ -82,6 +85,7 @@ def serving(pair: ModelPair, *, queue_size: int = 16, api_key: str | None = None
         settings=DecodingSettings(),
         sampling=SamplingRequest(),
         max_new_tokens=64,
+        raw=raw,
         api_key=api_key,
     )
     try:
@@ -428,3 +432,29 @@ def test_an_unexpected_error_is_one_line_and_logged(tmp_path: Path, monkeypatch:
     assert body["error"]["message"] == "internal error: RuntimeError (details in the server's error log)"
     log = (tmp_path / "fsd-chat.log").read_text()
     assert "Traceback" in log and "secret internal detail" in log
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.slow
+def test_a_chat_template_builds_the_chat_prompt_unless_raw(pair: ModelPair) -> None:
+    """The pair with a chat template on its tokenizer, as an instruction model has: the chat
+    endpoint renders it (a developer message is a system prompt), --raw and the text endpoint do not."""
+    tokenizer = copy.deepcopy(pair.tokenizer)
+    tokenizer.chat_template = TEMPLATE
+    templated = replace(pair, tokenizer=tokenizer)
+    messages = [{"role": "developer", "content": "Tell short stories."}, {"role": "user", "content": PROMPT}]
+    turns = [Message("system", "Tell short stories."), Message("user", PROMPT)]
+    with_template = prompt_ids(tokenizer, turns)
+    plain = prompt_ids(tokenizer, turns, raw=True)
+    assert len(with_template) != len(plain)
+    for raw, expected in ((False, with_template), (True, plain)):
+        with serving(templated, raw=raw) as s:
+            reply = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(expected)
+            text = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            assert text.usage is not None and text.usage.prompt_tokens == len(tokenizer(PROMPT).input_ids)
