@@ -206,7 +206,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 code="model_not_found",
             )
 
-    def prompt_of(body: CompletionFields, kind: Kind) -> list[int]:
+    def prompt_of(body: CompletionFields) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             messages = [
                 Message("system" if m.role == "developer" else m.role, m.text()) for m in body.messages
@@ -245,7 +245,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
         sampling = request.resolve(pair.target.generation_config, options.model_id).config
         try:
-            ids = await run_in_threadpool(prompt_of, body, kind)
+            ids = await run_in_threadpool(prompt_of, body)
         except FsdChatError as exc:
             param = "messages" if kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from None
