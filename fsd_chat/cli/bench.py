@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
+from fsd_chat.bench.prompts import PRESETS
+from fsd_chat.bench.records import BASELINES, FSD_RULES, Method
 from fsd_chat.cli import options as o
 from fsd_chat.cli.option import takes
 from fsd_chat.decoding.settings import LOOKUP
@@ -71,6 +73,11 @@ def _opt(flag: str, help_text: str, envvar: str | None = None) -> typer.models.O
     return info
 
 
+DRAFT_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
+"""The baselines of a bench with a draft model."""
+LOOKUP_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-prompt-lookup")
+"""The baselines of a bench with no draft (prompt lookup): transformers' own prompt lookup, not its
+assisted generation, which needs a draft model."""
 PRESET = " Default: the preset's."
 TARGET = o.TARGET.replace(required=True)
 MAX_NEW_TOKENS = o.MAX_NEW_TOKENS.replace(default=None, help=o.MAX_NEW_TOKENS.help + PRESET)
@@ -112,7 +119,7 @@ def bench(
         str,
         _opt(
             "--prompts",
-            "Prompt set: tinystories, commonsenseqa, gsm8k, mt-bench, or a JSONL file with `prompt` (and optionally `answer`) fields.",
+            f"Prompt set: {', '.join(PRESETS)}, or a JSONL file with `prompt` (and optionally `answer`) fields.",
         ),
     ],
     data_dir: Annotated[
@@ -120,7 +127,7 @@ def bench(
     ] = Path("../shared/data"),
     limit: Annotated[int | None, _opt("--limit", "Number of prompts (from the start of the set).")] = None,
     rules: Annotated[
-        str | None, _opt("--rules", "Lossy rules: fuzzy, pure, mixture (comma-separated, or none).")
+        str | None, _opt("--rules", f"Lossy rules: {', '.join(FSD_RULES)} (comma-separated, or none).")
     ] = None,
     mixture_thresholds: Annotated[
         str | None,
@@ -138,12 +145,13 @@ def bench(
     ] = None,
     seed: Annotated[int, _opt("--seed", "Base seed: prompt i is decoded with seed + i by every method.")] = 0,
     baselines: Annotated[
-        str,
+        str | None,
         _opt(
             "--baselines",
-            "Baselines: autoregressive, exact, hf-assisted, hf-assisted-default, hf-ensemble (comma-separated, or none).",
+            f"Baselines: {', '.join(BASELINES)} (comma-separated, or none). Default: "
+            f"{','.join(DRAFT_BASELINES)} with a draft model, {','.join(LOOKUP_BASELINES)} without.",
         ),
-    ] = "autoregressive,exact,hf-assisted",
+    ] = None,
     repeats: Annotated[int | None, _opt("--repeats", "Runs of each prompt per configuration.")] = None,
     quick: Annotated[bool, _opt("--quick", "The quick preset (under 10 minutes on a 2-core CPU).")] = False,
     output: Annotated[
@@ -157,6 +165,9 @@ def bench(
     from fsd_chat.bench.sweep import SweepSpec
 
     preset = QUICK if quick else FULL
+    draft = o.DRAFT.get(values) or LOOKUP
+    if baselines is None:
+        baselines = ",".join(LOOKUP_BASELINES if draft == LOOKUP else DRAFT_BASELINES)
     thresholds, divergences = THRESHOLDS.get(values), DIVERGENCES.get(values)
     draft_tokens, draft_policies = DRAFT_TOKENS.get(values), DRAFT_POLICIES.get(values)
     max_new_tokens, threads = MAX_NEW_TOKENS.get(values), o.THREADS.get(values)
@@ -182,7 +193,7 @@ def bench(
     quiet_libraries()
     status = run_bench(
         target=TARGET.of(values),
-        draft=o.DRAFT.get(values) or LOOKUP,
+        draft=draft,
         prompts=prompts,
         data_dir=data_dir,
         limit=limit if limit is not None else preset.limit,
