@@ -4,6 +4,9 @@ report.json, report.md and tradeoff.png, and show the table and plots on the ter
 from __future__ import annotations
 
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,18 +26,25 @@ from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup, SweepResult
-from fsd_chat.bench.runner import run_sweep
+from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup
+from fsd_chat.bench.runner import OnRun, run_sweep
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
 from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
 from fsd_chat.models.options import pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.interrupts import interrupts
 from fsd_chat.support.text import visible
 from fsd_chat.support.threads import apply_threads
 
-EXIT_INTERRUPTED = 130
+PROGRESS_COLUMNS = (
+    TextColumn("{task.description}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TimeElapsedColumn(),
+    TimeRemainingColumn(),
+)
 
 
 def _sweep_record(
@@ -67,7 +77,8 @@ def run_bench(
     threads: int | None,
     trust_remote_code: bool,
 ) -> int:
-    """Run the benchmark; returns the exit status (0, or 130 when Ctrl-C cut the sweep short).
+    """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
+    cut the sweep short (what was measured is reported all the same).
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -99,6 +110,8 @@ def run_bench(
         specs = pair_specs(
             target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
         )
+        if not console.is_terminal:  # a status spinner shows only on a terminal
+            console.print(Text(f"loading {setup.label}"))
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
         pairs[setup.label] = by_setup[setup] = pair
@@ -116,24 +129,8 @@ def run_bench(
         )
 
     runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("warming up", total=runs_total)
-
-        def advance(config: Configuration, phase: str) -> None:
-            progress.update(
-                task,
-                advance=1,
-                description=f"{phase} · {config.setup.label} · {config.sampling} · {config.label}",
-            )
-
-        result: SweepResult = run_sweep(
+    with interrupts(), _progress(console, runs_total) as advance:
+        result = run_sweep(
             by_setup,
             configs,
             prompt_set,
@@ -156,7 +153,35 @@ def run_bench(
         title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
         f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",
     )
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    return result.exit_status
+
+
+@contextmanager
+def _progress(console: Console, total: int) -> Iterator[OnRun]:
+    """The sweep's progress, told after each of its `total` generations: a bar on a terminal; else
+    (a log file, a pipe) one line each, with the count and the seconds so far, since a redirected
+    stream cannot redraw a bar."""
+
+    def describe(config: Configuration, phase: str) -> str:
+        return f"{phase} · {config.setup.label} · {config.sampling} · {config.label}"
+
+    if console.is_terminal:
+        with Progress(*PROGRESS_COLUMNS, console=console, transient=False) as progress:
+            task = progress.add_task("warming up", total=total)
+            yield lambda config, phase: progress.update(task, advance=1, description=describe(config, phase))
+        return
+    start = time.monotonic()
+    done = 0
+
+    def line(config: Configuration, phase: str) -> None:
+        nonlocal done
+        done += 1
+        console.print(
+            Text(f"{done}/{total} {describe(config, phase)} · {time.monotonic() - start:.0f} s"),
+            soft_wrap=True,
+        )
+
+    yield line
 
 
 OUTPUT_FILES = ("report.json", "report.md", "tradeoff.png")

@@ -4,7 +4,8 @@ For each prompt (and repeat), all configurations run back to back, in an order r
 one prompt to the next, so that drift of the machine (other processes, thermal state) falls on
 every configuration alike and no configuration always runs first. Every configuration runs once,
 untimed, on a short reply before measuring starts (first-call allocations and lazy initialisation).
-A KeyboardInterrupt ends the sweep early and keeps what was measured.
+A KeyboardInterrupt (Ctrl-C, or SIGTERM within `support.interrupts.interrupts`) ends the sweep early
+and keeps what was measured.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fsd_chat.bench.quality import target_nll
 from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.support.interrupts import exit_status
 
 WARMUP_TOKENS = 8
 
@@ -77,9 +79,9 @@ def run_sweep(
                     runs.append(Measurement(config, index, repeat, ids[index], generation, nll, correct))
                     notify(config, "measure")
                 trial += 1
-    except KeyboardInterrupt:
-        return SweepResult(runs, interrupted=True)
+    except KeyboardInterrupt as interrupt:
+        return SweepResult(runs, exit_status(interrupt))
     finally:
         for runner in runners.values():
             runner.close()
-    return SweepResult(runs, interrupted=False)
+    return SweepResult(runs)
