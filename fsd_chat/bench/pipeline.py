@@ -230,8 +230,8 @@ def write_outputs(
     results = report.Report(environment(pairs), sweep, interrupted, summaries, verdicts)
     plot_name = "tradeoff.png" if summaries else None
     console = Console(highlight=False)
-    if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows
-        console = Console(width=200, highlight=False)
+    if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows, however wide
+        console = Console(width=1000, highlight=False)
     # The title holds model and prompt-file paths: text, not markup, and no raw control characters.
     console.print(
         Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
