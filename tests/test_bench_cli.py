@@ -1,5 +1,6 @@
-"""`fsd-chat bench` as a process: its help lists every choice the parser takes, and Ctrl-C or SIGTERM
-in the middle of a sweep (a real signal, sent once the sweep has started measuring) keeps what was
+"""`fsd-chat bench` as a process: its help lists every choice the parser takes; it says up front what
+the sweep will take, and --quick cuts the counts it chose to keep its time; Ctrl-C or SIGTERM in the
+middle of a sweep (a real signal, sent once the sweep has started measuring) keeps what was
 measured, with one progress line per run on a redirected stderr.
 """
 
@@ -10,12 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from fsd_chat.bench.pipeline import MIN_PROMPTS, MIN_TOKENS, TimeBudget, fit
 from fsd_chat.bench.prompts import PRESETS
 from fsd_chat.bench.records import BASELINES, FSD_RULES
+from fsd_chat.bench.runner import Timing
 from fsd_chat.cli import main
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -72,6 +76,10 @@ def test_a_signal_keeps_what_was_measured(target_dir: Path, tmp_path: Path, sign
     finally:
         process.kill()
     progress += rest.splitlines(keepends=True)
+    # Before the sweep: what it will take, from a timed target-only reply.
+    assert any(
+        re.match(r"estimate: about \d+ (s|minutes), 5 configurations × 20 prompts", line) for line in progress
+    )
     assert process.returncode == status, rest
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert report["interrupted"] is True
@@ -90,3 +98,21 @@ def test_a_signal_keeps_what_was_measured(target_dir: Path, tmp_path: Path, sign
     ] and all(" warm-up · " in line for line in runs[:5])  # fmt: skip
     assert [int(line.split("/")[0]) for line in runs] == list(range(1, len(runs) + 1))
     assert measured - (len(runs) - 5) in (0, 1)
+
+
+def test_quick_cuts_what_the_preset_chose_to_fit_its_time() -> None:
+    """`fit` on timings as a slow pair gives them: the token cap first, to the largest that fits,
+    then the prompts; never below the floors, never a count given on the command line."""
+    quick = TimeBudget(540.0, prompts=True, tokens=True)
+    # 10 configurations × 8 prompts × ≤96 tokens: 87 s at 10 ms a token; nothing to cut.
+    assert fit(quick, Timing(0.1, 0.01), 10, 8, 1, 96) == (8, 96)
+    # At 100 ms a token, 794 s: the cap is cut to the largest that fits.
+    slow = Timing(0.2, 0.1)
+    prompts, tokens = fit(quick, slow, 10, 8, 1, 96)
+    assert prompts == 8 and slow.estimate(10, 8, 1, tokens) <= 540 < slow.estimate(10, 8, 1, tokens + 1)
+    # At 500 ms a token, the cap stops at its floor, then the prompts at theirs: still over.
+    slower = Timing(0.2, 0.5)
+    assert fit(quick, slower, 10, 8, 1, 96) == (MIN_PROMPTS, MIN_TOKENS)
+    # --max-new-tokens given: only the prompts are cut; both given: nothing is.
+    assert fit(replace(quick, tokens=False), slower, 10, 8, 1, 96) == (MIN_PROMPTS, 96)
+    assert fit(TimeBudget(540.0, prompts=False, tokens=False), slower, 10, 8, 1, 96) == (8, 96)

@@ -7,7 +7,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -27,9 +27,10 @@ from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup
-from fsd_chat.bench.runner import OnRun, run_sweep
+from fsd_chat.bench.runner import WARMUP_TOKENS, OnRun, Timing, run_sweep, time_target_only
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
+from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
 from fsd_chat.models.options import pair_specs
 from fsd_chat.models.pair import ModelPair
@@ -61,6 +62,45 @@ def _sweep_record(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class TimeBudget:
+    """A time promise (`--quick`'s): the sweep's seconds, and which counts the preset chose (and so
+    may be cut to keep it; counts given on the command line are kept)."""
+
+    seconds: float
+    prompts: bool
+    tokens: bool
+
+
+QUICK_BUDGET_SECONDS = 540.0
+"""--quick's sweep: 10 minutes less one for loading, scoring and writing the reports."""
+MIN_PROMPTS = 6
+"""The fewest prompts a cut leaves: a speed-up's interval needs 6 (`stats.median_with_ci95`)."""
+MIN_TOKENS = 32
+"""The shortest token cap a cut leaves."""
+
+
+def fit(
+    budget: TimeBudget, timing: Timing, configs: int, prompts: int, repeats: int, max_new_tokens: int
+) -> tuple[int, int]:
+    """The prompt count and token cap that keep `timing.estimate` within the budget: the cap cut
+    first (down to `MIN_TOKENS`), then the prompts (down to `MIN_PROMPTS`), each only where the
+    preset chose it; it may still run over."""
+    each = budget.seconds / configs  # a configuration's share, its warm-up's run and tokens aside
+    afford = each - timing.per_run - WARMUP_TOKENS * timing.per_token
+    if budget.tokens and timing.estimate(configs, prompts, repeats, max_new_tokens) > budget.seconds:
+        tokens = (afford / (prompts * repeats) - timing.per_run) / timing.per_token
+        max_new_tokens = max(min(max_new_tokens, int(tokens)), MIN_TOKENS)
+    if budget.prompts and timing.estimate(configs, prompts, repeats, max_new_tokens) > budget.seconds:
+        runs = afford / (timing.per_run + max_new_tokens * timing.per_token)
+        prompts = max(min(prompts, int(runs / repeats)), MIN_PROMPTS)
+    return prompts, max_new_tokens
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def run_bench(
     *,
     target: str,
@@ -76,6 +116,7 @@ def run_bench(
     device: str,
     threads: int | None,
     trust_remote_code: bool,
+    budget: TimeBudget | None = None,
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
     cut the sweep short (what was measured is reported all the same).
@@ -103,7 +144,8 @@ def run_bench(
     if resolve_device(device).type == "cpu":
         apply_threads(threads)
     check_writable(output)
-    console = Console(stderr=True)
+    # Lines unbroken (a terminal wraps them itself): a log keeps each note on one line.
+    console = Console(stderr=True, soft_wrap=True)
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
@@ -126,6 +168,40 @@ def run_bench(
     if model_sampling.not_applied:
         console.print(
             Text(f"not applied (p and q alike): {', '.join(model_sampling.not_applied)}", style="dim")
+        )
+
+    # Up front, what the sweep will take; under a budget, cut to keep it.
+    scorer = by_setup[setups[0]]
+    timing = time_target_only(
+        scorer, setups[0], prompt_ids(scorer.tokenizer, [Message("user", prompt_set.items[0].text)])
+    )
+    asked = (len(prompt_set.items), max_new_tokens)
+    if budget is not None:
+        count, max_new_tokens = fit(budget, timing, len(configs), asked[0], repeats, max_new_tokens)
+        prompt_set = replace(prompt_set, items=prompt_set.items[:count])
+    estimate = timing.estimate(len(configs), len(prompt_set.items), repeats, max_new_tokens)
+    console.print(
+        Text(
+            f"estimate: about {_minutes(estimate)}, {len(configs)} configurations × {len(prompt_set.items)} "
+            f"prompts × ≤{max_new_tokens} tokens at {1000 * timing.per_token:.1f} ms a token and "
+            f"{1000 * timing.per_run:.0f} ms a run (target-only, timed)",
+            style="dim",
+        )
+    )
+    if budget is not None and (len(prompt_set.items), max_new_tokens) != asked:
+        console.print(
+            Text(
+                f"cut from {asked[0]} prompts × ≤{asked[1]} tokens to stay within {_minutes(budget.seconds)}",
+                style="dim",
+            )
+        )
+    if budget is not None and estimate > budget.seconds:
+        console.print(
+            Text(
+                f"over the {_minutes(budget.seconds)} asked for: fewer --thresholds, --divergences, --limit or "
+                "--max-new-tokens make it shorter",
+                style="yellow",
+            )
         )
 
     runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
@@ -176,10 +252,7 @@ def _progress(console: Console, total: int) -> Iterator[OnRun]:
     def line(config: Configuration, phase: str) -> None:
         nonlocal done
         done += 1
-        console.print(
-            Text(f"{done}/{total} {describe(config, phase)} · {time.monotonic() - start:.0f} s"),
-            soft_wrap=True,
-        )
+        console.print(Text(f"{done}/{total} {describe(config, phase)} · {time.monotonic() - start:.0f} s"))
 
     yield line
 

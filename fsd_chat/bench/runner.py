@@ -11,6 +11,7 @@ and keeps what was measured.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fsd_chat.bench.methods import PairRunner
 from fsd_chat.bench.prompts import PromptSet
@@ -21,9 +22,52 @@ from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.interrupts import exit_status
 
 WARMUP_TOKENS = 8
+TIMED_TOKENS = 40
+"""Tokens of the longer of the two target-only replies that `time_target_only` times."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Greedy target-only decoding's wall clock on a pair: a run's fixed seconds (building the
+    decoder, the prefill, the call) and the seconds a generated token adds."""
+
+    per_run: float
+    per_token: float
+
+    def estimate(self, configs: int, prompts: int, repeats: int, max_new_tokens: int) -> float:
+        """The sweep's seconds if every configuration decoded every reply to its cap at this speed,
+        warm-ups included: speculative methods are usually faster than target-only decoding and
+        replies that end early are shorter, so it errs long (quality scoring aside)."""
+        runs = prompts * repeats
+        return configs * (
+            (runs + 1) * self.per_run + (runs * max_new_tokens + WARMUP_TOKENS) * self.per_token
+        )
+
 
 OnRun = Callable[[Configuration, str], None]
 """Called after every generation with its configuration and "warm-up" or "measure"."""
+
+
+def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing:
+    """Time greedy target-only decoding of `prompt` (shape [prompt tokens]) on `pair`: after an
+    untimed warm-up, a `WARMUP_TOKENS` and a `TIMED_TOKENS` reply, whose difference is the tokens'
+    cost and the rest each run's (a reply that ends early at EOS counts what it generated)."""
+    runner = PairRunner(pair)
+    config = Configuration(setup, 0.0, "autoregressive")
+    try:
+        runner.run(config, prompt, max_new_tokens=WARMUP_TOKENS, seed=0, stop_strings=())
+        short, long = (
+            runner.run(config, prompt, max_new_tokens=n, seed=0, stop_strings=())
+            for n in (WARMUP_TOKENS, TIMED_TOKENS)
+        )
+    finally:
+        runner.close()
+    extra_tokens = len(long.token_ids) - len(short.token_ids)
+    # Timing noise can make the longer run no slower: then charge it all to its tokens.
+    per_token = (long.seconds - short.seconds) / extra_tokens if extra_tokens > 0 else 0.0
+    if per_token <= 0:
+        per_token = long.seconds / max(len(long.token_ids), 1)
+    return Timing(max(short.seconds - per_token * len(short.token_ids), 0.0), per_token)
 
 
 def run_sweep(
