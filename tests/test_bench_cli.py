@@ -116,3 +116,5 @@ def test_quick_cuts_what_the_preset_chose_to_fit_its_time() -> None:
     # --max-new-tokens given: only the prompts are cut; both given: nothing is.
     assert fit(replace(quick, tokens=False), slower, 10, 8, 1, 96) == (MIN_PROMPTS, 96)
     assert fit(TimeBudget(540.0, prompts=False, tokens=False), slower, 10, 8, 1, 96) == (8, 96)
+    # A set smaller than the floors is never made larger.
+    assert fit(quick, Timing(0.2, 5.0), 10, 2, 1, 16) == (2, 16)

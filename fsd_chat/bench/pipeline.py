@@ -85,15 +85,15 @@ def fit(
 ) -> tuple[int, int]:
     """The prompt count and token cap that keep `timing.estimate` within the budget: the cap cut
     first (down to `MIN_TOKENS`), then the prompts (down to `MIN_PROMPTS`), each only where the
-    preset chose it; it may still run over."""
+    preset chose it and never up; it may still run over."""
     each = budget.seconds / configs  # a configuration's share, its warm-up's run and tokens aside
     afford = each - timing.per_run - WARMUP_TOKENS * timing.per_token
     if budget.tokens and timing.estimate(configs, prompts, repeats, max_new_tokens) > budget.seconds:
         tokens = (afford / (prompts * repeats) - timing.per_run) / timing.per_token
-        max_new_tokens = max(min(max_new_tokens, int(tokens)), MIN_TOKENS)
+        max_new_tokens = max(min(max_new_tokens, int(tokens)), min(MIN_TOKENS, max_new_tokens))
     if budget.prompts and timing.estimate(configs, prompts, repeats, max_new_tokens) > budget.seconds:
         runs = afford / (timing.per_run + max_new_tokens * timing.per_token)
-        prompts = max(min(prompts, int(runs / repeats)), MIN_PROMPTS)
+        prompts = max(min(prompts, int(runs / repeats)), min(MIN_PROMPTS, prompts))
     return prompts, max_new_tokens
 
 
