@@ -10,6 +10,7 @@ and keeps what was measured.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ TIMED_TOKENS = 40
 @dataclass(frozen=True, slots=True)
 class Timing:
     """Greedy target-only decoding's wall clock on a pair: a run's fixed seconds (building the
-    decoder, the prefill, the call) and the seconds a generated token adds."""
+    decoder, the prefill, the call, scoring the reply) and the seconds a generated token adds."""
 
     per_run: float
     per_token: float
@@ -51,7 +52,8 @@ OnRun = Callable[[Configuration, str], None]
 def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing:
     """Time greedy target-only decoding of `prompt` (shape [prompt tokens]) on `pair`: after an
     untimed warm-up, a `WARMUP_TOKENS` and a `TIMED_TOKENS` reply, whose difference is the tokens'
-    cost and the rest each run's (a reply that ends early at EOS counts what it generated)."""
+    cost and the rest each run's (a reply that ends early at EOS counts what it generated), to which
+    the scoring of a run's reply (`target_nll`) is added."""
     runner = PairRunner(pair)
     config = Configuration(setup, 0.0, "autoregressive")
     try:
@@ -67,7 +69,10 @@ def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing
     per_token = (long.seconds - short.seconds) / extra_tokens if extra_tokens > 0 else 0.0
     if per_token <= 0:
         per_token = long.seconds / max(len(long.token_ids), 1)
-    return Timing(max(short.seconds - per_token * len(short.token_ids), 0.0), per_token)
+    start = time.perf_counter()
+    target_nll(pair.target, pair.vocab_size, prompt, long.token_ids)
+    scoring = time.perf_counter() - start
+    return Timing(max(short.seconds - per_token * len(short.token_ids), 0.0) + scoring, per_token)
 
 
 def run_sweep(
