@@ -56,16 +56,16 @@ REQUIRED_KEYS = {
 }
 
 
-def _bench(target: Path, draft: Path, out: Path, *sweep: str) -> dict:
-    """`fsd-chat bench` through the real CLI on TinyStories prompts, k = 3, CPU float32, one torch
-    thread, plus `sweep`'s options; returns report.json."""
+def _bench(target: Path, draft: Path | None, out: Path, *sweep: str, prompts: str = "tinystories") -> dict:
+    """`fsd-chat bench` through the real CLI on `prompts` (TinyStories), k = 3, CPU float32, one
+    torch thread, plus `sweep`'s options (no draft: prompt lookup); returns report.json."""
     threads = torch.get_num_threads()  # --threads sets a process-wide value: give it back after
     main(
         [
             "bench",
             "--target", str(target),
-            "--draft", str(draft),
-            "--prompts", "tinystories",
+            *(["--draft", str(draft)] if draft is not None else []),
+            "--prompts", prompts,
             "--data-dir", str(DATA_DIR),
             "--draft-tokens", "3",
             "--device", "cpu",

@@ -1,10 +1,13 @@
-"""`fsd-chat generate` end to end: JSON Lines output, plain output, and one-line errors (exit 2)."""
+"""`fsd-chat generate` end to end: JSON Lines output, plain output, one-line errors (exit 2), and a
+reply ended by a signal."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fsd_chat.cli import main
+from tests.test_bench_cli import CLI
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -231,3 +235,40 @@ def test_sampling_defaults_come_from_the_generation_config(
         )[1].splitlines()[-1]
     )
     assert plain["sampling"]["temperature"] == 0.0 and plain["sampling_source"] == "built-in default"
+
+
+@pytest.mark.slow  # four processes, each loading the models
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "plain"])
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_the_reply_with_its_summary(
+    target_dir: Path, as_json: bool, signum: int, status: int
+) -> None:
+    """Ctrl-C or SIGTERM, sent once the reply has begun, ends it where it is: with --json the
+    summary object follows the steps, with stop reason "interrupted"; plain, the line is ended and
+    stderr says so with the count. Exit 128 + the signal's number."""
+    args = ["generate", "--target", str(target_dir), "--device", "cpu", "--max-new-tokens", "400"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", CLI, *args, *(["--json"] if as_json else []), "Once upon a time"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        first = os.read(process.stdout.fileno(), 1)  # the reply has begun
+        assert first, "generate wrote nothing"
+        process.send_signal(signum)
+        rest, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    out, errors = (first + rest).decode("utf-8"), err.decode("utf-8")
+    assert process.returncode == status, errors
+    if as_json:
+        *steps, summary = [json.loads(line) for line in out.splitlines()]
+        assert summary["stop_reason"] == "interrupted"
+        assert all(step["stop_reason"] is None for step in steps)  # no step ended it
+        assert summary["token_ids"] == [t["id"] for step in steps for t in step["tokens"]]
+        assert 0 < summary["stats"]["tokens"] == len(summary["token_ids"]) < 400
+    else:
+        assert out.endswith("\n") and out.strip()
+        match = re.search(r"fsd-chat: interrupted after (\d+) tokens \([\d.]+ tok/s\)\n", errors)
+        assert match is not None and 0 < int(match.group(1)) < 400, errors

@@ -100,7 +100,7 @@ class Summary:
         mean_accepted_length: τ, tokens per target forward.
         draft_tokens_per_step: Mean k: drafted tokens per target forward (None without drafting).
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
-        fuzzy_share: Share of tokens accepted only by the divergence test.
+        fuzzy_share: Share of tokens accepted only by the relaxed test (None without drafting).
         target_forwards_per_token: Target forwards / tokens (1/τ).
         draft_forwards_per_token: Draft forwards / tokens.
         target_forward_seconds: Mean seconds of one target forward (prefill excluded).
@@ -128,7 +128,7 @@ class Summary:
     mean_accepted_length: float
     draft_tokens_per_step: float | None
     acceptance_rate: float | None
-    fuzzy_share: float
+    fuzzy_share: float | None
     target_forwards_per_token: float
     draft_forwards_per_token: float
     target_forward_seconds: float | None
@@ -140,8 +140,8 @@ class Summary:
     quality: Quality
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready dict: the configuration's fields flattened in, tokens/s as its median with a
-        separate `tokens_per_second_spread`."""
+        """JSON-ready dict: the configuration's fields flattened in with its `label`, `setup` and
+        `sampling` for people, tokens/s as its median with a separate `tokens_per_second_spread`."""
         data = asdict(self)
         config = data.pop("config")
         setup = config.pop("setup")
@@ -150,6 +150,8 @@ class Summary:
             **config,
             **setup,
             "label": self.config.label,
+            "setup": self.config.setup.label,
+            "sampling": self.config.sampling,
             "tokens_per_second": spread["median"],
             "tokens_per_second_spread": spread,
             **data,
@@ -428,6 +430,7 @@ def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Sum
         counts = [_Counts.of(r) for r in mine]
         target_forwards = sum(c.target for c in counts)
         draft_forwards = sum(c.draft for c in counts)
+        drafted = sum(c.drafted for c in counts)
         limits = [x for r, c in zip(mine, counts, strict=True) if (x := _limit(r, c)) is not None]
         t_target = _mean_forward_seconds(
             (r.generation.target.decode_seconds for r in mine),
@@ -455,9 +458,9 @@ def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Sum
                 work_speedup=work_speedups,
                 work_speedup_ci95=work_intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
-                draft_tokens_per_step=_ratio(sum(c.drafted for c in counts), target_forwards) or None,
-                acceptance_rate=_ratio(sum(c.accepted for c in counts), sum(c.drafted for c in counts)),
-                fuzzy_share=_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0,
+                draft_tokens_per_step=_ratio(drafted, target_forwards) or None,
+                acceptance_rate=_ratio(sum(c.accepted for c in counts), drafted),
+                fuzzy_share=(_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0) if drafted else None,
                 target_forwards_per_token=_ratio(target_forwards, tokens) or 0.0,
                 draft_forwards_per_token=_ratio(draft_forwards, tokens) or 0.0,
                 target_forward_seconds=t_target,

@@ -4,7 +4,10 @@ report.json, report.md and tradeoff.png, and show the table and plots on the ter
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -23,18 +26,26 @@ from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup, SweepResult
-from fsd_chat.bench.runner import run_sweep
+from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup
+from fsd_chat.bench.runner import WARMUP_TOKENS, OnRun, Timing, run_sweep, time_target_only
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
+from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
 from fsd_chat.models.options import pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.interrupts import interrupts
 from fsd_chat.support.text import visible
 from fsd_chat.support.threads import apply_threads
 
-EXIT_INTERRUPTED = 130
+PROGRESS_COLUMNS = (
+    TextColumn("{task.description}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TimeElapsedColumn(),
+    TimeRemainingColumn(),
+)
 
 
 def _sweep_record(
@@ -49,6 +60,47 @@ def _sweep_record(
         "repeats": repeats,
         **asdict(spec),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class TimeBudget:
+    """A time promise (`--quick`'s): the sweep's seconds, and which counts the preset chose (and so
+    may be cut to keep it; counts given on the command line are kept)."""
+
+    seconds: float
+    prompts: bool
+    tokens: bool
+
+
+QUICK_BUDGET_SECONDS = 480.0
+"""--quick's sweep: 10 minutes less one for loading and writing the reports, and one for a machine
+that slows as the sweep runs (on a 2-core CPU shared with other work, target-only decoding was
+measured 50% slower mid-sweep than when timed before it)."""
+MIN_PROMPTS = 6
+"""The fewest prompts a cut leaves: a speed-up's interval needs 6 (`stats.median_with_ci95`)."""
+MIN_TOKENS = 32
+"""The shortest token cap a cut leaves."""
+
+
+def fit(
+    budget: TimeBudget, timing: Timing, configs: int, prompts: int, repeats: int, max_new_tokens: int
+) -> tuple[int, int]:
+    """The prompt count and token cap that keep `timing.estimate` within the budget: the cap cut
+    first (down to `MIN_TOKENS`), then the prompts (down to `MIN_PROMPTS`), each only where the
+    preset chose it and never up; it may still run over."""
+    each = budget.seconds / configs  # a configuration's share, its warm-up's run and tokens aside
+    afford = each - timing.per_run - WARMUP_TOKENS * timing.per_token
+    if budget.tokens and timing.estimate(configs, prompts, repeats, max_new_tokens) > budget.seconds:
+        tokens = (afford / (prompts * repeats) - timing.per_run) / timing.per_token
+        max_new_tokens = max(min(max_new_tokens, int(tokens)), min(MIN_TOKENS, max_new_tokens))
+    if budget.prompts and timing.estimate(configs, prompts, repeats, max_new_tokens) > budget.seconds:
+        runs = afford / (timing.per_run + max_new_tokens * timing.per_token)
+        prompts = max(min(prompts, int(runs / repeats)), min(MIN_PROMPTS, prompts))
+    return prompts, max_new_tokens
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def run_bench(
@@ -66,8 +118,10 @@ def run_bench(
     device: str,
     threads: int | None,
     trust_remote_code: bool,
+    budget: TimeBudget | None = None,
 ) -> int:
-    """Run the benchmark; returns the exit status (0, or 130 when Ctrl-C cut the sweep short).
+    """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
+    cut the sweep short (what was measured is reported all the same).
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -92,13 +146,16 @@ def run_bench(
     if resolve_device(device).type == "cpu":
         apply_threads(threads)
     check_writable(output)
-    console = Console(stderr=True)
+    # Lines unbroken (a terminal wraps them itself): a log keeps each note on one line.
+    console = Console(stderr=True, soft_wrap=True)
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
         specs = pair_specs(
             target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
         )
+        if not console.is_terminal:  # a status spinner shows only on a terminal
+            console.print(Text(f"loading {setup.label}"))
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
         pairs[setup.label] = by_setup[setup] = pair
@@ -115,25 +172,43 @@ def run_bench(
             Text(f"not applied (p and q alike): {', '.join(model_sampling.not_applied)}", style="dim")
         )
 
-    runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
+    # Up front, what the sweep will take; under a budget, cut to keep it.
+    scorer = by_setup[setups[0]]
+    timing = time_target_only(
+        scorer, setups[0], prompt_ids(scorer.tokenizer, [Message("user", prompt_set.items[0].text)])
     )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("warming up", total=runs_total)
-
-        def advance(config: Configuration, phase: str) -> None:
-            progress.update(
-                task,
-                advance=1,
-                description=f"{phase} · {config.setup.label} · {config.sampling} · {config.label}",
+    asked = (len(prompt_set.items), max_new_tokens)
+    if budget is not None:
+        count, max_new_tokens = fit(budget, timing, len(configs), asked[0], repeats, max_new_tokens)
+        prompt_set = replace(prompt_set, items=prompt_set.items[:count])
+    estimate = timing.estimate(len(configs), len(prompt_set.items), repeats, max_new_tokens)
+    console.print(
+        Text(
+            f"estimate: about {_minutes(estimate)}, {len(configs)} configurations × {len(prompt_set.items)} "
+            f"prompts × ≤{max_new_tokens} tokens at {1000 * timing.per_token:.1f} ms a token and "
+            f"{1000 * timing.per_run:.0f} ms a run (target-only, timed)",
+            style="dim",
+        )
+    )
+    if budget is not None and (len(prompt_set.items), max_new_tokens) != asked:
+        console.print(
+            Text(
+                f"cut from {asked[0]} prompts × ≤{asked[1]} tokens to stay within {_minutes(budget.seconds)}",
+                style="dim",
             )
+        )
+    if budget is not None and estimate > budget.seconds:
+        console.print(
+            Text(
+                f"over the {_minutes(budget.seconds)} asked for: fewer --thresholds, --divergences, --limit or "
+                "--max-new-tokens make it shorter",
+                style="yellow",
+            )
+        )
 
-        result: SweepResult = run_sweep(
+    runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
+    with interrupts(), _progress(console, runs_total) as advance:
+        result = run_sweep(
             by_setup,
             configs,
             prompt_set,
@@ -156,7 +231,32 @@ def run_bench(
         title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
         f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",
     )
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    return result.exit_status
+
+
+@contextmanager
+def _progress(console: Console, total: int) -> Iterator[OnRun]:
+    """The sweep's progress, told after each of its `total` generations: a bar on a terminal; else
+    (a log file, a pipe) one line each, with the count and the seconds so far, since a redirected
+    stream cannot redraw a bar."""
+
+    def describe(config: Configuration, phase: str) -> str:
+        return f"{phase} · {config.setup.label} · {config.sampling} · {config.label}"
+
+    if console.is_terminal:
+        with Progress(*PROGRESS_COLUMNS, console=console, transient=False) as progress:
+            task = progress.add_task("warming up", total=total)
+            yield lambda config, phase: progress.update(task, advance=1, description=describe(config, phase))
+        return
+    start = time.monotonic()
+    done = 0
+
+    def line(config: Configuration, phase: str) -> None:
+        nonlocal done
+        done += 1
+        console.print(Text(f"{done}/{total} {describe(config, phase)} · {time.monotonic() - start:.0f} s"))
+
+    yield line
 
 
 OUTPUT_FILES = ("report.json", "report.md", "tradeoff.png")
@@ -205,8 +305,8 @@ def write_outputs(
     results = report.Report(environment(pairs), sweep, interrupted, summaries, verdicts)
     plot_name = "tradeoff.png" if summaries else None
     console = Console(highlight=False)
-    if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows
-        console = Console(width=200, highlight=False)
+    if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows, however wide
+        console = Console(width=1000, highlight=False)
     # The title holds model and prompt-file paths: text, not markup, and no raw control characters.
     console.print(
         Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""

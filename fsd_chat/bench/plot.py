@@ -111,7 +111,8 @@ def write_plot(path: Path, summaries: list[Summary], *, title: str) -> None:
         ax.set_xlabel("cost per token, nats (KL from the target's law; greedy: regret), mean ± 95%")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel can be empty: the sweep ran no exact SD
+            ax.legend(fontsize=7)
     fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -221,7 +221,18 @@ class Measurement:
 
 @dataclass(frozen=True, slots=True)
 class SweepResult:
-    """All measurements, and whether Ctrl-C cut the sweep short."""
+    """All measurements, and how the sweep ended.
+
+    Attributes:
+        runs: The measured generations.
+        exit_status: 0 when it ran to the end, else 128 + the signal that cut it short (130:
+            Ctrl-C, 143: SIGTERM).
+    """
 
     runs: list[Measurement]
-    interrupted: bool
+    exit_status: int = 0
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a signal cut the sweep short."""
+        return self.exit_status != 0

@@ -6,40 +6,215 @@ loading torch or transformers.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsd_chat.bench.curves import Verdict
-from fsd_chat.bench.metrics import SPEEDUP_BASELINES, Quality, Summary
+from fsd_chat.bench.metrics import SPEEDUP_BASELINES, Summary
 from fsd_chat.support.text import to_json
 
-HEADERS = (
-    "setup",
-    "sampling",
-    "method",
-    "div",
-    "T",
-    "k",
-    "policy",
-    "tok/s (median [q1–q3])",
-    "×AR",
-    "×exact",
-    "×HF",
-    "×HF-def",
-    "×exact work",
-    "limit tok/s",
-    "τ",
-    "mean k",
-    "accept",
-    "fuzzy",
-    "cost/tok (±95%)",
-    "NLL",
-    "ΔNLL (±95%)",
-    "greedy agree",
-    "accuracy",
-    "fwd ms t/d",
-    "outside fwd",
+Render = Callable[[Any, Mapping[str, Any]], str]
+"""How a column writes its field's value, given the value and the whole `configs` item (for an
+interval kept in another field)."""
+
+
+def _at(item: Mapping[str, Any], path: str) -> Any:
+    """The value at a dotted path of a report.json `configs` item ("quality.cost_per_token";
+    a missing key of a by-baseline map, as "speedup.hf-assisted" when it did not run, is None)."""
+    value: Any = item
+    for key in path.split("."):
+        value = value.get(key)
+        if value is None:
+            return None
+    return value
+
+
+def _num(fmt: str) -> Render:
+    return lambda value, _item: "–" if value is None else format(value, fmt)
+
+
+def _text(value: Any, _item: Mapping[str, Any]) -> str:
+    return "–" if value is None else str(value)
+
+
+def _spread(_value: Any, item: Mapping[str, Any]) -> str:
+    spread = item["tokens_per_second_spread"]
+    return f"{spread['median']:.1f} [{spread['q1']:.1f}–{spread['q3']:.1f}]"
+
+
+def _policy(value: Any, item: Mapping[str, Any]) -> str:
+    # transformers' methods and target-only decoding have no draft-length policy of fsd-chat's.
+    return "–" if item["method"].startswith(("hf-", "autoregressive")) else str(value)
+
+
+def _speedup(intervals: str, method: str) -> Render:
+    """A paired speed-up with its interval (from report.json's `intervals` map), when it has one."""
+
+    def render(value: Any, item: Mapping[str, Any]) -> str:
+        if value is None:
+            return "–"
+        interval = item[intervals].get(method)
+        if interval is None or interval[0] == interval[1]:  # too few prompts, or the baseline itself
+            return f"{value:.2f}"
+        return f"{value:.2f} [{interval[0]:.2f}–{interval[1]:.2f}]"
+
+    return render
+
+
+def _plus_minus(fmt: str, half_width: str) -> Render:
+    """A figure with its 95% half-width (the dotted path `half_width`) when it has one."""
+
+    def render(value: Any, item: Mapping[str, Any]) -> str:
+        if value is None:
+            return "–"
+        half = _at(item, half_width)
+        return format(value, fmt) if half is None else f"{value:{fmt}} ±{half:{fmt.lstrip('+')}}"
+
+    return render
+
+
+def _milliseconds(value: Any, _item: Mapping[str, Any]) -> str:
+    return "–" if value is None else f"{1000 * value:.1f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column of the results table, shared by report.md and the terminal.
+
+    Attributes:
+        header: Its heading.
+        field: The report.json field it shows: a dotted path into a `configs` item
+            ("quality.cost_per_token", "speedup.exact").
+        meaning: What the figure is, for report.md's legend.
+        render: How the value is written ("–" where it does not apply: None in report.json).
+        terminal: Whether the terminal's narrower table shows it too.
+    """
+
+    header: str
+    field: str
+    meaning: str
+    render: Render = _text
+    terminal: bool = True
+
+    def cell(self, item: Mapping[str, Any]) -> str:
+        """This column's cell for one report.json `configs` item."""
+        return self.render(_at(item, self.field), item)
+
+
+SPEEDUP_HEADERS: dict[str, tuple[str, str]] = {
+    "autoregressive": ("×AR", "target-only decoding"),
+    "exact": ("×exact", "exact speculative decoding in fsd-chat (same k, fixed)"),
+    "hf-assisted": ("×HF", "transformers' assisted generation (same constant k)"),
+    "hf-assisted-default": ("×HF-def", "transformers' assisted generation at its own defaults"),
+    "hf-prompt-lookup": ("×HF-lookup", "transformers' prompt lookup decoding (same k)"),
+}
+"""Each speed-up baseline's header and name (a KeyError on import if `SPEEDUP_BASELINES` gains one
+without them)."""
+
+COLUMNS: tuple[Column, ...] = (
+    Column("setup", "setup", "how the pair was loaded: dtype and quantization", terminal=False),
+    Column("sampling", "sampling", "temperature and truncation, both models alike", terminal=False),
+    Column("method", "method", "the decoding method"),
+    Column("div", "divergence", "the divergence D of the relaxed test (fuzzy, pure)"),
+    Column(
+        "T",
+        "threshold",
+        "the dial: D ≤ T (fuzzy, pure), the per-token KL budget in nats (mixture; greedy: regret), "
+        "or transformers' assistant_ensemble_weight w (hf-ensemble)",
+        _num("g"),
+    ),
+    Column("k", "draft_tokens", "draft length k"),
+    Column("policy", "draft_policy", "fsd-chat's draft-length policy", _policy),
+    Column(
+        "tok/s (median [q1–q3])",
+        "tokens_per_second",
+        "generated tokens / wall-clock seconds of the whole call, over prompts",
+        _spread,
+    ),
+    *(
+        Column(
+            SPEEDUP_HEADERS[method][0],
+            f"speedup.{method}",
+            f"paired median speed-up against {SPEEDUP_HEADERS[method][1]}, with its distribution-free "
+            "95% confidence interval from 6 prompts up",
+            _speedup("speedup_ci95", method),
+        )
+        for method in SPEEDUP_BASELINES
+    ),
+    Column(
+        "×exact work",
+        "work_speedup.exact",
+        "the same against exact SD on the forward-work clock (each run's forward counts × the median "
+        "per-forward times of its setup, sampling and k: immune to other processes, blind to time "
+        "outside forward passes)",
+        _speedup("work_speedup_ci95", "exact"),
+    ),
+    Column(
+        "limit tok/s",
+        "limit_tokens_per_second",
+        "tokens/s with zero overhead, from the measured forward times",
+        _num(".1f"),
+        terminal=False,
+    ),
+    Column("τ", "mean_accepted_length", "tokens per target forward", _num(".2f")),
+    Column("mean k", "draft_tokens_per_step", "drafted tokens per target forward", _num(".2f")),
+    Column("accept", "acceptance_rate", "accepted / drafted tokens", _num(".0%")),
+    Column("fuzzy", "fuzzy_share", "share of tokens accepted only by the relaxed test", _num(".0%")),
+    Column(
+        "cost/tok (±95%)",
+        "quality.cost_per_token",
+        "mean over prompts of the cost per token in nats (KL divergence of each token's law from the "
+        "target's, exact at each position; greedy: log-probability regret) with its 95% interval; 0 "
+        "for lossless methods",
+        _plus_minus(".4f", "quality.cost_per_token_ci95"),
+    ),
+    Column(
+        "NLL",
+        "quality.target_nll",
+        "target negative log-likelihood per generated token (nats)",
+        _num(".3f"),
+        terminal=False,
+    ),
+    Column(
+        "ΔNLL (±95%)",
+        "quality.target_nll_change",
+        "relative change of the NLL against autoregressive decoding (else exact SD), with its 95% interval",
+        _plus_minus("+.1%", "quality.target_nll_change_ci95"),
+    ),
+    Column(
+        "greedy agree",
+        "quality.greedy_agreement",
+        "greedy runs: share of the reply equal to target-only greedy output before the first difference",
+        _num(".0%"),
+    ),
+    Column("accuracy", "quality.accuracy", "share of right answers (prompt sets with answers)", _num(".0%")),
+    Column(
+        "target fwd ms",
+        "target_forward_seconds",
+        "mean target forward (prefill excluded)",
+        _milliseconds,
+        terminal=False,
+    ),
+    Column(
+        "draft fwd ms",
+        "draft_forward_seconds",
+        "mean draft forward (prefill excluded)",
+        _milliseconds,
+        terminal=False,
+    ),
+    Column(
+        "outside fwd",
+        "outside_forward_share",
+        "share of wall-clock time outside the models' forward passes (sampling, acceptance, cache "
+        "rollback, detokenisation, framework)",
+        _num(".1%"),
+        terminal=False,
+    ),
 )
+"""The results table: one column a report.json field, in report.md all of them, on the terminal
+those marked `terminal`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,72 +273,11 @@ def read_json(path: Path) -> Report:
     )
 
 
-def _num(value: float | None, fmt: str = ".2f") -> str:
-    return "–" if value is None else format(value, fmt)
-
-
-def _speedup(summary: Summary, method: str, *, work: bool = False) -> str:
-    """The paired speed-up against `method` with its interval, on the wall clock or (`work`) the
-    forward-work clock."""
-    value = (summary.work_speedup if work else summary.speedup).get(method)
-    if value is None:
-        return "–"
-    interval = (summary.work_speedup_ci95 if work else summary.speedup_ci95).get(method)
-    if interval is None or interval[0] == interval[1]:  # too few prompts, or the baseline itself
-        return f"{value:.2f}"
-    return f"{value:.2f} [{interval[0]:.2f}–{interval[1]:.2f}]"
-
-
-def _cost(quality: Quality) -> str:
-    """Cost per token in nats with its 95% half-width; 4 decimals, since costs of 0.001 matter."""
-    if quality.cost_per_token is None:
-        return "–"
-    if quality.cost_per_token_ci95 is None:
-        return f"{quality.cost_per_token:.4f}"
-    return f"{quality.cost_per_token:.4f} ±{quality.cost_per_token_ci95:.4f}"
-
-
-def table_rows(summaries: list[Summary]) -> list[tuple[str, ...]]:
-    """One row of `HEADERS` cells per summary."""
-    rows = []
-    for s in summaries:
-        c, q, tps = s.config, s.quality, s.tokens_per_second
-        change = "–"
-        if q.target_nll_change is not None:
-            change = f"{q.target_nll_change:+.1%}"
-            if q.target_nll_change_ci95 is not None:
-                change += f" ±{q.target_nll_change_ci95:.1%}"
-        ms = [
-            _num(None if t is None else 1000 * t, ".1f")
-            for t in (s.target_forward_seconds, s.draft_forward_seconds)
-        ]
-        rows.append(
-            (
-                c.setup.label,
-                c.sampling.removeprefix("temperature "),
-                c.method,
-                c.divergence or "–",
-                "–" if c.threshold is None else f"{c.threshold:g}",
-                "–" if c.draft_tokens is None else str(c.draft_tokens),
-                "–" if c.method.startswith(("hf-", "autoregressive")) else c.draft_policy,
-                f"{tps.median:.1f} [{tps.q1:.1f}–{tps.q3:.1f}]",
-                *(_speedup(s, method) for method in SPEEDUP_BASELINES),
-                _speedup(s, "exact", work=True),
-                _num(s.limit_tokens_per_second, ".1f"),
-                f"{s.mean_accepted_length:.2f}",
-                _num(s.draft_tokens_per_step),
-                _num(s.acceptance_rate, ".0%"),
-                f"{s.fuzzy_share:.0%}",
-                _cost(q),
-                _num(q.target_nll, ".3f"),
-                change,
-                _num(q.greedy_agreement, ".0%"),
-                _num(q.accuracy, ".0%"),
-                "/".join(ms),
-                f"{s.outside_forward_share:.1%}",
-            )
-        )
-    return rows
+def table_rows(summaries: list[Summary], columns: tuple[Column, ...] = COLUMNS) -> list[tuple[str, ...]]:
+    """One row of `columns`' cells per summary, each read from the summary's report.json item
+    (through JSON, so what is shown is what report.json holds: an infinity is "–" in both)."""
+    items = [json.loads(to_json(s.to_dict())) for s in summaries]
+    return [tuple(column.cell(item) for column in columns) for item in items]
 
 
 def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | None) -> None:
@@ -186,28 +300,14 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
     ]
     if report.interrupted:
         lines.append("- **interrupted**: the sweep was stopped early; these are the runs measured so far")
-    lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    headers = [column.header for column in COLUMNS]
+    lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report.summaries)]
+    lines += ["", *(f"- {column.header}: {column.meaning}." for column in COLUMNS)]
     lines += [
         "",
-        "tok/s: generated tokens / wall-clock seconds of the whole call, over prompts. ×AR, ×exact, ×HF, "
-        "×HF-def: paired median speed-up against target-only decoding, exact speculative decoding (same k, "
-        "fixed), transformers' assisted generation (same constant k) and the same at transformers' "
-        "defaults, with its distribution-free 95% confidence interval from 6 prompts up. "
-        "×exact work: the same against exact SD on the forward-work clock (each run's forward counts × the "
-        "median per-forward times of its setup, temperature and k: immune to other processes, blind to "
-        "time outside forward passes). limit: tokens/s with zero overhead from the measured forward times. "
-        "T: hf-ensemble's is transformers' assistant_ensemble_weight w. "
-        "policy: fsd-chat's draft-length policy. τ: tokens per target forward. mean k: drafted tokens per "
-        "target forward. accept: accepted / drafted. fuzzy: share of tokens accepted only by "
-        "D ≤ T. cost/tok: mean over prompts of the cost per token in nats (KL divergence of each token's law "
-        "from the target's, exact at each position; greedy: log-probability regret) with its 95% interval; "
-        "0 for lossless methods. NLL: target negative log-likelihood per generated token (nats). ΔNLL: relative to "
-        "autoregressive decoding. greedy agree: share of the reply equal to target-only greedy output "
-        "before the first difference. fwd ms: mean target / draft forward (prefill excluded). outside fwd: "
-        "share of wall-clock time outside the models' forward passes (sampling, acceptance, cache "
-        "rollback, detokenisation, framework). report.json has every figure, with fsd-chat's own "
-        "overhead_share (other_seconds / decode seconds).",
+        "–: no such figure for this configuration (null in report.json). report.json has every "
+        "figure, with fsd-chat's own overhead_share (other_seconds / decode seconds).",
     ]
     if report.verdicts:
         lines += [

@@ -4,12 +4,15 @@ For each prompt (and repeat), all configurations run back to back, in an order r
 one prompt to the next, so that drift of the machine (other processes, thermal state) falls on
 every configuration alike and no configuration always runs first. Every configuration runs once,
 untimed, on a short reply before measuring starts (first-call allocations and lazy initialisation).
-A KeyboardInterrupt ends the sweep early and keeps what was measured.
+A KeyboardInterrupt (Ctrl-C, or SIGTERM within `support.interrupts.interrupts`) ends the sweep early
+and keeps what was measured.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fsd_chat.bench.methods import PairRunner
 from fsd_chat.bench.prompts import PromptSet
@@ -17,11 +20,59 @@ from fsd_chat.bench.quality import target_nll
 from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.support.interrupts import exit_status
 
 WARMUP_TOKENS = 8
+TIMED_TOKENS = 40
+"""Tokens of the longer of the two target-only replies that `time_target_only` times."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Greedy target-only decoding's wall clock on a pair: a run's fixed seconds (building the
+    decoder, the prefill, the call, scoring the reply) and the seconds a generated token adds."""
+
+    per_run: float
+    per_token: float
+
+    def estimate(self, configs: int, prompts: int, repeats: int, max_new_tokens: int) -> float:
+        """The sweep's seconds if every configuration decoded every reply to its cap at this speed,
+        warm-ups included: speculative methods are usually faster than target-only decoding and
+        replies that end early are shorter, so it errs long (quality scoring aside)."""
+        runs = prompts * repeats
+        return configs * (
+            (runs + 1) * self.per_run + (runs * max_new_tokens + WARMUP_TOKENS) * self.per_token
+        )
+
 
 OnRun = Callable[[Configuration, str], None]
 """Called after every generation with its configuration and "warm-up" or "measure"."""
+
+
+def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing:
+    """Time greedy target-only decoding of `prompt` (shape [prompt tokens]) on `pair`: after an
+    untimed warm-up, a `WARMUP_TOKENS` and a `TIMED_TOKENS` reply, whose difference is the tokens'
+    cost and the rest each run's (a reply that ends early at EOS counts what it generated), to which
+    the scoring of a run's reply (`target_nll`) is added."""
+    runner = PairRunner(pair)
+    config = Configuration(setup, 0.0, "autoregressive")
+    try:
+        runner.run(config, prompt, max_new_tokens=WARMUP_TOKENS, seed=0, stop_strings=())
+        short, long = (
+            runner.run(config, prompt, max_new_tokens=n, seed=0, stop_strings=())
+            for n in (WARMUP_TOKENS, TIMED_TOKENS)
+        )
+    finally:
+        runner.close()
+    extra_tokens = len(long.token_ids) - len(short.token_ids)
+    # Timing noise can make the longer run no slower: then charge it all to its tokens.
+    per_token = (long.seconds - short.seconds) / extra_tokens if extra_tokens > 0 else 0.0
+    if per_token <= 0:
+        per_token = long.seconds / max(len(long.token_ids), 1)
+    start = time.perf_counter()
+    target_nll(pair.target, pair.vocab_size, prompt, long.token_ids)
+    scoring = time.perf_counter() - start
+    return Timing(max(short.seconds - per_token * len(short.token_ids), 0.0) + scoring, per_token)
 
 
 def run_sweep(
@@ -77,9 +128,9 @@ def run_sweep(
                     runs.append(Measurement(config, index, repeat, ids[index], generation, nll, correct))
                     notify(config, "measure")
                 trial += 1
-    except KeyboardInterrupt:
-        return SweepResult(runs, interrupted=True)
+    except KeyboardInterrupt as interrupt:
+        return SweepResult(runs, exit_status(interrupt))
     finally:
         for runner in runners.values():
             runner.close()
-    return SweepResult(runs, interrupted=False)
+    return SweepResult(runs)

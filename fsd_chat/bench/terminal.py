@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fsd_chat.bench.metrics import Summary, trade_off_points
-from fsd_chat.bench.report import HEADERS, table_rows
+from fsd_chat.bench.report import COLUMNS, table_rows
 from fsd_chat.bench.stats import pareto_front
 
 BASELINE_GLYPHS = {
@@ -21,41 +21,24 @@ BASELINE_GLYPHS = {
     "hf-prompt-lookup": "L",
 }
 WIDTH, HEIGHT = 56, 12
-# The columns that fit a terminal; setup and temperature go into each group's title.
-COLUMNS = tuple(
-    HEADERS.index(name)
-    for name in (
-        "method",
-        "div",
-        "T",
-        "k",
-        "policy",
-        "tok/s (median [q1–q3])",
-        "×AR",
-        "×exact",
-        "×HF",
-        "×HF-def",
-        "×exact work",
-        "τ",
-        "mean k",
-        "accept",
-        "fuzzy",
-        "cost/tok (±95%)",
-        "ΔNLL (±95%)",
-        "greedy agree",
-        "accuracy",
-    )
-)
+TERMINAL_COLUMNS = tuple(column for column in COLUMNS if column.terminal)
+"""The columns that fit a terminal; setup and sampling go into each group's title."""
 
 
 def results_table(summaries: list[Summary], title: str) -> Table:
-    """The report's table, in the columns that fit a terminal, as a rich Table."""
+    """The report's table in the terminal's columns, as a rich Table; a column with no figure in
+    any row (a baseline the sweep did not run) is left out."""
+    rows = table_rows(summaries, TERMINAL_COLUMNS)
+    shown = [i for i in range(len(TERMINAL_COLUMNS)) if any(row[i] != "–" for row in rows)]
     # escape: "[q1–q3]" and the like would otherwise be read as rich markup tags
     table = Table(
-        *(escape(HEADERS[i]) for i in COLUMNS), title=escape(title), header_style="bold", title_justify="left"
+        *(escape(TERMINAL_COLUMNS[i].header) for i in shown),
+        title=escape(title),
+        header_style="bold",
+        title_justify="left",
     )
-    for row in table_rows(summaries):
-        table.add_row(*(escape(row[i]) for i in COLUMNS))
+    for row in rows:
+        table.add_row(*(escape(row[i]) for i in shown))
     return table
 
 
@@ -91,8 +74,10 @@ def text_plot(summaries: list[Summary], title: str) -> Group:
         lines.append(
             Text(f" {min(costs):.3f}".ljust(WIDTH - 24) + f"{max(costs):.3f} cost per token (nats) →")
         )
+    plotted = {s.config.method for s, _, _ in points}
     legend = "  ".join(
-        [f"{g} {m}" for m, g in BASELINE_GLYPHS.items()] + [f"{g} {n}" for n, g in series.items()]
+        [f"{g} {m}" for m, g in BASELINE_GLYPHS.items() if m in plotted]
+        + [f"{g} {n}" for n, g in series.items()]
     )
     lines.append(Text(legend + "  (reverse: Pareto front)", style="dim"))
     return Group(*lines)

@@ -31,7 +31,7 @@ def generate(
     specs = o.model_specs(o.TARGET.of(values), o.DRAFT.get(values) or LOOKUP, values)
     text = prompt_text(prompt, sys.stdin.buffer if sys.stdin is not None else None)
     quiet_libraries()
-    run_generate(
+    status = run_generate(
         text,
         *specs,
         settings=settings,
@@ -43,3 +43,5 @@ def generate(
         threads=o.THREADS.get(values),
         compile_draft=o.COMPILE_DRAFT.of(values),
     )
+    if status:
+        raise typer.Exit(status)

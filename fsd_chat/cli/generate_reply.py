@@ -17,11 +17,14 @@ from fsd_chat.decoding.settings import SamplingRequest
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.support.interrupts import exit_status, interrupts
 from fsd_chat.support.text import TextError, decode_utf8, require_utf8, to_json, visible
 from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.theme_files import default_origin_styles
 
 STDIN = "-"
+INTERRUPTED = "interrupted"
+"""The stop reason of a reply that Ctrl-C or SIGTERM ended."""
 
 
 def step_record(step: Step) -> dict[str, object]:
@@ -81,8 +84,10 @@ def run_generate(
     autoregressive: bool,
     threads: int | None = None,
     compile_draft: bool = False,
-) -> GenerationStats:
-    """Load the pair, decode one reply to `prompt` and write it out; returns the totals.
+) -> int:
+    """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
+    130 (Ctrl-C) or 143 (SIGTERM) when a signal ended the reply early, which is then written out as
+    far as it went, with its stats and stop reason "interrupted".
 
     `prompt` is text already checked by `prompt_text`.
 
@@ -107,21 +112,27 @@ def run_generate(
     totals = GenerationStats()
     token_ids: list[int] = []
     texts: list[str] = []
-    stop_reason = None
-    for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=resolved.config):
-        totals.add(step)
-        token_ids += [t.id for t in step.tokens]
-        texts.append(step.text)
-        stop_reason = step.stop_reason
-        if as_json:
-            _emit_json(step_record(step))
-        elif colour:
-            # Model text is data: an ESC token must not reach the terminal as an escape sequence.
-            spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
-            console.print(Text.assemble(visible(step.flushed), *spans), end="")
-        else:
-            sys.stdout.write(step.text)
-            sys.stdout.flush()
+    stop_reason: str | None = None
+    status = 0
+    # Ctrl-C or SIGTERM ends the reply where it is: the tokens so far and their stats are reported.
+    with interrupts():
+        try:
+            for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=resolved.config):
+                totals.add(step)
+                token_ids += [t.id for t in step.tokens]
+                texts.append(step.text)
+                stop_reason = step.stop_reason
+                if as_json:
+                    _emit_json(step_record(step))
+                elif colour:
+                    # Model text is data: an ESC token must not reach the terminal as an escape sequence.
+                    spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
+                    console.print(Text.assemble(visible(step.flushed), *spans), end="")
+                else:
+                    sys.stdout.write(step.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt as interrupt:
+            status, stop_reason = exit_status(interrupt), INTERRUPTED
     if as_json:
         _emit_json(
             {
@@ -153,8 +164,13 @@ def run_generate(
                 + "[/dim]",
                 highlight=False,
             )
+    if status and not as_json:
+        # On stderr, so that a piped reply stays the reply alone; on a terminal, after its stats.
+        sys.stderr.write(
+            f"fsd-chat: interrupted after {totals.tokens} tokens ({totals.tokens_per_second:.1f} tok/s)\n"
+        )
     if decoder.compile_error:
         sys.stderr.write(
             f"fsd-chat: --compile fell back to eager draft forward passes: {visible(decoder.compile_error)}\n"
         )
-    return totals
+    return status
