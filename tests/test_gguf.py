@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 from textual.widgets import Static
@@ -165,9 +166,11 @@ def test_the_unloadable_architecture_names_what_transformers_loads(bad_files: Pa
     assert "llama" in str(error.value) and "gemma3" in str(error.value) and "general" not in str(error.value)
 
 
-def test_a_hub_file_unreachable_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub code path, answered from the (empty) local cache
-    monkeypatch.setenv("HF_HOME", str(Path(os.environ["FSD_CHAT_CACHE_DIR"]) / "hf"))
+def test_a_hub_file_unreachable_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The real hub code path, offline (as here: no network) and with an empty hub cache; huggingface_hub
+    # reads its environment once, at import, so its constants are set instead.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ModelLoadError) as error:
         load("someone/some-model-GGUF:model.Q4_0.gguf")
     assert str(error.value).startswith("could not download model.Q4_0.gguf from someone/some-model-GGUF: ")
