@@ -174,6 +174,7 @@ def test_a_hub_file_unreachable_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp
     with pytest.raises(ModelLoadError) as error:
         load("someone/some-model-GGUF:model.Q4_0.gguf")
     assert str(error.value).startswith("could not download model.Q4_0.gguf from someone/some-model-GGUF: ")
+    assert "\n" not in str(error.value)
 
 
 def test_a_truncated_file_on_the_command_line_is_exit_2(
@@ -205,3 +206,13 @@ async def test_a_truncated_file_in_the_chat_is_shown_on_the_loading_view(
         assert f"{path} is truncated" in str(app.screen.query_one("#loading-error", Static).content)
         await pilot.press("ctrl+q")
     assert app.return_code == 0
+
+
+def test_the_command_line_says_on_stderr_that_it_converts(
+    stories_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--target", str(stories_gguf), "--device", "cpu", "--max-new-tokens", "4", "Once"]
+    main(args)
+    assert "fsd-chat: converting stories.gguf (first start only)\n" in capsys.readouterr().err
+    main(args)
+    assert "converting" not in capsys.readouterr().err
