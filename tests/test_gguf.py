@@ -72,8 +72,11 @@ def test_a_gguf_file_loads_as_its_safetensors_folder(
     assert [p.name for p in (cache / "gguf").iterdir()] == [converted_dir(stories_gguf).name]
 
 
-def test_a_file_without_sampling_keys_decodes_greedily(tmp_path: Path, target_dir: Path) -> None:
-    plain = write_gguf(target_dir, tmp_path / "plain.gguf")
+@pytest.mark.parametrize("sampling", [None, {"temp": 0.0, "top_k": 40}])
+def test_a_file_without_sampling_keys_or_at_temperature_0_decodes_greedily(
+    tmp_path: Path, target_dir: Path, sampling: dict[str, float] | None
+) -> None:
+    plain = write_gguf(target_dir, tmp_path / "plain.gguf", sampling=sampling)
     loaded = load(plain)
     assert SamplingRequest().resolve(loaded.target.generation_config, plain.name).source == "built-in default"
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (

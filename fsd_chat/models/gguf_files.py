@@ -201,12 +201,14 @@ def loadable_architectures() -> set[str]:
 
 def _generation_config(base: GenerationConfig, metadata: Mapping[str, object]) -> GenerationConfig:
     """`base` (transformers' from the file's token ids) with the file's general.sampling.* keys: they
-    turn sampling on; a file without them decodes greedily."""
+    turn sampling on; a file without them, or with temp <= 0, decodes greedily."""
     sampling = {
         field: metadata[f"general.sampling.{key}"]
         for key, field in SAMPLING_KEYS.items()
         if f"general.sampling.{key}" in metadata
     }
+    if float(sampling.get("temperature", 1.0)) <= 0:  # type: ignore[arg-type]
+        sampling = {}  # llama.cpp samples greedily at temperature <= 0
     return GenerationConfig.from_dict({**base.to_dict(), **sampling, "do_sample": bool(sampling)})
 
 
