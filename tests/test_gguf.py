@@ -25,7 +25,7 @@ from fsd_chat.support.errors import IncompatibleModelsError, ModelLoadError
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.loading import LoadingScreen
 from tests.gguf_models import CHATML, write_gguf
-from tests.tui.helpers import SIZE, wait_for
+from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
 CPU = LoadOptions(device="cpu", dtype="float32")
 TEXT = "Once upon a time, there was a little girl named Lily. She had 3 red balls!"
@@ -219,3 +219,29 @@ def test_the_command_line_says_on_stderr_that_it_converts(
     assert "fsd-chat: converting stories.gguf (first start only)\n" in capsys.readouterr().err
     main(args)
     assert "converting" not in capsys.readouterr().err
+
+
+async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: Path, tmp_path: Path) -> None:
+    options = ChatOptions(
+        target=ModelSpec(str(stories_gguf)),
+        draft=ModelSpec(LOOKUP),
+        load=CPU,
+        store=SessionStore(tmp_path / "s.sqlite3"),
+    )
+    seen: list[str] = []
+
+    def loader(progress):  # type: ignore[no-untyped-def]
+        def report(text: str) -> None:
+            seen.append(text)
+            progress(text)
+
+        return load_pair(options.target, options.draft, options.load, report)
+
+    app = FsdChatApp(options, loader=loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        assert "converting stories.gguf (first start only)" in seen
+        assert "target stories.gguf (none)" in str(app.screen.query_one("#header", Static).content)
+        await pilot.press("f1")
+        sampling = str(app.screen.query_one("#help-sampling", Static).content)
+        assert "stories.gguf's generation_config: temperature 0.7, top-k 40" in sampling
