@@ -221,6 +221,7 @@ def test_the_command_line_says_on_stderr_that_it_converts(
     assert "converting" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: Path, tmp_path: Path) -> None:
     options = ChatOptions(
         target=ModelSpec(str(stories_gguf)),
