@@ -163,6 +163,20 @@ def test_a_bad_file_is_one_line_and_leaves_no_copy(
     assert not any((cache / "gguf").glob("*"))
 
 
+def test_an_unwritable_cache_is_one_line(
+    stories_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("the cache folder's place is taken by a file")
+    monkeypatch.setenv("FSD_CHAT_CACHE_DIR", str(blocked))
+    with pytest.raises(ModelLoadError) as error:
+        load(stories_gguf)
+    assert str(error.value).startswith(
+        f"cannot write the converted copy of stories.gguf into {blocked / 'gguf'}: "
+    )
+    assert str(error.value).endswith("(set FSD_CHAT_CACHE_DIR to a writable folder)")
+
+
 def test_the_unloadable_architecture_names_what_transformers_loads(bad_files: Path) -> None:
     with pytest.raises(ModelLoadError) as error:
         load(bad_files / "novel.gguf")

@@ -24,12 +24,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.integrations.gguf import GGUF_ARCHS, GgufHeader, read_gguf_metadata
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from fsd_chat.models.load_errors import first_line
-from fsd_chat.support.config import cache_dir
+from fsd_chat.support.config import ENV_CACHE_DIR, cache_dir
 from fsd_chat.support.errors import ModelLoadError
 
 Progress = Callable[[str], object]
@@ -130,18 +137,29 @@ def converted_model(path: Path, progress: Progress) -> Path:
         return folder
     metadata = _checked_metadata(path)
     progress(f"converting {path.name} (first start only)")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _convert(path, metadata, staging)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as exc:
+        raise _unwritable(path, folder, exc) from None
+    try:
+        model, tokenizer = _convert(path)
         try:
+            _save(model, tokenizer, _generation_config(model.generation_config, metadata), path, staging)
             staging.rename(folder)
-        except OSError:
+        except OSError as exc:
             if not (folder / "config.json").is_file():  # not a conversion that finished first
-                raise
+                raise _unwritable(path, folder, exc) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _unwritable(path: Path, folder: Path, exc: OSError) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot write the converted copy of {path.name} into {folder.parent}: {exc.strerror or exc} "
+        f"(set {ENV_CACHE_DIR} to a writable folder)"
+    )
 
 
 def _checked_metadata(path: Path) -> dict[str, object]:
@@ -162,8 +180,8 @@ def _checked_metadata(path: Path) -> dict[str, object]:
     return metadata
 
 
-def _convert(path: Path, metadata: Mapping[str, object], folder: Path) -> None:
-    """Load the GGUF file through transformers (dequantized, float32) and save it into `folder`."""
+def _convert(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The GGUF file's model (dequantized, float32) and tokenizer, through transformers."""
     where, name = str(path.parent), path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
@@ -186,10 +204,22 @@ def _convert(path: Path, metadata: Mapping[str, object], folder: Path) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    model.generation_config = _generation_config(model.generation_config, metadata)
+    return model, tokenizer
+
+
+def _save(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    path: Path,
+    folder: Path,
+) -> None:
+    """The converted copy into `folder`, with where it came from (gguf-source.json, for people)."""
+    model.generation_config = generation
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    source = {"gguf": str(path.resolve()), "size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns}
+    stat = path.stat()
+    source = {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     (folder / "gguf-source.json").write_text(json.dumps(source, indent=2))
 
 
