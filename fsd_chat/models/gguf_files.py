@@ -245,7 +245,7 @@ def _generation_config(base: GenerationConfig, metadata: Mapping[str, object]) -
 def local_model(source: str, progress: Progress | None) -> str | None:
     """The model folder to load for a GGUF source (converted on its first start); None for any
     other source. Downloads and conversions are announced through `progress`, or on stderr when the
-    caller shows no progress (a conversion takes about a minute for a 135M model on a CPU).
+    caller shows no progress (a conversion takes one to two minutes for a 135M model on a 2-core CPU).
 
     Raises:
         ModelLoadError: as `gguf_file` and `converted_model`.
