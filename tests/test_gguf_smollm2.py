@@ -27,7 +27,7 @@ pytestmark = [
 
 
 def test_smollm2_applies_its_chat_template() -> None:
-    # Its first start converts the file into the user's cache (about a minute); later runs load the copy.
+    # Its first start converts the file into the user's cache (a minute or two); later runs load the copy.
     pair = load_pair(ModelSpec(str(MODEL)), ModelSpec(LOOKUP), LoadOptions(device="cpu", dtype="float32"))
     ids = prompt_ids(pair.tokenizer, [Message("user", "What is the capital of France?")])
     text = pair.tokenizer.decode(ids)
