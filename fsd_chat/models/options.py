@@ -56,7 +56,8 @@ class ModelSpec:
     """Where a model comes from and how it is quantized.
 
     Attributes:
-        source: A Hugging Face Hub id ("HuggingFaceTB/SmolLM2-135M-Instruct") or a local directory.
+        source: A Hugging Face Hub id ("HuggingFaceTB/SmolLM2-135M-Instruct"), a local directory, or
+            a GGUF file: a `.gguf` path, a folder holding one, a Hub "repo_id:file.gguf" (`gguf_files`).
         quantization: "none", "8bit" (LLM.int8) or "4bit" (NF4), via bitsandbytes.
     """
 
@@ -65,7 +66,7 @@ class ModelSpec:
 
     @property
     def name(self) -> str:
-        """Short display name: the directory or repository name."""
+        """Short display name: the directory, file or repository name."""
         return Path(self.source.rstrip("/")).name or self.source
 
 

@@ -1,7 +1,8 @@
 """User settings: `config.toml` in the XDG config dir, and where sessions and user themes live.
 
-Folders come from platformdirs (`~/.config/fsd-chat`, `~/.local/share/fsd-chat` on Linux);
-`FSD_CHAT_CONFIG_DIR` / `FSD_CHAT_DATA_DIR` override them (tests point them at temporary folders).
+Folders come from platformdirs (`~/.config/fsd-chat`, `~/.local/share/fsd-chat`, `~/.cache/fsd-chat`
+on Linux); `FSD_CHAT_CONFIG_DIR` / `FSD_CHAT_DATA_DIR` / `FSD_CHAT_CACHE_DIR` override them (tests
+point them at temporary folders).
 The file holds defaults for the `fsd-chat chat` options (named as the options, with underscores;
 checked like the flags, see `fsd_chat.cli.options`) and a `[keymap]` table of binding id -> keys::
 
@@ -28,6 +29,7 @@ from fsd_chat.support.text import read_settings_file
 APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
 ENV_DATA_DIR = "FSD_CHAT_DATA_DIR"
+ENV_CACHE_DIR = "FSD_CHAT_CACHE_DIR"
 
 
 class ConfigError(FsdChatError):
@@ -42,6 +44,12 @@ def config_dir() -> Path:
 def data_dir() -> Path:
     """The data folder (sessions): $FSD_CHAT_DATA_DIR, else the platform's user data dir."""
     return Path(os.environ.get(ENV_DATA_DIR) or platformdirs.user_data_dir(APP_NAME))
+
+
+def cache_dir() -> Path:
+    """The cache folder (the default chat model, GGUF files converted for a fast start: anything
+    here can be fetched or rebuilt again): $FSD_CHAT_CACHE_DIR, else the platform's user cache dir."""
+    return Path(os.environ.get(ENV_CACHE_DIR) or platformdirs.user_cache_dir(APP_NAME))
 
 
 def sessions_path() -> Path:

@@ -1,0 +1,259 @@
+"""GGUF model files (llama.cpp, LM Studio, ollama): recognised wherever a model is named, converted
+once into a model folder in the user's cache, and loaded from there like any other folder.
+
+A source is a GGUF model when it is a `.gguf` path, a folder that holds one `.gguf` file and no
+config.json, or a Hub `repo_id:file.gguf`. transformers reads it (`from_pretrained(folder,
+gguf_file=name)`, weights dequantized) in about 48 s for a 270M model, parsing the file once each for
+the config, the tokenizer and the weights; a start from a safetensors folder takes a few seconds. So
+the first start converts the file (`save_pretrained` of the model in float32, the dequantized values
+exactly, and of the tokenizer with its chat template), and every later start loads the copy. The
+copy is keyed by the file's identity (resolved path, size, mtime_ns, and a hash of its first MiB),
+and written to a temporary folder renamed into place, so an interrupted conversion leaves no half copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.integrations.gguf import GGUF_ARCHS, GgufHeader, read_gguf_metadata
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+from fsd_chat.models.load_errors import first_line
+from fsd_chat.support.config import ENV_CACHE_DIR, cache_dir
+from fsd_chat.support.errors import ModelLoadError
+
+Progress = Callable[[str], object]
+
+SUFFIX = ".gguf"
+_HUB_FILE = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+):(?P<file>[^:]+\.gguf)", re.IGNORECASE)
+_SPLIT = re.compile(r"-(?P<part>\d{5})-of-(?P<parts>\d{5})\.gguf", re.IGNORECASE)
+_UNSUPPORTED = re.compile(r"architecture (?P<arch>\S+) is not supported")
+_HEAD_BYTES = 1 << 20
+"""How much of the file's start is hashed into its identity (1 MiB: the header and metadata, which
+a rewritten model changes; size and mtime_ns catch the rest)."""
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
+"""general.sampling.* keys (llama.cpp's gguf constants) -> the generation_config fields they set."""
+CONVERSION_FORMAT = 1
+"""Bumped when the converted copy's contents change, so older copies are converted again."""
+
+
+def gguf_file(source: str, progress: Progress) -> Path | None:
+    """The local GGUF file a model source names, downloaded first for a Hub `repo_id:file.gguf`;
+    None when the source is not a GGUF model.
+
+    Raises:
+        ModelLoadError: the file is missing or split, a folder holds several GGUF files, or the
+            Hub download fails.
+    """
+    path = Path(source).expanduser()
+    hub = _HUB_FILE.fullmatch(source)
+    if hub and not path.exists():
+        return _check_not_split(_download(hub["repo"], hub["file"], progress))
+    if path.suffix.lower() == SUFFIX:
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {source}")
+        return _check_not_split(path)
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() == SUFFIX)
+    if len(files) > 1 and not all(_SPLIT.search(p.name) for p in files):
+        names = ", ".join(p.name for p in files)
+        raise ModelLoadError(f"{source} holds {len(files)} GGUF files ({names}): name one, e.g. {files[0]}")
+    return _check_not_split(files[0]) if files else None
+
+
+def _check_not_split(path: Path) -> Path:
+    split = _SPLIT.search(path.name)
+    if split:
+        raise ModelLoadError(
+            f"{path} is part {int(split['part'])} of {int(split['parts'])} of a split GGUF model, which "
+            f"transformers cannot load: merge the parts into one file (llama.cpp: llama-gguf-split --merge "
+            f"{path.name} {_SPLIT.sub(SUFFIX, path.name)}) and name that"
+        )
+    return path
+
+
+def _download(repo: str, filename: str, progress: Progress) -> Path:
+    """A Hub file through huggingface_hub's cache (offline: the cached copy, if any)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    progress(f"downloading {filename} from {repo}")
+    try:
+        return Path(hf_hub_download(repo, filename))
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not download {filename} from {repo}: {first_line(exc)}") from None
+
+
+def file_identity(path: Path) -> str:
+    """A hex key for the file as it is now: its resolved path, size, mtime_ns and first MiB."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    with resolved.open("rb") as file:
+        head = hashlib.sha256(file.read(_HEAD_BYTES)).hexdigest()
+    identity = f"{CONVERSION_FORMAT}\0{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0{head}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:20]
+
+
+def converted_dir(path: Path) -> Path:
+    """Where the converted copy of the GGUF file `path` lives (whether or not it exists yet)."""
+    return cache_dir() / "gguf" / f"{path.stem}-{file_identity(path)}"
+
+
+def converted_model(path: Path, progress: Progress) -> Path:
+    """The model folder converted from the GGUF file `path`, converting it on the first start.
+
+    Args:
+        path: A local GGUF file.
+        progress: Told "converting NAME.gguf (first start only)" before a conversion.
+
+    Returns:
+        A folder with config.json, model.safetensors (float32), the tokenizer with its chat template,
+        and generation_config.json (sampling from the file's general.sampling.* keys, else greedy).
+
+    Raises:
+        ModelLoadError: the file is damaged or truncated, or holds an architecture transformers
+            cannot load.
+    """
+    folder = converted_dir(path)
+    if (folder / "config.json").is_file():
+        return folder
+    metadata = _checked_metadata(path)
+    progress(f"converting {path.name} (first start only)")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as exc:
+        raise _unwritable(path, folder, exc) from None
+    try:
+        model, tokenizer = _convert(path)
+        try:
+            _save(model, tokenizer, _generation_config(model.generation_config, metadata), path, staging)
+            staging.rename(folder)
+        except OSError as exc:
+            if not (folder / "config.json").is_file():  # not a conversion that finished first
+                raise _unwritable(path, folder, exc) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _unwritable(path: Path, folder: Path, exc: OSError) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot write the converted copy of {path.name} into {folder.parent}: {exc.strerror or exc} "
+        f"(set {ENV_CACHE_DIR} to a writable folder)"
+    )
+
+
+def _checked_metadata(path: Path) -> dict[str, object]:
+    """The file's metadata, once its header and tensor table are read and its data is all there."""
+    try:
+        metadata, _ = read_gguf_metadata(str(path))
+        header = GgufHeader.from_file(str(path))
+    except (ValueError, struct.error, IndexError, UnicodeDecodeError, KeyError) as exc:
+        reason = first_line(exc).replace(str(path), "it")
+        raise ModelLoadError(f"{path} is not a readable GGUF file (damaged or truncated: {reason})") from None
+    needed = header.data_start + max((t.offset + t.nbytes for t in header.tensors), default=0)
+    size = path.stat().st_size
+    if size < needed:
+        raise ModelLoadError(
+            f"{path} is truncated: it holds {size} of the {needed} bytes its tensor table needs "
+            "(an interrupted download? fetch it again)"
+        )
+    return metadata
+
+
+def _convert(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The GGUF file's model (dequantized, float32) and tokenizer, through transformers."""
+    where, name = str(path.parent), path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
+    except ValueError as exc:
+        unsupported = _UNSUPPORTED.search(str(exc))
+        if unsupported:
+            known = ", ".join(sorted(loadable_architectures()))
+            raise ModelLoadError(
+                f"{path} holds a {unsupported['arch']} model, an architecture transformers cannot load "
+                f"from GGUF (it loads {known})"
+            ) from None
+        raise ModelLoadError(f"could not convert {path}: {first_line(exc)}") from exc
+    except (OSError, RuntimeError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"could not convert {path}: {first_line(exc)}") from exc
+    # Dequantized, the model is a plain one: transformers refuses to save a model that still names
+    # its quantizer, so the GGUF quantizer's own clean-up removes it.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def _save(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    generation: GenerationConfig,
+    path: Path,
+    folder: Path,
+) -> None:
+    """The converted copy into `folder`, with where it came from (gguf-source.json, for people)."""
+    model.generation_config = generation
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    stat = path.stat()
+    source = {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    (folder / "gguf-source.json").write_text(json.dumps(source, indent=2))
+
+
+def loadable_architectures() -> set[str]:
+    """The GGUF architectures transformers loads: its GGUF loader's and its older loader's (whose
+    list is the keys of its metadata mapping, which also holds the "general" and "tokenizer" groups)."""
+    return (set(GGUF_ARCHS) | set(GGUF_SUPPORTED_ARCHITECTURES)) - {"general", "tokenizer"}
+
+
+def _generation_config(base: GenerationConfig, metadata: Mapping[str, object]) -> GenerationConfig:
+    """`base` (transformers' from the file's token ids) with the file's general.sampling.* keys: they
+    turn sampling on; a file without them, or with temp <= 0, decodes greedily."""
+    sampling = {
+        field: metadata[f"general.sampling.{key}"]
+        for key, field in SAMPLING_KEYS.items()
+        if f"general.sampling.{key}" in metadata
+    }
+    if float(sampling.get("temperature", 1.0)) <= 0:  # type: ignore[arg-type]
+        sampling = {}  # llama.cpp samples greedily at temperature <= 0
+    return GenerationConfig.from_dict({**base.to_dict(), **sampling, "do_sample": bool(sampling)})
+
+
+def local_model(source: str, progress: Progress | None) -> str | None:
+    """The model folder to load for a GGUF source (converted on its first start); None for any
+    other source. Downloads and conversions are announced through `progress`, or on stderr when the
+    caller shows no progress (a conversion takes one to two minutes for a 135M model on a 2-core CPU).
+
+    Raises:
+        ModelLoadError: as `gguf_file` and `converted_model`.
+    """
+    announce = progress or _on_stderr
+    path = gguf_file(source, announce)
+    return None if path is None else str(converted_model(path, announce))
+
+
+def _on_stderr(message: str) -> None:
+    print(f"fsd-chat: {message}", file=sys.stderr, flush=True)
