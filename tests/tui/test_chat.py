@@ -181,6 +181,15 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
         await pilot.press("enter")
         await wait_for_chat(pilot)
         assert any(n.message == str(suggested) for n in app._notifications)
+        # A bare name typed over the suggestion stays in its folder and gets .md.
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen.query("#export-path"))
+        app.screen.query_one("#export-path").value = "notes"  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await wait_for_chat(pilot)
+        assert (tmp_path / "transcripts" / "notes.md").read_text(encoding="utf-8") == suggested.read_text(
+            encoding="utf-8"
+        )
     text = suggested.read_text(encoding="utf-8")
     reply = screen.session.turns[1].reply
     assert reply is not None
