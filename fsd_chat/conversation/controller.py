@@ -193,11 +193,7 @@ class ChatController:
             f"; not applied: {', '.join(resolved.not_applied)}" if resolved.not_applied else ""
         )
         """Where the sampling came from, and the model's processors not applied (help screen)."""
-        self.describe = (
-            pair.describe()
-            + (" · autoregressive" if o.autoregressive else "")
-            + f" · {self.sampling.describe()}"
-        )
+        self.describe = f"{pair.describe(target_only=o.autoregressive)} · {self.sampling.describe()}"
         """The header line: models, quantization, device, mode and sampling."""
         self.draft_label = pair.draft_label
         """The kind of draft the legend names (`ModelPair.draft_label`)."""
@@ -437,7 +433,7 @@ def _new_session(options: ChatOptions, pair: ModelPair, sampling: SamplingConfig
         "draft": o.draft.source,
         "quantize_target": o.target.quantization,
         "quantize_draft": o.draft.quantization,
-        "draft_kind": pair.draft_kind,
+        "draft_kind": "none" if o.autoregressive else pair.draft_kind,
         "device": str(pair.device),
         "dtype": str(pair.dtype).removeprefix("torch."),
     }

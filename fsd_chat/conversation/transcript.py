@@ -151,8 +151,11 @@ def _code_cell(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
-def _draft_cell(models: dict[str, Any]) -> str:
-    """The draft model, its quantization and its kind, or prompt lookup (no draft model)."""
+def _draft_cell(models: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The draft model, its quantization and its kind, prompt lookup (no draft model), or none
+    (target-only decoding drafts nothing, whatever draft was loaded)."""
+    if settings.get("mode") == "autoregressive":
+        return "none (target only)"
     draft = str(models.get("draft", ""))
     if draft == LOOKUP:
         return "prompt lookup (no draft model)"
@@ -171,7 +174,7 @@ def render_markdown(session: Session) -> str:
         "|---|---|",
         f"| Date | {session.created} |",
         f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
-        f"| Draft | {_draft_cell(m)} |",
+        f"| Draft | {_draft_cell(m, session.settings)} |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
         f"| Decoding | {decoding_summary(session.settings)} |",
         f"| Sampling | {sampling_summary(session.settings)} |",

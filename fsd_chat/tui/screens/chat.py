@@ -123,7 +123,7 @@ class ChatScreen(Screen[None]):
         yield Legend(self.chat.options.autoregressive, draft_label=self.chat.draft_label, id="legend")
         with Horizontal(id="controls"):
             yield ThresholdDial(id="dial")
-            yield StatsStrip(id="stats")
+            yield StatsStrip(target_only=self.chat.options.autoregressive, id="stats")
         yield PromptInput(id="prompt", placeholder="Message (Enter sends, ctrl+j newline, F1 help)")
         yield Footer()
 
