@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fsd_chat.conversation.session import ReplyRecord, Session
+from fsd_chat.conversation.session import ReplyRecord, Session, Setting, describe_setting
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.support.errors import FsdChatError
@@ -103,7 +103,7 @@ def reply_summary(record: ReplyRecord) -> str:
             f"acceptance {s['acceptance_rate']:.0%}",
             f"mean accepted length {s['mean_accepted_length']:.2f}",
             f"fuzzy {s['fuzzy_share']:.0%}",
-            "T " + " → ".join(f"{t:.3f}" for t in s["thresholds"]),
+            dial_summary(s),
         ]
         if "cost" in s:  # absent from sessions saved before costs were measured
             parts.append(cost_summary(s["cost"], s["tokens"]))
@@ -116,6 +116,28 @@ def reply_summary(record: ReplyRecord) -> str:
     return " · ".join(parts)
 
 
+def dial_summary(stats: dict[str, Any]) -> str:
+    """The settings a reply was decoded under and the tokens each decided, e.g. "under fuzzy js
+    T 0.100 for 8 tokens → mixture T 0.160 for 32 tokens" (each later span names what changed: see
+    `describe_setting`); the thresholds alone for a reply saved before spans were counted."""
+    spans = stats.get("spans")
+    if not spans:
+        return "T " + " → ".join(f"{t:.3f}" for t in stats["thresholds"])
+    parts = []
+    previous: Setting | None = None
+    for span in spans:
+        setting: Setting = (span["rule"], span["divergence"], span["threshold"])
+        change = describe_setting(setting, previous)
+        if parts and not change:  # a change that does not matter under the rule: one span
+            parts[-1] = (parts[-1][0], parts[-1][1] + span["tokens"])
+        else:
+            parts.append((change, span["tokens"]))
+        previous = setting
+    if len(parts) == 1:
+        return f"under {parts[0][0]}"
+    return "under " + " → ".join(f"{label} for {tokens} tokens" for label, tokens in parts)
+
+
 def _escape(text: str) -> str:
     # Newlines become <br> so that the HTML block has no blank line (which would end it).
     return html.escape(text, quote=False).replace("\n", "<br>\n")
@@ -126,8 +148,9 @@ def provenance_html(record: ReplyRecord) -> str:
     out: list[str] = []
     previous = None
     for run in record.runs:
-        if previous is not None and run.setting != previous:
-            out.append(f"<sup>⟨{run.divergence} T {run.threshold:.3f}⟩</sup>")
+        change = "" if previous is None else describe_setting(run.setting, previous)
+        if change:
+            out.append(f"<sup>⟨{html.escape(change)}⟩</sup>")
         previous = run.setting
         start, end = MARKS[run.origin]
         out.append(f"{start}{_escape(run.text)}{end}")
