@@ -20,7 +20,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from fsd_chat.conversation.session import STOPPED, ReplyRecord, Session, Turn, new_session_id, now
+from fsd_chat.conversation.session import (
+    DIAL_FIELDS,
+    STOPPED,
+    ReplyRecord,
+    Session,
+    Turn,
+    final_dial,
+    new_session_id,
+    now,
+)
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.conversation.writer import SessionWriter
@@ -377,12 +386,25 @@ class ChatController:
 
     # --- the session --------------------------------------------------------------------------
 
+    def dial_moved(self, settings: DecodingSettings) -> None:
+        """The dial now stands at `settings`: the session keeps them (`--resume` reopens there),
+        saved at once when the session is stored already, else with its first message."""
+        dial = {key: value for key, value in asdict(settings).items() if key in DIAL_FIELDS}
+        # A new dict, never one changed in place: the writer thread may be serialising the old one.
+        self.session.settings = {**self.session.settings, "dial": dial}
+        if self.session.turns:
+            self.writer.update_settings(self.session)
+
     def new_chat(self) -> Notice:
         """Start a new session with the same models and settings (the old one stays saved); the
         reply in flight must have been finished (steps still coming for it are then stale, and
         every later message takes a new generation number)."""
         old = self.session
-        self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
+        # It starts where the dial stands.
+        settings = {key: value for key, value in old.settings.items() if key != "dial"} | final_dial(
+            old.settings
+        )
+        self.session = Session(new_session_id(), now(), dict(old.models), settings, old.system)
         return Notice(f"New chat {self.session.id}", timeout=2)
 
     def close(self, timeout: float) -> bool:

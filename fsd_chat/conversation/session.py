@@ -166,7 +166,8 @@ class Session:
         created: ISO timestamp of the session's start.
         models: target, draft, quantize_target, quantize_draft, device, dtype.
         settings: Decoding and sampling settings at the start (rule, divergence, threshold,
-            draft_tokens, draft_policy, temperature, top_k, top_p, seed, max_new_tokens, mode).
+            draft_tokens, draft_policy, temperature, top_k, top_p, seed, max_new_tokens, mode), and
+            under "dial" the dial's settings (`DIAL_FIELDS`) as it was last moved (see `final_dial`).
         system: The system prompt, if any.
         turns: User and assistant turns in order.
     """
@@ -275,7 +276,16 @@ SETTING_FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int, type(None)),
     "max_new_tokens": (int,),
     "mode": (str,),
+    "dial": (dict,),
 }
+DIAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "rule": (str,),
+    "divergence": (str,),
+    "threshold": _NUMBER,
+    "draft_tokens": (int,),
+    "draft_policy": (str,),
+}
+"""The decoding settings the dial moves, as `Session.settings["dial"]` stores them."""
 STAT_FIELDS: dict[str, tuple[type, ...]] = {
     "tokens": (int,),
     "tokens_per_second": _NUMBER,
@@ -350,7 +360,18 @@ def settings_from_dict(data: object) -> dict[str, Any]:
         policy = "heuristic" if settings.pop("adaptive") else "fixed"
     if policy is not None:
         settings["draft_policy"] = FORMER_DRAFT_POLICIES.get(policy, policy)
+    if "dial" in settings:
+        checked_fields("dial settings", settings["dial"], DIAL_FIELDS, ())
     return settings
+
+
+def final_dial(settings: dict[str, Any]) -> dict[str, Any]:
+    """The dial's settings (`DIAL_FIELDS`) the session ended with: `settings["dial"]`, saved as the
+    dial moves, over the settings it started with (all a session saved before the dial was saved
+    has; any may be missing from a file of an early version)."""
+    return {
+        key: value for key, value in {**settings, **settings.get("dial", {})}.items() if key in DIAL_FIELDS
+    }
 
 
 def reply_from_dict(data: object) -> ReplyRecord:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fsd_chat.conversation.session import ReplyRecord, Session, Setting, describe_setting
+from fsd_chat.conversation.session import ReplyRecord, Session, Setting, describe_setting, final_dial
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.support.errors import FsdChatError
@@ -53,19 +53,29 @@ class TranscriptError(FsdChatError):
 
 
 def decoding_summary(settings: dict[str, Any]) -> str:
-    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5"."""
+    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5", "mixture · T 0.160 · k 5"."""
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
     # A stored session may lack any of them (`fsd_chat.conversation.session.settings_from_dict`): shown as "?".
     threshold = settings.get("threshold")
-    parts = [
-        settings.get("rule", "?"),
-        settings.get("divergence", "?"),
-        "T ?" if threshold is None else f"T {threshold:.3f}",
-    ]
+    rule = settings.get("rule", "?")
+    parts = [rule]
+    # What the rule does not read is not named (see `describe_setting`); an unknown rule shows all.
+    if rule not in ("mixture", "exact"):
+        parts.append(settings.get("divergence", "?"))
+    if rule != "exact":
+        parts.append("T ?" if threshold is None else f"T {threshold:.3f}")
     policy = settings.get("draft_policy", "fixed")
     parts.append(f"k {settings.get('draft_tokens', '?')}" + ("" if policy == "fixed" else f" ({policy})"))
     return " · ".join(parts)
+
+
+def _decoding_cell(settings: dict[str, Any]) -> str:
+    """The decoding settings the session started with, and those the dial ended on when it moved
+    (each reply's stats line gives the spans of the settings it was decoded under)."""
+    start = decoding_summary(settings)
+    end = decoding_summary({**settings, **final_dial(settings)})
+    return start if end == start else f"{start} at the start; {end} at the end"
 
 
 def sampling_summary(settings: dict[str, Any]) -> str:
@@ -123,7 +133,7 @@ def dial_summary(stats: dict[str, Any]) -> str:
     spans = stats.get("spans")
     if not spans:
         return "T " + " → ".join(f"{t:.3f}" for t in stats["thresholds"])
-    parts = []
+    parts: list[tuple[str, int]] = []
     previous: Setting | None = None
     for span in spans:
         setting: Setting = (span["rule"], span["divergence"], span["threshold"])
@@ -199,7 +209,7 @@ def render_markdown(session: Session) -> str:
         f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
         f"| Draft | {_draft_cell(m, session.settings)} |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
-        f"| Decoding | {decoding_summary(session.settings)} |",
+        f"| Decoding | {_decoding_cell(session.settings)} |",
         f"| Sampling | {sampling_summary(session.settings)} |",
         "",
     ]

@@ -315,6 +315,7 @@ class ChatScreen(Screen[None]):
             self.notify(str(exc), severity="error")
             return
         self.query_one(ThresholdDial).settings = settings
+        self.chat.dial_moved(settings)
 
     def action_raise_threshold(self) -> None:
         """T up one step of the dial in use (capped at the dial's top)."""
