@@ -42,7 +42,14 @@ from fsd_chat.decoding.settings import (
     SamplingConfig,
     SamplingRequest,
 )
-from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models.chat_template import (
+    ChatTemplateError,
+    Message,
+    PromptBuilder,
+    RenderLimits,
+    TemplateLimitError,
+    prompt_ids,
+)
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
@@ -285,6 +292,33 @@ class ChatController:
         return self.decoder.generate(
             prompt_ids, max_new_tokens=self.options.max_new_tokens, sampling=self.sampling
         )
+
+    def check_template(self) -> Notice | None:
+        """Render the chat template once over a short conversation (the system prompt, if any, and
+        one user turn), as `generate` does before decoding, so that a broken template is told when
+        the chat opens rather than on the first send (blocking; called by a worker under
+        `decoder_lock`: the tokenizer is not to be used by two threads at once).
+
+        Returns:
+            None when the template renders (or there is none, or `--raw` is on); else why it
+            failed, with what `--raw` would do instead.
+        """
+        probe = [*self.session.messages()[:1], Message("user", "Hello")]
+        if probe[0].role != "system":
+            probe = probe[-1:]
+        limits = RenderLimits(self.prompts.seconds, self.prompts.size)
+        try:
+            prompt_ids(self.prompts.tokenizer, probe, raw=self.options.raw, limits=limits)
+        except (ChatTemplateError, TemplateLimitError) as exc:
+            return Notice(
+                f"{exc}. With --raw the chat would send the turns as plain text, one after another, "
+                "without the template's role markers: a chat model may then continue the text rather "
+                "than answer it.",
+                title="The chat template fails",
+                severity="error",
+                timeout=30,
+            )
+        return None
 
     def prompt_ready(self, dropped: int) -> Notice | None:
         """The current message's prompt is built: the message and the reply it asks for (as

@@ -135,6 +135,16 @@ class ChatScreen(Screen[None]):
         self._show_turns()
         self.query_one("#conversation", VerticalScroll).anchor()
         self.query_one(PromptInput).focus()
+        self._check_template()
+
+    @work(thread=True, group="template", exit_on_error=False)
+    def _check_template(self) -> None:
+        """Tell at once when the chat template fails (it is code from the model's files, run in
+        this thread under the template's time limit)."""
+        with self.chat.decoder_lock:
+            notice = self.chat.check_template()
+        if notice is not None:
+            self.app.call_from_thread(self.show, notice)
 
     def _show_turns(self) -> None:
         self._hidden = len(self.session.turns)
