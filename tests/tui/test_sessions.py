@@ -250,10 +250,10 @@ async def test_a_broken_chat_template_is_told_when_the_chat_opens(
         async with app.run_test(size=SIZE) as pilot:
             await wait_for_chat(pilot)
             if raw:  # nothing to tell: the template is not used
-                await wait_for(pilot, lambda: not app.workers)
+                await wait_for(pilot, lambda a=app: not a.workers)
                 assert not app._notifications
                 continue
-            await wait_for(pilot, lambda: app._notifications)
+            await wait_for(pilot, lambda a=app: a._notifications)
             (notice,) = app._notifications
             assert notice.title == "The chat template fails" and notice.severity == "error"
             assert "TemplateSyntaxError: Unexpected end of template" in notice.message
