@@ -43,7 +43,14 @@ from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.tui.keys import CHAT_BINDINGS
-from fsd_chat.tui.messages import PromptFailed, PromptReady, SaveFailed, SaveRecovered, StepsReady
+from fsd_chat.tui.messages import (
+    PrefillProgress,
+    PromptFailed,
+    PromptReady,
+    SaveFailed,
+    SaveRecovered,
+    StepsReady,
+)
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.stream import BatchPacer, StepBuffer
@@ -220,11 +227,17 @@ class ChatScreen(Screen[None]):
                 self.post_message(PromptFailed(generation, exc))
                 return
             self.post_message(PromptReady(generation, dropped))
-            for step in self.chat.steps(ids):
-                if buffer.add(step):
-                    self.post_message(StepsReady(generation))
-                if worker.is_cancelled:
-                    return
+            self.controls.listen_prefill(
+                lambda done, total: self.post_message(PrefillProgress(generation, done, total))
+            )
+            try:
+                for step in self.chat.steps(ids):
+                    if buffer.add(step):
+                        self.post_message(StepsReady(generation))
+                    if worker.is_cancelled:
+                        return
+            finally:
+                self.controls.listen_prefill(None)
         self.post_message(StepsReady(generation, ended=True))
 
     def on_prompt_ready(self, message: PromptReady) -> None:
@@ -251,6 +264,11 @@ class ChatScreen(Screen[None]):
             widget.remove()
         self.streaming = None
         self.query_one(PromptInput).give_back(sent.question.content)
+
+    def on_prefill_progress(self, message: PrefillProgress) -> None:
+        """Show how much of a long prompt is read (until its first tokens come)."""
+        if self.chat.is_current(message.generation) and self.streaming is not None:
+            self.streaming.show_prefill(message.done, message.total)
 
     def on_steps_ready(self, message: StepsReady) -> None:
         """Show the buffered steps: now, or when the pacer allows the next batch."""

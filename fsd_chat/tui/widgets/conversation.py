@@ -101,8 +101,18 @@ class ReplyView(Vertical):
             if self.screen.has_class("-markdown"):
                 self.show_markdown()
 
+    def show_prefill(self, done: int, total: int) -> None:
+        """Say how much of a long prompt the models have read, in the statistics line (the first
+        step's statistics replace it)."""
+        if not self.builder.totals.steps:
+            self.query_one(".reply-stats", Static).update(
+                Content(f"reading the prompt: {done:,} of {total:,} tokens ({done / total:.0%})")
+            )
+
     def add_steps(self, steps: Iterable[Step]) -> None:
         """Append decoding steps' tokens; re-renders the live tail only."""
+        if not self.builder.totals.steps:
+            self.query_one(".reply-stats", Static).update("")  # the prompt is read
         for step in steps:
             self.builder.add(step)
         live = self._live_runs()
