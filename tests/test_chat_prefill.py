@@ -39,5 +39,6 @@ def test_a_long_prefill_reports_its_progress_and_changes_no_token(
     monkeypatch.setattr(reply_module, "PREFILL_CHUNK", CHUNK)
     reports: list[tuple[int, int]] = []
     assert decode(pair, prompt, autoregressive=autoregressive, reports=reports) == expected
-    # Every chunk, in order, then the rest: tokens every model has read, of the prompt's.
-    assert reports == [(n, prefix) for n in range(CHUNK, prefix, CHUNK)] + [(prefix, prefix)]
+    # At the start, after every chunk in order, then the rest: tokens every model has read, of the
+    # prompt's.
+    assert reports == [(n, prefix) for n in range(0, prefix, CHUNK)] + [(prefix, prefix)]

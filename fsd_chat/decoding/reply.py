@@ -222,6 +222,8 @@ def begin(
     # reported between them (the causal mask makes the chunks' logits and cache those of one pass).
     start = min(model.seen for model in models)
     ends = [*range(start + PREFILL_CHUNK, prefix, PREFILL_CHUNK), prefix]
+    if len(ends) > 1:
+        controls.report_prefill(start, prefix)  # at once: the first chunk takes a while too
     for upto in ends:
         for model in models:
             if model.seen < upto:
