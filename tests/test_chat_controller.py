@@ -251,13 +251,22 @@ def test_a_new_chat_keeps_the_old_one_saved_and_starts_empty(pair: ModelPair, tm
     new = chat.session
     assert notice.text == f"New chat {new.id}" and new.id != old.id and new.turns == []
     assert (new.models, new.settings, new.system) == (old.models, old.settings, "Be brief.")
+    # A new chat starts where the dial stands (its start settings), with no dial moved yet.
+    moved = DecodingSettings(rule="mixture", divergence="js", threshold=0.2, draft_tokens=4)
+    chat.dial_moved(moved)
+    newer = (chat.new_chat(), chat.session)[1]
+    assert "dial" not in newer.settings and (newer.settings["rule"], newer.settings["threshold"]) == (
+        "mixture",
+        0.2,
+    )
+    assert newer.settings["temperature"] == old.settings["temperature"]
     _, steps, fold = start(chat, "Lily had a dog")
     second = stream(chat, steps, fold)
     chat.finish()
     assert chat.close(10)
     store = SessionStore(tmp_path / "data" / "sessions.sqlite3")
     assert [t.content for t in store.load(old.id).turns] == ["Once upon a time", first]
-    assert [t.content for t in store.load(new.id).turns] == ["Lily had a dog", second]
+    assert [t.content for t in store.load(newer.id).turns] == ["Lily had a dog", second]
     assert len(store.summaries()) == 2
 
 

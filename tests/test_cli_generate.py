@@ -114,6 +114,11 @@ def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path,
     code, out, _ = run_cli(args, capsys)
     assert code == 0
     assert out.startswith(", there was a little")  # the target's greedy continuation
+    # --json names no draft: target-only decoding speculates nothing.
+    code, out, _ = run_cli([*args[:-1], "--json", args[-1]], capsys)
+    summary = json.loads(out.splitlines()[-1])
+    assert code == 0 and summary["draft"] is None
+    assert summary["stats"]["drafted"] == 0 and summary["text"].startswith(", there was a little")
 
 
 @pytest.mark.parametrize(

@@ -190,6 +190,35 @@ def test_former_draft_policy_names_read_back_as_todays(
     conn.close()
 
 
+def test_the_dial_a_session_ended_with_is_kept_beside_its_start(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.sqlite3")
+    session = make_session()
+    saved(store, session)
+    dial = {
+        "rule": "mixture",
+        "divergence": "tv",
+        "threshold": 0.16,
+        "draft_tokens": 4,
+        "draft_policy": "fixed",
+    }
+    session.settings = {**session.settings, "dial": dial}
+    writer = SessionWriter(store, on_error=lambda reason: None)
+    writer.update_settings(session)
+    assert writer.close(5)
+    loaded = store.load("abcd1234")
+    assert loaded.settings == session.settings  # the start kept, the dial beside it
+    assert "| Decoding | fuzzy · js · T 0.100 · k 4 at the start; mixture · T 0.160 · k 4 at the end |" in (
+        render_markdown(loaded)
+    )
+    # An edited dial is refused in one line, as any other field.
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE sessions SET settings = ?", ('{"dial": {"threshold": "high"}}',))
+    conn.commit()
+    conn.close()
+    with pytest.raises(SessionStoreError, match=r"threshold = 'high' in its dial settings is not a number"):
+        store.load("abcd1234")
+
+
 def test_unrepairable_sessions_and_newer_files_are_refused_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "s.sqlite3"
     write_v0_file(path, [("user", None), ("robot", None)])

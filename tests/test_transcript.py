@@ -17,6 +17,7 @@ from fsd_chat.conversation.transcript import (
     export_transcript,
     provenance_html,
     render_markdown,
+    reply_summary,
     write_atomic,
 )
 from fsd_chat.decoding.events import Origin
@@ -103,8 +104,34 @@ def test_each_reply_carries_its_cost(cost: float | None, shown: str | None) -> N
 def test_provenance_marks_each_origin_and_the_threshold_change() -> None:
     html = provenance_html(session().turns[1].reply)  # type: ignore[arg-type]
     assert html == (
-        "Once &lt;b&gt;<ins> upon</ins><b> a<br>\n<br>\ntime</b><sup>⟨js T 0.140⟩</sup><i> there</i>"
+        "Once &lt;b&gt;<ins> upon</ins><b> a<br>\n<br>\ntime</b><sup>⟨T 0.140⟩</sup><i> there</i>"
     )
+
+
+def test_a_change_of_rule_is_named_with_what_the_new_rule_reads() -> None:
+    # fuzzy js 0.1 -> mixture 0.16 (which reads no divergence) -> tv under mixture (no mark, one
+    # span) -> pure (which reads the divergence again) -> exact (which reads neither).
+    settings = [("fuzzy", "js", 0.1), ("mixture", "js", 0.16), ("mixture", "tv", 0.16), ("pure", "tv", 0.16)]
+    settings.append(("exact", "tv", 0.16))
+    record = ReplyRecord(
+        runs=[OriginRun(f"w{i} ", Origin.DRAFT_EXACT, t, d, r) for i, (r, d, t) in enumerate(settings)],
+        stats={
+            **session().turns[1].reply.stats,  # type: ignore[union-attr]
+            "spans": [
+                {"rule": r, "divergence": d, "threshold": t, "tokens": n}
+                for (r, d, t), n in zip(settings, [3, 2, 2, 1, 1], strict=True)
+            ],
+        },
+    )
+    assert provenance_html(record) == (
+        "w0 <sup>⟨mixture T 0.160⟩</sup>w1 w2 <sup>⟨pure tv T 0.160⟩</sup>w3 <sup>⟨exact⟩</sup>w4 "
+    )
+    assert (
+        "under fuzzy js T 0.100 for 3 tokens → mixture T 0.160 for 4 tokens → pure tv T 0.160 for 1 tokens → "
+        "exact for 1 tokens · stopped"
+    ) in reply_summary(record) + " · stopped"
+    one = ReplyRecord(runs=record.runs[:1], stats={**record.stats, "spans": record.stats["spans"][:1]})
+    assert reply_summary(one).endswith("fuzzy 12% · under fuzzy js T 0.100")
 
 
 def test_atomic_write_and_unwritable_paths(tmp_path: Path) -> None:

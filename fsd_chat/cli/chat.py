@@ -14,6 +14,7 @@ import typer
 
 from fsd_chat.cli import options as o
 from fsd_chat.cli.option import Option, config_values, takes
+from fsd_chat.conversation.session import final_dial
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import ending_signals_raise, export_transcript, render_markdown
 from fsd_chat.decoding.settings import LOOKUP
@@ -104,6 +105,9 @@ def chat(
             f"no target model: pass --target (and --draft, or prompt lookup drafts), set target in {config.path}, "
             f"or --resume a session; {HOW_TO_GET}"
         )
+    if session is not None:
+        # The dial the session ended with, over config.toml's and the defaults (not over flags).
+        v = with_config(ctx, v, final_dial(session.settings))
     settings = o.decoding_settings(v)
     sampling = o.sampling_request(v)
     for source in (target_source, draft_source):

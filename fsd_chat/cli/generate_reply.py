@@ -144,17 +144,24 @@ def run_generate(
                 "sampling": asdict(resolved.config),
                 "sampling_source": resolved.source,
                 "not_applied": list(resolved.not_applied),
-                "draft": {"kind": pair.draft_kind, "coverage": pair.coverage},
+                # Target-only decoding drafts nothing: no kind of draft to name.
+                "draft": None if autoregressive else {"kind": pair.draft_kind, "coverage": pair.coverage},
                 "stats": totals.to_dict(),
             }
         )
     else:
         sys.stdout.write("\n")
         if colour:
+            # Target-only decoding has no acceptance or τ to report: it speculated nothing.
+            drafting = (
+                "target only · "
+                if autoregressive
+                else f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
+                f"fuzzy {totals.fuzzy_share:.0%} · "
+            )
             console.print(
-                f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · "
-                f"acceptance {totals.acceptance_rate:.0%} · τ {totals.mean_accepted_length:.2f} · "
-                f"fuzzy {totals.fuzzy_share:.0%} · cost {totals.cost_per_token:.4f} nats/token · "
+                f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · {drafting}"
+                f"cost {totals.cost_per_token:.4f} nats/token · "
                 f"{resolved.config.describe()} ({escape(resolved.source)})"
                 + (
                     f" · lookup hits {totals.lookup_hits} of {totals.steps} steps"

@@ -20,7 +20,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from fsd_chat.conversation.session import STOPPED, ReplyRecord, Session, Turn, new_session_id, now
+from fsd_chat.conversation.session import (
+    DIAL_FIELDS,
+    STOPPED,
+    ReplyRecord,
+    Session,
+    Turn,
+    final_dial,
+    new_session_id,
+    now,
+)
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.conversation.writer import SessionWriter
@@ -33,7 +42,14 @@ from fsd_chat.decoding.settings import (
     SamplingConfig,
     SamplingRequest,
 )
-from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models.chat_template import (
+    ChatTemplateError,
+    Message,
+    PromptBuilder,
+    RenderLimits,
+    TemplateLimitError,
+    prompt_ids,
+)
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
@@ -193,11 +209,7 @@ class ChatController:
             f"; not applied: {', '.join(resolved.not_applied)}" if resolved.not_applied else ""
         )
         """Where the sampling came from, and the model's processors not applied (help screen)."""
-        self.describe = (
-            pair.describe()
-            + (" · autoregressive" if o.autoregressive else "")
-            + f" · {self.sampling.describe()}"
-        )
+        self.describe = f"{pair.describe(target_only=o.autoregressive)} · {self.sampling.describe()}"
         """The header line: models, quantization, device, mode and sampling."""
         self.draft_label = pair.draft_label
         """The kind of draft the legend names (`ModelPair.draft_label`)."""
@@ -280,6 +292,33 @@ class ChatController:
         return self.decoder.generate(
             prompt_ids, max_new_tokens=self.options.max_new_tokens, sampling=self.sampling
         )
+
+    def check_template(self) -> Notice | None:
+        """Render the chat template once over a short conversation (the system prompt, if any, and
+        one user turn), as `generate` does before decoding, so that a broken template is told when
+        the chat opens rather than on the first send (blocking; called by a worker under
+        `decoder_lock`: the tokenizer is not to be used by two threads at once).
+
+        Returns:
+            None when the template renders (or there is none, or `--raw` is on); else why it
+            failed, with what `--raw` would do instead.
+        """
+        probe = [*self.session.messages()[:1], Message("user", "Hello")]
+        if probe[0].role != "system":
+            probe = probe[-1:]
+        limits = RenderLimits(self.prompts.seconds, self.prompts.size)
+        try:
+            prompt_ids(self.prompts.tokenizer, probe, raw=self.options.raw, limits=limits)
+        except (ChatTemplateError, TemplateLimitError) as exc:
+            return Notice(
+                f"{exc}. With --raw the chat would send the turns as plain text, one after another, "
+                "without the template's role markers: a chat model may then continue the text rather "
+                "than answer it.",
+                title="The chat template fails",
+                severity="error",
+                timeout=30,
+            )
+        return None
 
     def prompt_ready(self, dropped: int) -> Notice | None:
         """The current message's prompt is built: the message and the reply it asks for (as
@@ -381,12 +420,25 @@ class ChatController:
 
     # --- the session --------------------------------------------------------------------------
 
+    def dial_moved(self, settings: DecodingSettings) -> None:
+        """The dial now stands at `settings`: the session keeps them (`--resume` reopens there),
+        saved at once when the session is stored already, else with its first message."""
+        dial = {key: value for key, value in asdict(settings).items() if key in DIAL_FIELDS}
+        # A new dict, never one changed in place: the writer thread may be serialising the old one.
+        self.session.settings = {**self.session.settings, "dial": dial}
+        if self.session.turns:
+            self.writer.update_settings(self.session)
+
     def new_chat(self) -> Notice:
         """Start a new session with the same models and settings (the old one stays saved); the
         reply in flight must have been finished (steps still coming for it are then stale, and
         every later message takes a new generation number)."""
         old = self.session
-        self.session = Session(new_session_id(), now(), dict(old.models), dict(old.settings), old.system)
+        # It starts where the dial stands.
+        settings = {key: value for key, value in old.settings.items() if key != "dial"} | final_dial(
+            old.settings
+        )
+        self.session = Session(new_session_id(), now(), dict(old.models), settings, old.system)
         return Notice(f"New chat {self.session.id}", timeout=2)
 
     def close(self, timeout: float) -> bool:
@@ -437,7 +489,7 @@ def _new_session(options: ChatOptions, pair: ModelPair, sampling: SamplingConfig
         "draft": o.draft.source,
         "quantize_target": o.target.quantization,
         "quantize_draft": o.draft.quantization,
-        "draft_kind": pair.draft_kind,
+        "draft_kind": "none" if o.autoregressive else pair.draft_kind,
         "device": str(pair.device),
         "dtype": str(pair.dtype).removeprefix("torch."),
     }

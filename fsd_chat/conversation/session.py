@@ -30,6 +30,37 @@ def new_session_id() -> str:
     return secrets.token_hex(4)
 
 
+Setting = tuple[str, str, float]
+"""(rule, divergence, threshold) of the controls in force for a step (see `StepStats`)."""
+
+DIVERGENCE_RULES = ("fuzzy", "pure")
+"""Rules whose test compares a divergence with T; mixture's T is a KL budget whatever the dial's
+divergence, and exact uses neither."""
+THRESHOLD_RULES = ("fuzzy", "pure", "mixture")
+"""Rules that read T."""
+
+
+def describe_setting(setting: Setting, previous: Setting | None = None, digits: int = 3) -> str:
+    """The part of `setting` a reader needs, e.g. "mixture T 0.160", "fuzzy js T 0.050", "exact";
+    given the `previous` setting, only what changed and matters under the rule in force: the
+    divergence only where the rule uses one, T only where it reads T ("" when nothing that matters
+    changed, e.g. the divergence under mixture). A change of rule names the rule and what it reads.
+
+    Args:
+        setting: (rule, divergence, threshold) in force.
+        previous: The setting before it (None: name it whole).
+        digits: Decimals of T.
+    """
+    rule, divergence, threshold = setting
+    whole = previous is None or previous[0] != rule
+    parts = [rule] if whole else []
+    if rule in DIVERGENCE_RULES and (whole or previous is None or previous[1] != divergence):
+        parts.append(divergence)
+    if rule in THRESHOLD_RULES and (whole or previous is None or previous[2] != threshold):
+        parts.append(f"T {threshold:.{digits}f}")
+    return " ".join(parts)
+
+
 @dataclass(frozen=True, slots=True)
 class OriginRun:
     """Consecutive reply text of one origin, decoded under one setting of the controls."""
@@ -41,7 +72,7 @@ class OriginRun:
     rule: str
 
     @property
-    def setting(self) -> tuple[str, str, float]:
+    def setting(self) -> Setting:
         """(rule, divergence, threshold): a change between two runs is marked in the reply."""
         return (self.rule, self.divergence, self.threshold)
 
@@ -72,30 +103,40 @@ class ReplyRecord:
 
 
 class ReplyBuilder:
-    """Folds a decoder's `Step`s into a `ReplyRecord` and running `GenerationStats`."""
+    """Folds a decoder's `Step`s into a `ReplyRecord` and running `GenerationStats`, with each
+    setting's span: `stats["spans"]` lists, in order, {"rule", "divergence", "threshold",
+    "tokens"} for each stretch of steps decoded under one setting (a new span where the dial moved)."""
 
     def __init__(self) -> None:
         self.record = ReplyRecord()
         self.totals = GenerationStats()
+        self.spans: list[dict[str, Any]] = []
         self._last_origin = Origin.TARGET
-        self._last_setting: tuple[str, str, float] = ("", "", 0.0)
+        self._last_setting: Setting = ("", "", 0.0)
 
     def add(self, step: Step) -> None:
         """Append one step's tokens (merged into runs) and fold in its statistics."""
         s = step.stats
-        setting = (s.rule, s.divergence, s.threshold)
+        setting: Setting = (s.rule, s.divergence, s.threshold)
         if step.flushed:
             # Held-back text of the previous step's last token, in that token's run.
             self._append(step.flushed, self._last_origin, self._last_setting)
         for token in step.tokens:
             self._last_origin, self._last_setting = token.origin, setting
             self._append(token.text, token.origin, setting)
+        last = self.spans[-1] if self.spans else None
+        if last is not None and (last["rule"], last["divergence"], last["threshold"]) == setting:
+            last["tokens"] += s.emitted
+        else:
+            self.spans.append(
+                {"rule": s.rule, "divergence": s.divergence, "threshold": s.threshold, "tokens": s.emitted}
+            )
         self.totals.add(step)
-        self.record.stats = self.totals.to_dict()
+        self.record.stats = {**self.totals.to_dict(), "spans": [dict(span) for span in self.spans]}
         if step.stop_reason is not None:
             self.record.stop_reason = str(step.stop_reason)
 
-    def _append(self, text: str, origin: Origin, setting: tuple[str, str, float]) -> None:
+    def _append(self, text: str, origin: Origin, setting: Setting) -> None:
         if not text:
             return
         runs = self.record.runs
@@ -125,7 +166,8 @@ class Session:
         created: ISO timestamp of the session's start.
         models: target, draft, quantize_target, quantize_draft, device, dtype.
         settings: Decoding and sampling settings at the start (rule, divergence, threshold,
-            draft_tokens, draft_policy, temperature, top_k, top_p, seed, max_new_tokens, mode).
+            draft_tokens, draft_policy, temperature, top_k, top_p, seed, max_new_tokens, mode), and
+            under "dial" the dial's settings (`DIAL_FIELDS`) as it was last moved (see `final_dial`).
         system: The system prompt, if any.
         turns: User and assistant turns in order.
     """
@@ -234,7 +276,16 @@ SETTING_FIELDS: dict[str, tuple[type, ...]] = {
     "seed": (int, type(None)),
     "max_new_tokens": (int,),
     "mode": (str,),
+    "dial": (dict,),
 }
+DIAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "rule": (str,),
+    "divergence": (str,),
+    "threshold": _NUMBER,
+    "draft_tokens": (int,),
+    "draft_policy": (str,),
+}
+"""The decoding settings the dial moves, as `Session.settings["dial"]` stores them."""
 STAT_FIELDS: dict[str, tuple[type, ...]] = {
     "tokens": (int,),
     "tokens_per_second": _NUMBER,
@@ -244,6 +295,13 @@ STAT_FIELDS: dict[str, tuple[type, ...]] = {
     "fuzzy_share": _NUMBER,
     "thresholds": (list,),
     "cost": _NUMBER,
+    "spans": (list,),
+}
+SPAN_FIELDS: dict[str, tuple[type, ...]] = {
+    "rule": (str,),
+    "divergence": (str,),
+    "threshold": _NUMBER,
+    "tokens": (int,),
 }
 RUN_FIELDS: dict[str, tuple[type, ...]] = {
     "text": (str,),
@@ -302,7 +360,18 @@ def settings_from_dict(data: object) -> dict[str, Any]:
         policy = "heuristic" if settings.pop("adaptive") else "fixed"
     if policy is not None:
         settings["draft_policy"] = FORMER_DRAFT_POLICIES.get(policy, policy)
+    if "dial" in settings:
+        checked_fields("dial settings", settings["dial"], DIAL_FIELDS, ())
     return settings
+
+
+def final_dial(settings: dict[str, Any]) -> dict[str, Any]:
+    """The dial's settings (`DIAL_FIELDS`) the session ended with: `settings["dial"]`, saved as the
+    dial moves, over the settings it started with (all a session saved before the dial was saved
+    has; any may be missing from a file of an early version)."""
+    return {
+        key: value for key, value in {**settings, **settings.get("dial", {})}.items() if key in DIAL_FIELDS
+    }
 
 
 def reply_from_dict(data: object) -> ReplyRecord:
@@ -320,6 +389,8 @@ def reply_from_dict(data: object) -> ReplyRecord:
     )
     if not all(isinstance(t, _NUMBER) for t in stats.get("thresholds", [])):
         raise MalformedSessionError("its reply statistics have thresholds that are not numbers")
+    for span in stats.get("spans", []):  # absent from replies saved before spans were counted
+        checked_fields("reply's setting spans", span, SPAN_FIELDS, tuple(SPAN_FIELDS))
     runs = []
     for run in record.get("runs", []):
         r = checked_fields("reply runs", run, RUN_FIELDS, tuple(RUN_FIELDS))

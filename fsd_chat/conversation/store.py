@@ -264,7 +264,9 @@ class SessionStore:
         with self._connect() as conn:
             conn.execute(
                 "INSERT INTO sessions (id, created, updated, title, models, settings, system) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET updated = excluded.updated",
+                "VALUES (?, ?, ?, ?, ?, ?, ?) "
+                # The settings too: they carry the dial as it is now (`Session.settings["dial"]`).
+                "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated, settings = excluded.settings",
                 (
                     session.id,
                     session.created,
@@ -306,6 +308,19 @@ class SessionStore:
             ).rowcount
             conn.execute("UPDATE sessions SET updated = ? WHERE id = ?", (_timestamp(), session_id))
         return changed == 1
+
+    def update_settings(self, session_id: str, settings: dict[str, object]) -> None:
+        """Replace the stored settings of a session (the dial moved); nothing happens to a session
+        not stored yet (its first append stores them).
+
+        Raises:
+            SessionStoreError: the file cannot be opened or written.
+        """
+        with self._connect() as conn:
+            conn.execute(
+                "UPDATE sessions SET settings = ?, updated = ? WHERE id = ?",
+                (json.dumps(settings), _timestamp(), session_id),
+            )
 
     def resolve(self, key: str) -> str:
         """The full id of the session whose id is `key` or starts with it.

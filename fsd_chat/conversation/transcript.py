@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fsd_chat.conversation.session import ReplyRecord, Session
+from fsd_chat.conversation.session import ReplyRecord, Session, Setting, describe_setting, final_dial
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.support.errors import FsdChatError
@@ -53,19 +53,29 @@ class TranscriptError(FsdChatError):
 
 
 def decoding_summary(settings: dict[str, Any]) -> str:
-    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5"."""
+    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5", "mixture · T 0.160 · k 5"."""
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
     # A stored session may lack any of them (`fsd_chat.conversation.session.settings_from_dict`): shown as "?".
     threshold = settings.get("threshold")
-    parts = [
-        settings.get("rule", "?"),
-        settings.get("divergence", "?"),
-        "T ?" if threshold is None else f"T {threshold:.3f}",
-    ]
+    rule = settings.get("rule", "?")
+    parts = [rule]
+    # What the rule does not read is not named (see `describe_setting`); an unknown rule shows all.
+    if rule not in ("mixture", "exact"):
+        parts.append(settings.get("divergence", "?"))
+    if rule != "exact":
+        parts.append("T ?" if threshold is None else f"T {threshold:.3f}")
     policy = settings.get("draft_policy", "fixed")
     parts.append(f"k {settings.get('draft_tokens', '?')}" + ("" if policy == "fixed" else f" ({policy})"))
     return " · ".join(parts)
+
+
+def _decoding_cell(settings: dict[str, Any]) -> str:
+    """The decoding settings the session started with, and those the dial ended on when it moved
+    (each reply's stats line gives the spans of the settings it was decoded under)."""
+    start = decoding_summary(settings)
+    end = decoding_summary({**settings, **final_dial(settings)})
+    return start if end == start else f"{start} at the start; {end} at the end"
 
 
 def sampling_summary(settings: dict[str, Any]) -> str:
@@ -103,7 +113,7 @@ def reply_summary(record: ReplyRecord) -> str:
             f"acceptance {s['acceptance_rate']:.0%}",
             f"mean accepted length {s['mean_accepted_length']:.2f}",
             f"fuzzy {s['fuzzy_share']:.0%}",
-            "T " + " → ".join(f"{t:.3f}" for t in s["thresholds"]),
+            dial_summary(s),
         ]
         if "cost" in s:  # absent from sessions saved before costs were measured
             parts.append(cost_summary(s["cost"], s["tokens"]))
@@ -116,6 +126,28 @@ def reply_summary(record: ReplyRecord) -> str:
     return " · ".join(parts)
 
 
+def dial_summary(stats: dict[str, Any]) -> str:
+    """The settings a reply was decoded under and the tokens each decided, e.g. "under fuzzy js
+    T 0.100 for 8 tokens → mixture T 0.160 for 32 tokens" (each later span names what changed: see
+    `describe_setting`); the thresholds alone for a reply saved before spans were counted."""
+    spans = stats.get("spans")
+    if not spans:
+        return "T " + " → ".join(f"{t:.3f}" for t in stats["thresholds"])
+    parts: list[tuple[str, int]] = []
+    previous: Setting | None = None
+    for span in spans:
+        setting: Setting = (span["rule"], span["divergence"], span["threshold"])
+        change = describe_setting(setting, previous)
+        if parts and not change:  # a change that does not matter under the rule: one span
+            parts[-1] = (parts[-1][0], parts[-1][1] + span["tokens"])
+        else:
+            parts.append((change, span["tokens"]))
+        previous = setting
+    if len(parts) == 1:
+        return f"under {parts[0][0]}"
+    return "under " + " → ".join(f"{label} for {tokens} tokens" for label, tokens in parts)
+
+
 def _escape(text: str) -> str:
     # Newlines become <br> so that the HTML block has no blank line (which would end it).
     return html.escape(text, quote=False).replace("\n", "<br>\n")
@@ -126,8 +158,9 @@ def provenance_html(record: ReplyRecord) -> str:
     out: list[str] = []
     previous = None
     for run in record.runs:
-        if previous is not None and run.setting != previous:
-            out.append(f"<sup>⟨{run.divergence} T {run.threshold:.3f}⟩</sup>")
+        change = "" if previous is None else describe_setting(run.setting, previous)
+        if change:
+            out.append(f"<sup>⟨{html.escape(change)}⟩</sup>")
         previous = run.setting
         start, end = MARKS[run.origin]
         out.append(f"{start}{_escape(run.text)}{end}")
@@ -151,8 +184,11 @@ def _code_cell(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
-def _draft_cell(models: dict[str, Any]) -> str:
-    """The draft model, its quantization and its kind, or prompt lookup (no draft model)."""
+def _draft_cell(models: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The draft model, its quantization and its kind, prompt lookup (no draft model), or none
+    (target-only decoding drafts nothing, whatever draft was loaded)."""
+    if settings.get("mode") == "autoregressive":
+        return "none (target only)"
     draft = str(models.get("draft", ""))
     if draft == LOOKUP:
         return "prompt lookup (no draft model)"
@@ -171,9 +207,9 @@ def render_markdown(session: Session) -> str:
         "|---|---|",
         f"| Date | {session.created} |",
         f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
-        f"| Draft | {_draft_cell(m)} |",
+        f"| Draft | {_draft_cell(m, session.settings)} |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
-        f"| Decoding | {decoding_summary(session.settings)} |",
+        f"| Decoding | {_decoding_cell(session.settings)} |",
         f"| Sampling | {sampling_summary(session.settings)} |",
         "",
     ]

@@ -41,6 +41,12 @@ class _Update:
     in_flight: bool = False
 
 
+@dataclass(slots=True)
+class _Settings:
+    session_id: str
+    settings: dict[str, object]
+
+
 class SessionWriter:
     """A thread that writes appends and updates of sessions to `store`, in order.
 
@@ -61,7 +67,7 @@ class SessionWriter:
         self.store = store
         self._on_error = on_error
         self._on_recovered = on_recovered
-        self._queue: deque[_Append | _Update] = deque()
+        self._queue: deque[_Append | _Update | _Settings] = deque()
         self._positions: dict[int, tuple[Turn, int]] = {}
         """id(turn) -> (turn, stored position), for the turns this writer appended (the turn is
         kept so that its id is not reused)."""
@@ -95,7 +101,20 @@ class SessionWriter:
                     return
         self._put(_Update(session_id, turn, snapshot))
 
-    def _put(self, op: _Append | _Update) -> None:
+    def update_settings(self, session: Session) -> None:
+        """Store the session's settings as they are now (the dial moved); a newer pending save of
+        them replaces an older one."""
+        op = _Settings(session.id, session.settings)
+        with self._wake:
+            for i, pending in enumerate(self._queue):
+                if i and isinstance(pending, _Settings) and pending.session_id == session.id:
+                    pending.settings = op.settings  # not the head: that one may be being written
+                    self._puts += 1
+                    self._wake.notify()
+                    return
+        self._put(op)
+
+    def _put(self, op: _Append | _Update | _Settings) -> None:
         with self._wake:
             self._queue.append(op)
             self._puts += 1
@@ -157,10 +176,12 @@ class SessionWriter:
                 self._failing = False
                 self._on_recovered()
 
-    def _write(self, op: _Append | _Update) -> None:
+    def _write(self, op: _Append | _Update | _Settings) -> None:
         if isinstance(op, _Append):
             self._sessions[op.session.id] = op.session
             self._append(op.session, op.turns, op.turns)
+        elif isinstance(op, _Settings):
+            self.store.update_settings(op.session_id, op.settings)
         elif not self.store.update_turn(op.session_id, self._positions[id(op.turn)][1], op.snapshot):
             # The reply's row is gone (the data folder was deleted mid-reply, the file replaced):
             # the turns written so far are saved again, the reply as it is now, rather than lost.

@@ -7,6 +7,7 @@ every step, so a change applies from the next step and never half-way through on
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -14,12 +15,14 @@ from fsd_chat.decoding.settings import DecodingSettings
 
 
 class Controls:
-    """Thread-safe holder of `DecodingSettings` and of a stop request."""
+    """Thread-safe holder of `DecodingSettings`, of a stop request, and of who hears the progress
+    of a long prefill."""
 
     def __init__(self, settings: DecodingSettings | None = None) -> None:
         self._lock = threading.Lock()
         self._settings = settings or DecodingSettings()
         self._stop = threading.Event()
+        self._prefill_listener: Callable[[int, int], object] | None = None
 
     def snapshot(self) -> DecodingSettings:
         """The settings in force now (immutable)."""
@@ -48,3 +51,15 @@ class Controls:
     def stop_requested(self) -> bool:
         """Whether a stop was requested since the last `clear_stop`."""
         return self._stop.is_set()
+
+    def listen_prefill(self, listener: Callable[[int, int], object] | None) -> None:
+        """Have `listener(done, total)` called (in the decoding thread) as a long prompt is read:
+        the prompt tokens every model has read so far (kept from the previous prompt, or fed), of
+        the `total` to read (see `fsd_chat.decoding.reply.begin`); None stops it."""
+        self._prefill_listener = listener
+
+    def report_prefill(self, done: int, total: int) -> None:
+        """Every model has read `done` of the `total` prompt tokens of a long prefill."""
+        listener = self._prefill_listener
+        if listener is not None:
+            listener(done, total)

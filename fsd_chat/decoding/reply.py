@@ -168,6 +168,11 @@ class Start:
     prefill_seconds: float
 
 
+PREFILL_CHUNK = 512
+"""Prompt tokens fed a forward pass while prefilling a long prompt: between two, the decoder
+reports its progress (`Controls.report_prefill`), so that a long paste shows it is being read."""
+
+
 def begin(
     models: Sequence[CachedModel],
     prompt_ids: list[int],
@@ -184,7 +189,9 @@ def begin(
     reuse_prefix: bool,
 ) -> Start:
     """Start a reply: prefill the models' caches with all prompt tokens but the last (each step
-    feeds the last token itself). With `reuse_prefix`, each cache keeps the tokens the prompt
+    feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting after each the
+    prompt tokens every model has read (`Controls.report_prefill`) when there are more than one
+    chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt
     shares with what it holds (`CachedModel.keep_prefix`) and only the rest is fed; else the caches
     start empty. `time_phases`: synchronise the device at each phase so that draft, target and
     other seconds are exact (see `PhaseClock`).
@@ -205,13 +212,29 @@ def begin(
         controls=controls,
     )
     clock = PhaseClock(device, synchronize=time_phases)
+    prefix = reply.length - 1
     for model in models:
         if reuse_prefix:
-            model.keep_prefix(reply.seq, reply.length - 1)
+            model.keep_prefix(reply.seq, prefix)
         else:
             model.reset()
-        if reply.length - 1 > model.seen:
-            model.forward(reply.seq, reply.length - 1, keep=1)
+    # A long prompt is fed PREFILL_CHUNK tokens a forward pass, the models in step, its progress
+    # reported between them (the causal mask makes the chunks' logits and cache those of one pass).
+    start = min(model.seen for model in models)
+    ends = [*range(start + PREFILL_CHUNK, prefix, PREFILL_CHUNK), prefix]
+    if len(ends) > 1:
+        controls.report_prefill(start, prefix)  # at once: the first chunk takes a while too
+    for upto in ends:
+        for model in models:
+            if model.seen < upto:
+                model.forward(reply.seq, upto, keep=1)
+        if len(ends) > 1:
+            controls.report_prefill(upto, prefix)
+    if len(ends) > 1:
+        for model in models:
+            # Sliding-window layers record their past from the first forward pass on: cut it back
+            # to the window, as one pass would have left it (`CachedModel.forward`).
+            model.rollback(model.seen)
     return Start(reply, seeded_generator(sampling, device), clock, clock.lap())
 
 

@@ -75,10 +75,13 @@ class ModelPair:
             return f"draft vocabulary mapped ({self.coverage:.0%} coverage)"
         return None
 
-    def describe(self) -> str:
-        """One line: models (or prompt lookup), quantization, the kind of draft, device, dtype."""
+    def describe(self, *, target_only: bool = False) -> str:
+        """One line: models (or prompt lookup), quantization, the kind of draft, device, dtype;
+        `target_only` (autoregressive decoding, which drafts nothing) names no draft."""
         dtype = str(self.dtype).removeprefix("torch.")
-        if self.draft is None:
+        if target_only:
+            draft = "target only (autoregressive), no draft"
+        elif self.draft is None:
             draft = f"draft: {self.draft_label}, no draft model"
         else:
             draft = f"draft {self.draft_spec.name} ({self.draft_spec.quantization})"

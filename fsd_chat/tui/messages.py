@@ -51,3 +51,13 @@ class PromptFailed(Message):
         super().__init__()
         self.generation = generation
         self.error = error
+
+
+class PrefillProgress(Message):
+    """Generation number `generation` has read `done` of its prompt's `total` tokens (a long prefill)."""
+
+    def __init__(self, generation: int, done: int, total: int) -> None:
+        super().__init__()
+        self.generation = generation
+        self.done = done
+        self.total = total

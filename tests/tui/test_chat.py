@@ -86,7 +86,7 @@ async def test_reply_streams_with_the_engines_origins(pair: ModelPair, tmp_path:
 
 
 @pytest.mark.slow
-async def test_ctrl_up_mid_reply_changes_the_next_steps_threshold(pair: ModelPair, tmp_path: Path) -> None:
+async def test_the_dial_mid_reply_is_told_as_it_happened(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     app = make_app(pair, tmp_path, gate=gate, max_new_tokens=60)
     async with app.run_test(size=SIZE) as pilot:
@@ -99,13 +99,37 @@ async def test_ctrl_up_mid_reply_changes_the_next_steps_threshold(pair: ModelPai
         decoder.allow(1)
         await wait_for(pilot, lambda: len(decoder.steps) == 3)
         assert [s.stats.threshold for s in decoder.steps] == [0.1, 0.1, 0.12]
+        # fuzzy -> mixture, then js -> tv, which mixture does not use: one step each.
+        await pilot.press("ctrl+g")
+        decoder.allow(1)
+        await wait_for(pilot, lambda: len(decoder.steps) == 4)
+        await pilot.press("ctrl+t")
         decoder.allow(100)
         await wait_for(pilot, lambda: screen.streaming is None)
+        assert [s.stats.rule for s in decoder.steps[2:5]] == ["fuzzy", "mixture", "mixture"]
+        assert decoder.steps[4].stats.divergence == "tv"
         reply = screen.query(ReplyView).last()
         assert reply.record.stats["thresholds"] == [0.1, 0.12]
-        # The reply marks where T changed, and its stats line lists both thresholds.
-        assert "⟨js T 0.12⟩" in reply.query_one(".provenance", Static).content.plain  # type: ignore[attr-defined]
-        assert "T 0.100 → 0.120" in reply.query_one(".reply-stats", Static).content.plain  # type: ignore[attr-defined]
+        # The reply marks what changed, in words: T, then the rule (with its T); the divergence
+        # mixture ignores is never named.
+        text = reply.query_one(".provenance", Static).content.plain  # type: ignore[attr-defined]
+        marks = [m.split("⟩")[0] for m in text.split("⟨")[1:]]
+        assert marks == ["T 0.12", "mixture T 0.12"]
+        # The stats line and the stored reply give each setting's span in tokens.
+        emitted = [s.stats.emitted for s in decoder.steps]
+        a, b, c = sum(emitted[:2]), emitted[2], sum(emitted[3:])
+        assert (
+            f"under fuzzy js T 0.100 for {a} tokens → T 0.120 for {b} tokens → mixture T 0.120 for {c} tokens"
+            in reply.query_one(".reply-stats", Static).content.plain  # type: ignore[attr-defined]
+        )
+    saved = SessionStore(tmp_path / "sessions.sqlite3").load(screen.session.id).turns[1].reply
+    assert saved is not None
+    assert [(s["rule"], s["divergence"], s["threshold"], s["tokens"]) for s in saved.stats["spans"]] == [
+        ("fuzzy", "js", 0.1, a),
+        ("fuzzy", "js", 0.12, b),
+        ("mixture", "js", 0.12, emitted[3]),
+        ("mixture", "tv", 0.12, sum(emitted[4:])),
+    ]
 
 
 @pytest.mark.slow
@@ -181,6 +205,15 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
         await pilot.press("enter")
         await wait_for_chat(pilot)
         assert any(n.message == str(suggested) for n in app._notifications)
+        # A bare name typed over the suggestion stays in its folder and gets .md.
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen.query("#export-path"))
+        app.screen.query_one("#export-path").value = "notes"  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await wait_for_chat(pilot)
+        assert (tmp_path / "transcripts" / "notes.md").read_text(encoding="utf-8") == suggested.read_text(
+            encoding="utf-8"
+        )
     text = suggested.read_text(encoding="utf-8")
     reply = screen.session.turns[1].reply
     assert reply is not None

@@ -119,3 +119,34 @@ async def test_a_failed_compilation_is_told_once_and_the_chat_goes_on(
             assert all(turn.content for turn in screen.session.turns)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.slow
+async def test_target_only_is_named_as_such(target_dir: Path, tmp_path: Path) -> None:
+    # No draft given (prompt lookup is loaded) and --autoregressive: nothing is drafted, and no
+    # screen or file speaks of a draft, an acceptance rate or τ.
+    pair = load_pair(ModelSpec(str(target_dir)), ModelSpec(LOOKUP), LoadOptions(device="cpu"))
+    options = ChatOptions(
+        target=pair.target_spec,
+        draft=pair.draft_spec,
+        store=SessionStore(tmp_path / "sessions.sqlite3"),
+        max_new_tokens=20,
+        autoregressive=True,
+    )
+    app = FsdChatApp(options, loader=lambda progress: pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        header = str(screen.query_one("#header", Static).render())
+        assert "target only (autoregressive), no draft" in header and "lookup" not in header
+        await pilot.press(*"Once upon a time", "enter")
+        await wait_for(pilot, lambda: screen.streaming is None and len(screen.session.turns) == 2, 120)
+        strip = str(screen.query_one("#figures", Static).render())
+        assert "target only" in strip and "acc" not in strip and "τ" not in strip
+        stats_line = str(screen.query(".reply-stats").last().render())
+        assert "20 tokens" in stats_line and "acceptance" not in stats_line
+    transcript = render_markdown(screen.session)
+    assert "| Draft | none (target only) |" in transcript
+    assert "| Decoding | autoregressive (target only) |" in transcript
+    assert "lookup" not in transcript and "acceptance" not in transcript

@@ -231,3 +231,30 @@ async def test_a_decoding_failure_ends_the_reply_and_keeps_the_message(
         assert screen.session.turns[3].reply is not None
         assert screen.session.turns[3].reply.stop_reason == "max-new-tokens"
     assert "RuntimeError: the device went away" in (tmp_path / "data" / "fsd-chat.log").read_text()
+
+
+@pytest.mark.slow
+async def test_a_broken_chat_template_is_told_when_the_chat_opens(
+    tmp_path: Path, target_dir: Path, draft_dir: Path
+) -> None:
+    # A syntax error: `generate` refuses it before decoding; the chat says so as it opens, with
+    # what --raw would do, and stays usable.
+    target = tmp_path / "broken-target"
+    shutil.copytree(target_dir, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}"
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    pair = load_pair(ModelSpec(str(target)), ModelSpec(str(draft_dir)), LoadOptions(device="cpu"))
+    for raw in (False, True):
+        app = make_app(pair, tmp_path, raw=raw, max_new_tokens=5)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for_chat(pilot)
+            if raw:  # nothing to tell: the template is not used
+                await wait_for(pilot, lambda a=app: not a.workers)
+                assert not app._notifications
+                continue
+            await wait_for(pilot, lambda a=app: a._notifications)
+            (notice,) = app._notifications
+            assert notice.title == "The chat template fails" and notice.severity == "error"
+            assert "TemplateSyntaxError: Unexpected end of template" in notice.message
+            assert "With --raw the chat would send the turns as plain text" in notice.message

@@ -206,7 +206,7 @@ async def test_a_change_of_setting_is_marked_where_it_happened(reply: tuple[Repl
     view, pilot = reply
     view.add_steps([step(("Once", Origin.DRAFT_EXACT)), step((" upon", Origin.DRAFT_EXACT), threshold=0.3)])
     await pilot.pause()
-    assert shown(provenance(view))[0] == "Once⟨js T 0.30⟩ upon"
+    assert shown(provenance(view))[0] == "Once⟨T 0.30⟩ upon"  # only T changed
 
 
 async def test_finished_lines_are_frozen_while_the_tail_streams(reply: tuple[ReplyView, Pilot[None]]) -> None:
@@ -232,7 +232,7 @@ async def test_finished_lines_are_frozen_while_the_tail_streams(reply: tuple[Rep
     # (The line wraps at the widget's width.)
     summary = shown(view.query_one(".reply-stats", Static))[0].replace("\n", " ")
     assert summary.startswith("4 tokens · ")
-    assert summary.endswith("· T 0.100 · cost 0 (lossless) · stopped")
+    assert summary.endswith("· under fuzzy js T 0.100 · cost 0 (lossless) · stopped")
 
 
 async def test_an_error_replaces_the_statistics(reply: tuple[ReplyView, Pilot[None]]) -> None:

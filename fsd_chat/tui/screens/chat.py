@@ -43,7 +43,14 @@ from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.tui.keys import CHAT_BINDINGS
-from fsd_chat.tui.messages import PromptFailed, PromptReady, SaveFailed, SaveRecovered, StepsReady
+from fsd_chat.tui.messages import (
+    PrefillProgress,
+    PromptFailed,
+    PromptReady,
+    SaveFailed,
+    SaveRecovered,
+    StepsReady,
+)
 from fsd_chat.tui.screens.export import ExportScreen
 from fsd_chat.tui.screens.help import HelpScreen
 from fsd_chat.tui.stream import BatchPacer, StepBuffer
@@ -123,7 +130,7 @@ class ChatScreen(Screen[None]):
         yield Legend(self.chat.options.autoregressive, draft_label=self.chat.draft_label, id="legend")
         with Horizontal(id="controls"):
             yield ThresholdDial(id="dial")
-            yield StatsStrip(id="stats")
+            yield StatsStrip(target_only=self.chat.options.autoregressive, id="stats")
         yield PromptInput(id="prompt", placeholder="Message (Enter sends, ctrl+j newline, F1 help)")
         yield Footer()
 
@@ -135,6 +142,16 @@ class ChatScreen(Screen[None]):
         self._show_turns()
         self.query_one("#conversation", VerticalScroll).anchor()
         self.query_one(PromptInput).focus()
+        self._check_template()
+
+    @work(thread=True, group="template", exit_on_error=False)
+    def _check_template(self) -> None:
+        """Tell at once when the chat template fails (it is code from the model's files, run in
+        this thread under the template's time limit)."""
+        with self.chat.decoder_lock:
+            notice = self.chat.check_template()
+        if notice is not None:
+            self.app.call_from_thread(self.show, notice)
 
     def _show_turns(self) -> None:
         self._hidden = len(self.session.turns)
@@ -210,11 +227,17 @@ class ChatScreen(Screen[None]):
                 self.post_message(PromptFailed(generation, exc))
                 return
             self.post_message(PromptReady(generation, dropped))
-            for step in self.chat.steps(ids):
-                if buffer.add(step):
-                    self.post_message(StepsReady(generation))
-                if worker.is_cancelled:
-                    return
+            self.controls.listen_prefill(
+                lambda done, total: self.post_message(PrefillProgress(generation, done, total))
+            )
+            try:
+                for step in self.chat.steps(ids):
+                    if buffer.add(step):
+                        self.post_message(StepsReady(generation))
+                    if worker.is_cancelled:
+                        return
+            finally:
+                self.controls.listen_prefill(None)
         self.post_message(StepsReady(generation, ended=True))
 
     def on_prompt_ready(self, message: PromptReady) -> None:
@@ -241,6 +264,11 @@ class ChatScreen(Screen[None]):
             widget.remove()
         self.streaming = None
         self.query_one(PromptInput).give_back(sent.question.content)
+
+    def on_prefill_progress(self, message: PrefillProgress) -> None:
+        """Show how much of a long prompt is read (until its first tokens come)."""
+        if self.chat.is_current(message.generation) and self.streaming is not None:
+            self.streaming.show_prefill(message.done, message.total)
 
     def on_steps_ready(self, message: StepsReady) -> None:
         """Show the buffered steps: now, or when the pacer allows the next batch."""
@@ -315,6 +343,7 @@ class ChatScreen(Screen[None]):
             self.notify(str(exc), severity="error")
             return
         self.query_one(ThresholdDial).settings = settings
+        self.chat.dial_moved(settings)
 
     def action_raise_threshold(self) -> None:
         """T up one step of the dial in use (capped at the dial's top)."""

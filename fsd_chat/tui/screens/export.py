@@ -1,4 +1,7 @@
-"""The export dialog: a path pre-filled inside the transcripts folder; Enter writes it."""
+"""The export dialog: a path pre-filled inside the transcripts folder; Enter writes it.
+
+A bare name typed over the suggestion (`notes`) goes into the suggested folder, with `.md` added when
+it has no extension: only a name with a folder part (`~/notes.md`, `./notes`) is taken as it is."""
 
 from __future__ import annotations
 
@@ -37,10 +40,22 @@ class ExportScreen(ModalScreen[Path | None]):
             yield Input(str(self.path), id="export-path")
             yield Label("Enter writes it · Esc cancels", id="export-hint")
 
+    def target(self, typed: str) -> Path:
+        """The path `typed` names: a bare name goes into the suggested folder, with `.md` added
+        when it has no extension."""
+        path = Path(typed)
+        if path.name == typed and typed != "..":  # no folder part: "notes", "notes.md"
+            path = self.path.parent / (typed if path.suffix else typed + ".md")
+        return path
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         """Write the file; on failure say why and stay open so the path can be fixed."""
+        typed = event.value.strip()
+        if not typed:
+            self.notify("Give a file name (or press Esc).", title="Export", severity="warning")
+            return
         try:
-            written = self.write(Path(event.value.strip()))
+            written = self.write(self.target(typed))
         except TranscriptError as exc:
             self.notify(str(exc), title="Export failed", severity="error")
             return

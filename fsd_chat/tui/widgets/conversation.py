@@ -18,7 +18,14 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Markdown, Static
 
-from fsd_chat.conversation.session import STOPPED, OriginRun, ReplyBuilder, ReplyRecord
+from fsd_chat.conversation.session import (
+    STOPPED,
+    OriginRun,
+    ReplyBuilder,
+    ReplyRecord,
+    Setting,
+    describe_setting,
+)
 from fsd_chat.conversation.transcript import reply_summary
 from fsd_chat.decoding.events import Step
 from fsd_chat.tui.themes import origin_style
@@ -29,14 +36,16 @@ long paragraph; the line break this leaves while streaming is gone in the final 
 
 
 def provenance_content(
-    runs: Sequence[OriginRun], previous: tuple[str, str, float] | None = None, stopped: bool = False
+    runs: Sequence[OriginRun], previous: Setting | None = None, stopped: bool = False
 ) -> Content:
-    """`runs`' text, each run in its origin's colour, with ⟨divergence T⟩ where the setting
-    changed (from `previous`, the setting of the run before them), and a stop mark if `stopped`."""
+    """`runs`' text, each run in its origin's colour, with a ⟨…⟩ mark naming what changed where
+    the setting changed (from `previous`, the setting of the run before them; see
+    `describe_setting`), and a stop mark if `stopped`."""
     parts: list[Content | tuple[str, str] | str] = []
     for run in runs:
-        if previous is not None and run.setting != previous:
-            parts.append((f"⟨{run.divergence} T {run.threshold:.2f}⟩", "bold reverse $accent"))
+        change = "" if previous is None else describe_setting(run.setting, previous, digits=2)
+        if change:
+            parts.append((f"⟨{change}⟩", "bold reverse $accent"))
         previous = run.setting
         parts.append((run.text, origin_style(run.origin)))
     if stopped:
@@ -92,8 +101,18 @@ class ReplyView(Vertical):
             if self.screen.has_class("-markdown"):
                 self.show_markdown()
 
+    def show_prefill(self, done: int, total: int) -> None:
+        """Say how much of a long prompt the models have read, in the statistics line (the first
+        step's statistics replace it)."""
+        if not self.builder.totals.steps:
+            self.query_one(".reply-stats", Static).update(
+                Content(f"reading the prompt: {done:,} of {total:,} tokens ({done / total:.0%})")
+            )
+
     def add_steps(self, steps: Iterable[Step]) -> None:
         """Append decoding steps' tokens; re-renders the live tail only."""
+        if not self.builder.totals.steps:
+            self.query_one(".reply-stats", Static).update("")  # the prompt is read
         for step in steps:
             self.builder.add(step)
         live = self._live_runs()
@@ -116,7 +135,7 @@ class ReplyView(Vertical):
             )
         return runs
 
-    def _previous_setting(self) -> tuple[str, str, float] | None:
+    def _previous_setting(self) -> Setting | None:
         """The setting before the live tail (its first run's own when that run is partly frozen)."""
         if self._live_offset:
             return self.record.runs[self._live_run].setting

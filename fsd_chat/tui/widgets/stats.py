@@ -32,10 +32,17 @@ def cost_figure(cost_per_token: float) -> Content:
 
 
 class StatsStrip(Horizontal):
-    """Live figures of the recent decoding steps."""
+    """Live figures of the recent decoding steps.
 
-    def __init__(self, *, id: str | None = None) -> None:
+    Args:
+        target_only: Autoregressive decoding: it drafts nothing, so the strip shows no acceptance,
+            τ or fuzzy share (a τ of tokens per target pass would read as a speculation that
+            never happened).
+    """
+
+    def __init__(self, *, target_only: bool = False, id: str | None = None) -> None:
         super().__init__(id=id)
+        self.target_only = target_only
         self._steps: deque[Step] = deque(maxlen=SPARK_STEPS)
 
     def compose(self) -> ComposeResult:
@@ -52,6 +59,10 @@ class StatsStrip(Horizontal):
 
     def _figures(self) -> Content:
         w = self.window()
+        if self.target_only:
+            rate = f"{w.tokens_per_second:5.0f}" if w.steps else "–"
+            cost = cost_figure(w.cost_per_token) if w.steps else "cost –"
+            return Content.assemble(f"{rate} tok/s  ", cost, ("  target only", "$text-muted"))
         if not w.steps:
             return Content("tok/s –   cost –   acc –   τ –   fuzzy –")
         # The cost sits beside tokens/s: the two sides of the dial, read together.

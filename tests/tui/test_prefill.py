@@ -1,0 +1,55 @@
+"""A long paste shows how much of it the models have read before its first token: the real app, the
+real offline pair (with a chunk small enough for its 512-token window to hold several)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from textual.widgets import Static
+
+from fsd_chat.decoding import reply as reply_module
+from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.pair import ModelPair
+from fsd_chat.tui.screens.chat import ChatScreen
+from fsd_chat.tui.widgets.conversation import ReplyView
+from tests.test_chat_prefill import CHUNK, PROMPT
+from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
+
+
+@pytest.mark.slow
+async def test_a_long_prompt_shows_the_tokens_read_so_far(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reply_module, "PREFILL_CHUNK", CHUNK)
+    app = make_app(pair, tmp_path, max_new_tokens=10)
+    # The decoding thread is held after the second chunk's report (10 s at most, so a failing test
+    # does not hang), so that the screen can be read mid-prefill.
+    held, release = threading.Event(), threading.Event()
+    report = app.controls.report_prefill
+
+    def report_and_hold(done: int, total: int) -> None:
+        report(done, total)
+        if done == 2 * CHUNK:
+            held.set()
+            release.wait(10)
+
+    monkeypatch.setattr(app.controls, "report_prefill", report_and_hold)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        screen.query_one("#prompt").insert(PROMPT)  # type: ignore[attr-defined]  # a paste
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: held.is_set())
+        reply = screen.query(ReplyView).last()
+        stats = reply.query_one(".reply-stats", Static)
+        await wait_for(pilot, lambda: "reading the prompt" in str(stats.render()))
+        # The prompt's tokens but its last (which the first step feeds).
+        total = len(prompt_ids(pair.tokenizer, [Message("user", PROMPT.strip())])) - 1
+        percent = f"{2 * CHUNK / total:.0%}"
+        assert str(stats.render()) == f"reading the prompt: {2 * CHUNK:,} of {total:,} tokens ({percent})"
+        release.set()
+        await wait_for(pilot, lambda: screen.streaming is None)
+        assert str(stats.render()).startswith("10 tokens · ")  # the reply's statistics replace it
