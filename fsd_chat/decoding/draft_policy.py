@@ -65,7 +65,8 @@ makes the step a target-only step (one target forward over one token, no draft w
   (whose laws are point masses, q = δ, which `latency` cannot tell apart, and whose draft positions
   cost c_d = 0: only the verify width is at stake). k is chosen before drafting, so the policy reads
   nothing from the device (one host synchronisation per step, the verdict's). `pause` says why it
-  is paused (e.g. "lookup accepts 5%: 0.95× target"), shown by the chat and `generate --json`.
+  is paused ("lookup accepts 5%", "draft 0.87× target": the expected speed of the best k ≥ 1 over
+  target-only's), shown by the chat and `generate --json`.
   Source: TurboSpec (Liu et al. 2024, arXiv 2406.14066): choose the proposal length, 0 included,
   that maximises goodput (accepted tokens per second) from measured acceptance and forward times.
 
@@ -401,8 +402,12 @@ class GoodputPolicy(FixedPolicy):
         self._paying = 0
         self._wait = self._interval
         self._interval = min(2 * self._interval, PROBE_MOST)
-        who = {"lookup": "lookup", "mapped": "mapped draft"}.get(self._kind, "draft")
-        self.pause = f"{who} accepts {self.estimate:.0%}: {speedup:.2f}× target"
+        # Short enough for the chat's stats strip: lookup drafts cost nothing, only their acceptance
+        # can fail them; a draft model may also be too slow.
+        if self._kind == "lookup":
+            self.pause = f"lookup accepts {self.estimate:.0%}"
+        else:
+            self.pause = f"{'mapped draft' if self._kind == 'mapped' else 'draft'} {speedup:.2f}× target"
 
 
 def make_policy(

@@ -88,7 +88,8 @@ class StepStats:
         lookup_hits: 1 when this step's draft tokens came from prompt lookup (an n-gram matched),
             else 0.
         paused: Why the draft policy takes target-only steps after this one, e.g. "lookup accepts
-            5%: 0.95× target" (`fsd_chat.decoding.draft_policy.GoodputPolicy`); None while it drafts.
+            5%" or "draft 0.87× target" (`fsd_chat.decoding.draft_policy.GoodputPolicy`); None
+            while it drafts.
     """
 
     drafted: int
