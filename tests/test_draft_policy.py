@@ -24,8 +24,8 @@ from fsd_chat.decoding.draft_policy import (
     time_forwards,
 )
 from fsd_chat.decoding.lookup import PromptLookup
-from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
+from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
 from tests.decoding_helpers import collect

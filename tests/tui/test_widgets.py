@@ -4,8 +4,8 @@ in a small host app with no model: what the user sees, text and colours, checked
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
