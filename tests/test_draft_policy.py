@@ -46,6 +46,9 @@ BUMPY = ForwardTimings(
 """The shape measured on the CPU-scale pair in float32 (a 1-token forward = 1)."""
 SLOW = ForwardTimings(draft=1.0, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
 """A draft as slow per forward as its target: drafting never pays, even fully accepted."""
+NEAR = ForwardTimings(draft=0.8, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
+"""A draft nearly as slow as its target: it pays only when nearly every token is accepted
+(k = 1: 1 + a tokens in 1.9 forwards)."""
 WIDTH_COSTS = ForwardTimings(draft=0.0, widths=(1, WIDE), verify=(1.0, 1.0 + 0.3 * (WIDE - 1)))
 """Prompt lookup (no draft forward) where each verified token adds 30% to a forward (a wide
 shape on this CPU): lookup pays only if its tokens are accepted."""
@@ -218,15 +221,21 @@ def zero_runs(policy: GoodputPolicy, settings: DecodingSettings, steps: int, acc
     return runs
 
 
-def test_goodput_pauses_a_draft_as_slow_as_its_target_and_probes_with_backoff() -> None:
+def test_goodput_never_drafts_from_a_draft_as_slow_as_its_target() -> None:
     policy = GoodputPolicy(SLOW, "model")
     settings = DecodingSettings(draft_tokens=5)
+    # Even every token accepted, 2 tokens would cost a draft forward and a 2-wide verify: 2 / 2.1.
+    assert policy.pause == "draft ≤ 0.95× target"
+    assert [policy.limit(settings, room=100) for _ in range(1000)] == [0] * 1000  # no probe either
+
+
+def test_goodput_pauses_a_draft_that_does_not_pay_and_probes_with_backoff() -> None:
+    policy = GoodputPolicy(NEAR, "mapped")
+    settings = DecodingSettings(draft_tokens=5)
     assert policy.pause is None and policy.limit(settings, room=100) >= 1  # it tries first
-    policy.observe(1, 1)
-    # Every token accepted, yet 2 tokens cost a draft forward and a 2-wide verify: 2 / 2.1.
-    # Every token accepted, yet 1 + â tokens cost a draft forward and a 2-wide verify, 2.1 forwards.
-    assert policy.pause == f"draft {(1 + policy.estimate) / 2.1:.2f}× target"
-    runs = zero_runs(policy, settings, 600, accepted=True)
+    policy.observe(1, 0)
+    assert policy.pause == f"mapped draft {(1 + policy.estimate) / 1.9:.2f}× target"
+    runs = zero_runs(policy, settings, 600, accepted=False)
     # Exponential backoff from PROBE_FIRST to PROBE_MOST target-only steps between probes.
     assert runs[:6] == [
         PROBE_FIRST,
@@ -286,9 +295,9 @@ def slow_decoder(pair: ModelPair, draft: object, curve: ForwardTimings) -> Specu
 def test_paused_steps_do_no_draft_work_and_the_draft_catches_up_in_one_forward(
     pair: ModelPair, greedy_references: dict[str, list[int]]
 ) -> None:
-    """Greedy, T = 0, a model draft under the SLOW curve: pauses, probes and catch-ups, and the
+    """Greedy, T = 0, a model draft under the NEAR curve: pauses, probes and catch-ups, and the
     output is still the target's."""
-    decoder = slow_decoder(pair, pair.draft, SLOW)
+    decoder = slow_decoder(pair, pair.draft, NEAR)
     draft = decoder.proposer.cached_models[0]
     fed: list[int] = []
     forward = draft.forward
@@ -320,8 +329,20 @@ def test_goodput_keeps_greedy_output_for_lookup_and_mapped_drafts(
         decoder = request.getfixturevalue("shuffled").speculative(
             Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="goodput"))
         )
-        decoder.timings = lambda: SLOW
+        decoder.timings = lambda: NEAR
     for prompt in PROMPTS:
         run = collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120))
         assert run.ids == greedy_references[prompt]
         assert run.stats.paused_steps > 0 and run.stats.drafted > 0  # paused, and probed
+
+
+def test_a_draft_that_cannot_pay_is_never_run(
+    pair: ModelPair, greedy_references: dict[str, list[int]]
+) -> None:
+    prompt = PROMPTS[1]
+    run = collect(
+        slow_decoder(pair, pair.draft, SLOW).generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120)
+    )
+    assert run.ids == greedy_references[prompt]
+    assert run.stats.draft_forwards == 0 and run.stats.drafted == 0
+    assert run.stats.paused == "draft ≤ 0.95× target" and run.stats.paused_steps == len(run.steps) - 1

@@ -61,7 +61,9 @@ makes the step a target-only step (one target forward over one token, no draft w
   E_k·V(1) / T_k > 1); when it does not, the policy pauses: target-only steps, then a probe (one
   drafting step) after `PROBE_FIRST` of them, each later pause waiting twice as long as the one
   before (up to `PROBE_MOST`: exponential backoff) until drafting pays for `PROBE_FIRST` steps in a
-  row. â needs no confidence, so one test covers a draft model, a mapped draft and prompt lookup
+  row. A draft that could not pay even with every token accepted (max_k (k + 1)·V(1) / T_k < 1: as
+  slow per forward as its target) is never drafted from, not even to probe ("draft ≤ 0.95× target").
+  â needs no confidence, so one test covers a draft model, a mapped draft and prompt lookup
   (whose laws are point masses, q = δ, which `latency` cannot tell apart, and whose draft positions
   cost c_d = 0: only the verify width is at stake). k is chosen before drafting, so the policy reads
   nothing from the device (one host synchronisation per step, the verdict's). `pause` says why it
@@ -356,6 +358,15 @@ class GoodputPolicy(FixedPolicy):
         self._wait = 0  # target-only steps left before the next probe
         self._interval = PROBE_FIRST
         self._paying = 0  # drafting steps in a row that paid
+        # Even with every draft token accepted (E_k = k + 1) no k may pay: a draft as slow per
+        # forward as its target. Then no step drafts, not even a probe, whatever the acceptance.
+        ceiling = max(
+            (k + 1) * self._verify[1] / (k * self._draft + self._verify[k + 1])
+            for k in range(1, MAX_DRAFT_TOKENS + 1)
+        )
+        self._hopeless = ceiling < 1.0
+        if self._hopeless:
+            self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
 
     @property
     def estimate(self) -> float:
@@ -381,7 +392,7 @@ class GoodputPolicy(FixedPolicy):
         self._cap = settings.draft_tokens
         if not room:
             return 0
-        if self.pause is not None and self._wait:
+        if self._hopeless or (self.pause is not None and self._wait):
             self._wait -= 1
             return 0
         # A probe drafts the best k as if drafting paid: a draft that pays again shows it.
@@ -407,7 +418,10 @@ class GoodputPolicy(FixedPolicy):
         if self._kind == "lookup":
             self.pause = f"lookup accepts {self.estimate:.0%}"
         else:
-            self.pause = f"{'mapped draft' if self._kind == 'mapped' else 'draft'} {speedup:.2f}× target"
+            self.pause = f"{self._who()} {speedup:.2f}× target"
+
+    def _who(self) -> str:
+        return {"lookup": "lookup", "mapped": "mapped draft"}.get(self._kind, "draft")
 
 
 def make_policy(
