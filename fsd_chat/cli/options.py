@@ -145,7 +145,7 @@ DRAFT_TOKENS = Option(
     ("--draft-tokens", "-k"),
     int,
     DEFAULT_DRAFT_TOKENS,
-    "Draft length k (fixed), its start (heuristic) or its cap (latency).",
+    "Draft length k (fixed), its start (heuristic) or its cap (goodput, latency).",
     DECODING,
 )
 DRAFT_POLICY = Option(
@@ -153,8 +153,9 @@ DRAFT_POLICY = Option(
     ("--draft-policy",),
     str,
     _DEFAULTS.draft_policy,
-    "Draft length per step: fixed (k), heuristic (+2 after a full accept, −1 after a "
-    "rejection) or latency (draft while one more token's expected gain beats its measured time).",
+    "Draft length per step: goodput (the k, 0 included, with the most expected tokens/s: "
+    "target-only steps while drafting does not pay), fixed (k), heuristic (+2 after a full accept, "
+    "−1 after a rejection) or latency (draft while one more token's expected gain beats its measured time).",
     DECODING,
     one_of("draft policy", DRAFT_POLICIES, FORMER_DRAFT_POLICIES),
     DRAFT_POLICIES,
