@@ -54,7 +54,7 @@ makes the step a target-only step (one target forward over one token, no draft w
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
   no verify width). With â the reply's measured acceptance (accepted / observed draft positions, a
   position being observed when the ones before it were accepted; the counts are discounted by
-  `FORGET` a step so that â follows the text, plus a Beta prior of `PRIOR_STRENGTH` pseudo-positions
+  `FORGET` a step, paused ones included, so that â follows the text, plus a Beta prior of `PRIOR_STRENGTH` pseudo-positions
   at ½), a block of k yields E_k = 1 + â + … + â^k tokens (Leviathan et al. 2023, eq. 1) in
   T_k = k·c_d + V(k + 1) seconds, target-only decoding 1 token in V(1). The step drafts the k ≥ 1
   that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
@@ -103,9 +103,10 @@ PRIOR_STRENGTH = 2.0
 """Pseudo-tokens of each bin's Beta prior (centred on the bin's middle): measured acceptance
 outweighs it after a couple of observations."""
 
-FORGET = 0.8
-"""`goodput`: the weight a step's acceptance counts keep at the next step (they follow the last
-1 / (1 − FORGET) = 5 steps or so: the acceptance of a reply drifts between quoting and free text)."""
+FORGET = 0.95
+"""`goodput`: the weight the acceptance counts keep from one step to the next, target-only steps
+included (they follow the last 1 / (1 − FORGET) = 20 steps or so: the acceptance of a reply drifts
+between quoting and free text, and a long pause forgets what paused it)."""
 
 PROBE_FIRST = 8
 """`goodput`: target-only steps before the first probe of a paused draft."""
@@ -394,6 +395,7 @@ class GoodputPolicy(FixedPolicy):
             return 0
         if self._hopeless or (self.pause is not None and self._wait):
             self._wait -= 1
+            self._hits, self._tries = FORGET * self._hits, FORGET * self._tries
             return 0
         # A probe drafts the best k as if drafting paid: a draft that pays again shows it.
         return min(self.best(self._cap)[0], room)
