@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from fsd_chat.cli.option import Option, one_of
 from fsd_chat.decoding.settings import (
+    DEFAULT_DRAFT_POLICY,
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_THRESHOLD,
@@ -152,7 +153,7 @@ DRAFT_POLICY = Option(
     "draft_policy",
     ("--draft-policy",),
     str,
-    _DEFAULTS.draft_policy,
+    DEFAULT_DRAFT_POLICY,
     "Draft length per step: goodput (the k, 0 included, with the most expected tokens/s: "
     "target-only steps while drafting does not pay), fixed (k), heuristic (+2 after a full accept, "
     "−1 after a rejection) or latency (draft while one more token's expected gain beats its measured time).",

@@ -21,6 +21,10 @@ DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
 
 DraftPolicyName = Literal["goodput", "fixed", "heuristic", "latency"]
 DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("goodput", "fixed", "heuristic", "latency")
+DEFAULT_DRAFT_POLICY: DraftPolicyName = "goodput"
+"""The app's draft policy (chat, generate, config.toml): never much slower than the target alone.
+`DecodingSettings` itself defaults to "fixed", whose k does not depend on measured timings (a
+library caller, a test, a bench sweep)."""
 FORMER_DRAFT_POLICIES: dict[str, DraftPolicyName] = {"adaptive": "heuristic", "cost": "latency"}
 """Former names of draft policies -> their names now. A saved session's settings are read with the
 new names (`fsd_chat.conversation.session.settings_from_dict`); a flag or config.toml value with a
@@ -87,7 +91,7 @@ class DecodingSettings:
     divergence: DivergenceName = "js"
     threshold: float = DEFAULT_THRESHOLD
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    draft_policy: DraftPolicyName = "goodput"
+    draft_policy: DraftPolicyName = "fixed"
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
