@@ -1,5 +1,5 @@
-"""How many tokens each step drafts: `goodput` (the default), `fixed`, `heuristic` and `latency`
-draft-length policies.
+"""How many tokens each step drafts: `goodput` (the app's default), `fixed`, `heuristic` and
+`latency` draft-length policies.
 
 A policy only decides the length of a step's draft block, from the draft's own outputs and past
 verdicts, never from the target's distributions at the step being decided; the acceptance rules
@@ -50,7 +50,7 @@ makes the step a target-only step (one target forward over one token, no draft w
   the timings, a decoder given none measures its own models once) and can be injected (tests pass
   synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
 
-- `goodput` (the default): each step's k in 0..settings.draft_tokens with the most expected tokens
+- `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
   no verify width). With â the reply's measured acceptance (accepted / observed draft positions, a
   position being observed when the ones before it were accepted; the counts are discounted by
