@@ -139,6 +139,10 @@ class ForwardTimings:
     widths: tuple[int, ...]
     verify: tuple[float, ...]
 
+    def verify_table(self) -> list[float]:
+        """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
+        return [self.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+
     def verify_seconds(self, width: int) -> float:
         """Seconds of a target forward over `width` tokens (linear between measured widths)."""
         i = bisect.bisect_left(self.widths, width)
@@ -276,8 +280,7 @@ class LatencyPolicy:
 
     def __init__(self, timings: ForwardTimings) -> None:
         self._draft = timings.draft
-        # V(w) for w = 0..MAX_DRAFT_TOKENS + 1 (w = 0 unused).
-        self._verify = [timings.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+        self._verify = timings.verify_table()
         self._accepted = [PRIOR_STRENGTH * (b + 0.5) / BINS for b in range(BINS)]
         self._observed = [PRIOR_STRENGTH] * BINS
         self._tokens, self._seconds = 1.0, self._verify[1]  # λ's pseudo-step: autoregressive
@@ -351,20 +354,16 @@ class GoodputPolicy(FixedPolicy):
 
     def __init__(self, timings: ForwardTimings, kind: str) -> None:
         self._draft = timings.draft
-        # V(w) for w = 0..MAX_DRAFT_TOKENS + 1 (w = 0 unused).
-        self._verify = [timings.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+        self._verify = timings.verify_table()
         self._kind = kind
         self._hits = self._tries = 0.0  # discounted accepted / observed draft positions
         self._cap = MAX_DRAFT_TOKENS  # settings.draft_tokens at the last step
         self._wait = 0  # target-only steps left before the next probe
         self._interval = PROBE_FIRST
         self._paying = 0  # drafting steps in a row that paid
-        # Even with every draft token accepted (E_k = k + 1) no k may pay: a draft as slow per
-        # forward as its target. Then no step drafts, not even a probe, whatever the acceptance.
-        ceiling = max(
-            (k + 1) * self._verify[1] / (k * self._draft + self._verify[k + 1])
-            for k in range(1, MAX_DRAFT_TOKENS + 1)
-        )
+        # Even with every draft token accepted no k may pay: a draft as slow per forward as its
+        # target. Then no step drafts, not even a probe, whatever the acceptance.
+        _, ceiling = self._best(1.0, MAX_DRAFT_TOKENS)
         self._hopeless = ceiling < 1.0
         if self._hopeless:
             self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
@@ -377,7 +376,9 @@ class GoodputPolicy(FixedPolicy):
     def best(self, cap: int) -> tuple[int, float]:
         """The k in 1..cap with the most expected tokens per second at acceptance â, and that rate
         as a multiple of target-only decoding's 1 / V(1) (E_k·V(1) / T_k)."""
-        a = self.estimate
+        return self._best(self.estimate, cap)
+
+    def _best(self, a: float, cap: int) -> tuple[int, float]:
         expected, gain = 1.0, 1.0
         best_k, best = 1, 0.0
         for k in range(1, cap + 1):
@@ -393,7 +394,9 @@ class GoodputPolicy(FixedPolicy):
         self._cap = settings.draft_tokens
         if not room:
             return 0
-        if self._hopeless or (self.pause is not None and self._wait):
+        if self._hopeless:
+            return 0
+        if self.pause is not None and self._wait:
             self._wait -= 1
             self._hits, self._tries = FORGET * self._hits, FORGET * self._tries
             return 0
