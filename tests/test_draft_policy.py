@@ -1,5 +1,7 @@
-"""Draft-length policies: the `latency` rule follows its time model, and no policy changes what is
-decoded (greedy identity; sampling losslessness while the policy drops and keeps positions).
+"""Draft-length policies: the `latency` rule follows its time model, `goodput` pauses drafting
+that does not pay and probes it with backoff, and no policy changes what is decoded (greedy
+identity, pauses and a draft's catch-up included; sampling losslessness while the policy drops and
+keeps positions).
 
 Timing never enters an assertion: forward timings are injected (synthetic), except where only the
 measured timings' shape is checked.
@@ -13,12 +15,17 @@ import torch
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
     MEASURED_WIDTHS,
+    PROBE_FIRST,
+    PROBE_MOST,
     ForwardTimings,
+    GoodputPolicy,
     LatencyPolicy,
     Next,
     time_forwards,
 )
+from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
+from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
 from tests.decoding_helpers import collect
@@ -37,6 +44,16 @@ BUMPY = ForwardTimings(
     verify=(1, 1.5, 1.64, 1.37, 1.95, 1.8, 1.59, 2.11, 2.66, 3.95),
 )
 """The shape measured on the CPU-scale pair in float32 (a 1-token forward = 1)."""
+SLOW = ForwardTimings(draft=1.0, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
+"""A draft as slow per forward as its target: drafting never pays, even fully accepted."""
+NEAR = ForwardTimings(draft=0.8, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
+"""A draft nearly as slow as its target: it pays only when nearly every token is accepted
+(k = 1: 1 + a tokens in 1.9 forwards)."""
+WIDTH_COSTS = ForwardTimings(draft=0.0, widths=(1, WIDE), verify=(1.0, 1.0 + 0.3 * (WIDE - 1)))
+"""Prompt lookup (no draft forward) where each verified token adds 30% to a forward (a wide
+shape on this CPU): lookup pays only if its tokens are accepted."""
+LINEAR = ForwardTimings(draft=0.0, widths=(1, WIDE), verify=(1.0, float(WIDE)))
+"""Prompt lookup where a verify costs a forward per token: it never pays."""
 
 
 def confident(top: float, vocab: int = 8) -> torch.Tensor:
@@ -186,3 +203,146 @@ def test_sampling_stays_lossless_while_the_policy_drops_positions(pair: ModelPai
     assert chi_square_p_value(seconds, second) > ALPHA
     _, draft_second = exact_first_two(pair.draft, prompt_ids, vocab, tokenizer.eos_token_id)
     assert chi_square_p_value(seconds, draft_second) < 1e-6
+
+
+def zero_runs(policy: GoodputPolicy, settings: DecodingSettings, steps: int, accepted: bool) -> list[int]:
+    """Drive `policy` for `steps` steps whose drafts are all accepted (or all rejected); the lengths
+    of its runs of target-only steps (k = 0) between drafting steps."""
+    runs, zeros = [], 0
+    for _ in range(steps):
+        k = policy.limit(settings, room=100)
+        if k == 0:
+            zeros += 1
+            continue
+        if zeros:
+            runs.append(zeros)
+            zeros = 0
+        policy.observe(k, k if accepted else 0)
+    return runs
+
+
+def test_goodput_never_drafts_from_a_draft_as_slow_as_its_target() -> None:
+    policy = GoodputPolicy(SLOW, "model")
+    settings = DecodingSettings(draft_tokens=5)
+    # Even every token accepted, 2 tokens would cost a draft forward and a 2-wide verify: 2 / 2.1.
+    assert policy.pause == "draft ≤ 0.95× target"
+    assert [policy.limit(settings, room=100) for _ in range(1000)] == [0] * 1000  # no probe either
+
+
+def test_goodput_pauses_a_draft_that_does_not_pay_and_probes_with_backoff() -> None:
+    policy = GoodputPolicy(NEAR, "mapped")
+    settings = DecodingSettings(draft_tokens=5)
+    assert policy.pause is None and policy.limit(settings, room=100) >= 1  # it tries first
+    policy.observe(1, 0)
+    assert policy.pause == f"mapped draft {(1 + policy.estimate) / 1.9:.2f}× target"
+    runs = zero_runs(policy, settings, 600, accepted=False)
+    # Exponential backoff from PROBE_FIRST to PROBE_MOST target-only steps between probes.
+    assert runs[:6] == [
+        PROBE_FIRST,
+        2 * PROBE_FIRST,
+        4 * PROBE_FIRST,
+        8 * PROBE_FIRST,
+        PROBE_MOST,
+        PROBE_MOST,
+    ]
+    assert policy.limit(settings, room=0) == 0  # no room: nothing to draft, paused or not
+
+
+def test_goodput_drafts_to_the_best_k_where_drafting_pays() -> None:
+    policy = GoodputPolicy(FLAT, "model")
+    settings = DecodingSettings(draft_tokens=6)
+    assert zero_runs(policy, settings, 50, accepted=True) == []
+    assert policy.pause is None and policy.limit(settings, room=100) == 6  # flat verify: the cap
+    assert policy.limit(settings, room=2) == 2  # the reply's room caps it
+    # A third verified token costing eight forwards makes a second draft token too dear.
+    steep = GoodputPolicy(ForwardTimings(draft=0.01, widths=(1, 2, 3, WIDE), verify=(1, 1.1, 8, 40)), "model")
+    steep.observe(1, 1)
+    assert steep.limit(settings, room=100) == 1 and steep.pause is None
+
+
+def test_goodput_pauses_lookup_that_is_rarely_accepted_and_resumes_when_it_is() -> None:
+    policy = GoodputPolicy(WIDTH_COSTS, "lookup")
+    settings = DecodingSettings(draft_tokens=5)
+    rejected = 0
+    while policy.pause is None and rejected < 5:
+        policy.observe(policy.limit(settings, room=100), 0)
+        rejected += 1
+    assert rejected == 2  # the prior gives way after two steps
+    assert policy.pause == f"lookup accepts {policy.estimate:.0%}" and policy.estimate < 0.3
+    assert [policy.limit(settings, room=100) for _ in range(PROBE_FIRST)] == [0] * PROBE_FIRST
+    # The text turns to quoting: the next probe is accepted whole, and drafting resumes at once.
+    k = policy.limit(settings, room=100)
+    assert k >= 1
+    policy.observe(k, k)
+    assert policy.pause is None and policy.limit(settings, room=100) >= 1
+
+
+def slow_decoder(pair: ModelPair, draft: object, curve: ForwardTimings) -> SpeculativeDecoder:
+    """A goodput decoder over `draft` (a model or a proposer) whose timings are `curve`."""
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="goodput"))
+    decoder = SpeculativeDecoder(
+        pair.target,
+        draft,
+        pair.tokenizer,
+        controls=controls,
+        vocab_size=pair.vocab_size,
+        timings=lambda: curve,
+    )
+    return decoder
+
+
+@pytest.mark.slow
+def test_paused_steps_do_no_draft_work_and_the_draft_catches_up_in_one_forward(
+    pair: ModelPair, greedy_references: dict[str, list[int]]
+) -> None:
+    """Greedy, T = 0, a model draft under the NEAR curve: pauses, probes and catch-ups, and the
+    output is still the target's."""
+    decoder = slow_decoder(pair, pair.draft, NEAR)
+    draft = decoder.proposer.cached_models[0]
+    fed: list[int] = []
+    forward = draft.forward
+
+    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        fed.append(upto - draft.seen)
+        return forward(seq, upto, keep)
+
+    draft.forward = counting  # type: ignore[method-assign]
+    prompt = PROMPTS[0]
+    run = collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120))
+    assert run.ids == greedy_references[prompt]
+    paused = [s for s in run.steps if not s.stats.drafted]
+    assert len(paused) > 60 and all(s.stats.draft_forwards == 0 for s in paused)
+    assert run.stats.paused_steps == len(paused) and run.stats.paused is not None
+    assert run.stats.to_dict()["paused"] == run.stats.paused  # generate --json's stats
+    # Each probe's first draft forward feeds every token emitted while paused, at once.
+    assert max(fed) >= PROBE_FIRST + 1 and len(fed) == 1 + run.stats.draft_forwards  # 1: the prefill
+
+
+@pytest.mark.parametrize("kind", ["lookup", "mapped"])
+@pytest.mark.slow
+def test_goodput_keeps_greedy_output_for_lookup_and_mapped_drafts(
+    request: pytest.FixtureRequest, pair: ModelPair, greedy_references: dict[str, list[int]], kind: str
+) -> None:
+    if kind == "lookup":
+        decoder = slow_decoder(pair, PromptLookup(2), LINEAR)
+    else:
+        decoder = request.getfixturevalue("shuffled").speculative(
+            Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="goodput"))
+        )
+        decoder.timings = lambda: NEAR
+    for prompt in PROMPTS:
+        run = collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120))
+        assert run.ids == greedy_references[prompt]
+        assert run.stats.paused_steps > 0 and run.stats.drafted > 0  # paused, and probed
+
+
+def test_a_draft_that_cannot_pay_is_never_run(
+    pair: ModelPair, greedy_references: dict[str, list[int]]
+) -> None:
+    prompt = PROMPTS[1]
+    run = collect(
+        slow_decoder(pair, pair.draft, SLOW).generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120)
+    )
+    assert run.ids == greedy_references[prompt]
+    assert run.stats.draft_forwards == 0 and run.stats.drafted == 0
+    assert run.stats.paused == "draft ≤ 0.95× target" and run.stats.paused_steps == len(run.steps) - 1

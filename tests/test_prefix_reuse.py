@@ -6,13 +6,18 @@ exchanges are trimmed, an edited turn and a new chat."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.chat_template import Message, PromptBuilder
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 
@@ -115,3 +120,108 @@ def test_keep_prefix_rolls_back_to_the_common_prefix(pair: ModelPair, upto: int)
     assert model.keep_prefix(second, 6) == 3
     assert model.keep_prefix(torch.tensor([[2, 5]]), upto) == 0  # nothing shared: emptied
     assert model.cache.get_seq_length() == 0
+
+
+def _save_gemma3(directory: Path, tokenizer_dir: Path, *, noise: float = 0.0) -> Path:
+    """A tiny random Gemma 3 with sliding-window layers (window 8 tokens) and full ones; with
+    `noise`, its weights perturbed by that fraction of their spread (a draft that agrees often)."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config.tie_word_embeddings = False  # tied random embeddings make a model repeat its input
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # sharp logits: greedy choices that rounding cannot flip
+        model.get_output_embeddings().weight.mul_(8.0)
+        for param in model.parameters():
+            param.add_(noise * torch.randn_like(param) * param.std())
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
+    return directory
+
+
+SLIDING_WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> ModelPair:
+    """A tiny Gemma 3 target and a perturbed copy as its draft (some drafts accepted, some rolled back)."""
+    root = tmp_path_factory.mktemp("gemma3")
+    target = _save_gemma3(root / "target", target_dir)
+    draft = _save_gemma3(root / "draft", target_dir, noise=0.3)
+    return load_pair(
+        ModelSpec(str(target)), ModelSpec(str(draft)), LoadOptions(device="cpu", dtype="float32")
+    )
+
+
+def test_sliding_layers_keep_their_whole_cache(gemma3: ModelPair) -> None:
+    model = CachedModel(gemma3.target, gemma3.vocab_size)
+    seq = torch.arange(3 * SLIDING_WINDOW)[None] % 500 + 3
+    model.forward(seq, 3 * SLIDING_WINDOW, keep=1)
+    assert model.cache.is_sliding == [False] * 4  # no layer trims itself to the window
+    assert [layer.get_seq_length() for layer in model.cache.layers] == [3 * SLIDING_WINDOW] * 4
+    # Three windows back is still there to keep.
+    assert model.keep_prefix(seq, 3 * SLIDING_WINDOW - 2) == 3 * SLIDING_WINDOW - 2
+
+
+@pytest.mark.slow
+def test_sliding_window_replies_equal_transformers_generate(gemma3: ModelPair) -> None:
+    # A prompt and a reply each several windows long: the window's edge moves through both.
+    prompt = gemma3.tokenizer("Once upon a time there was a little girl named Lily who loved").input_ids
+    assert len(prompt) > 2 * SLIDING_WINDOW
+    new = 6 * SLIDING_WINDOW
+    with torch.inference_mode():
+        reference = gemma3.target.generate(
+            torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )[0, len(prompt) :].tolist()
+    target_only = collect(gemma3.autoregressive(Controls()).generate(prompt, max_new_tokens=new))
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4))
+    speculative = collect(gemma3.speculative(controls).generate(prompt, max_new_tokens=new))
+    assert target_only.ids == reference[: len(target_only.ids)]
+    assert speculative.ids == target_only.ids
+    # Both paths ran: accepted drafts and rolled-back ones.
+    assert 0 < speculative.stats.accepted_exact < speculative.stats.drafted
+
+
+@pytest.mark.slow
+def test_sliding_window_chat_prefills_only_what_is_new(gemma3: ModelPair) -> None:
+    """Ten turns: each reply equals a fresh decoder's, and each prefill feeds the new turn's tokens
+    only (first-token time stays flat: counted in tokens, not timed)."""
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4))
+    reusing, fresh = gemma3.speculative(controls), gemma3.speculative(controls)
+    fresh.reuse_prefix = False
+    fed = count_fed(reusing.target)
+    builder = PromptBuilder(gemma3.tokenizer, raw=False)
+    messages: list[Message] = []
+    prefills: list[int] = []
+    lengths: list[int] = []
+    for turn in range(10):
+        messages.append(Message("user", QUESTIONS[turn % len(QUESTIONS)]))
+        _, ids = builder.build(messages, context=reusing.context, reserve=3 * SLIDING_WINDOW)
+        fed.clear()
+        got = collect(reusing.generate(ids, max_new_tokens=3 * SLIDING_WINDOW))
+        want = collect(fresh.generate(ids, max_new_tokens=3 * SLIDING_WINDOW))
+        assert got.ids == want.ids
+        prefills.append(fed[0])
+        lengths.append(len(ids))
+        messages.append(Message("assistant", got.text))
+    assert lengths[-1] > 20 * SLIDING_WINDOW, "the chat should grow many windows long"
+    # After the first turn a prefill feeds only what the last prompt did not hold (the last reply,
+    # re-tokenised from its text, and the new question): the cache kept every earlier token, three
+    # windows back and more, however long the chat has grown.
+    assert prefills[0] == lengths[0] - 1
+    for turn in range(1, len(lengths)):
+        assert prefills[turn] <= lengths[turn] - lengths[turn - 1]
+    assert max(prefills) < lengths[-1] // 3

@@ -200,7 +200,7 @@ class PairRunner:
                 draft_policy=config.draft_policy,
             )
         )
-        if config.draft_policy == "latency":
+        if config.draft_policy in ("latency", "goodput"):
             self.pair.device_timings()  # its timing passes, once per pair, are no part of a run
         # Exact phase times on CUDA: the report splits draft, target and other seconds.
         return self.pair.decoder(controls, autoregressive=config.method == "autoregressive", time_phases=True)

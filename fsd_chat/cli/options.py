@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from fsd_chat.cli.option import Option, one_of
 from fsd_chat.decoding.settings import (
+    DEFAULT_DRAFT_POLICY,
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_THRESHOLD,
@@ -150,16 +151,17 @@ DRAFT_TOKENS = Option(
     ("--draft-tokens", "-k"),
     int,
     DEFAULT_DRAFT_TOKENS,
-    "Draft length k (fixed), its start (heuristic) or its cap (latency).",
+    "Draft length k (fixed), its start (heuristic) or its cap (goodput, latency).",
     DECODING,
 )
 DRAFT_POLICY = Option(
     "draft_policy",
     ("--draft-policy",),
     str,
-    _DEFAULTS.draft_policy,
-    "Draft length per step: fixed (k), heuristic (+2 after a full accept, −1 after a "
-    "rejection) or latency (draft while one more token's expected gain beats its measured time).",
+    DEFAULT_DRAFT_POLICY,
+    "Draft length per step: goodput (the k, 0 included, with the most expected tokens/s: "
+    "target-only steps while drafting does not pay), fixed (k), heuristic (+2 after a full accept, "
+    "−1 after a rejection) or latency (draft while one more token's expected gain beats its measured time).",
     DECODING,
     one_of("draft policy", DRAFT_POLICIES, FORMER_DRAFT_POLICIES),
     DRAFT_POLICIES,

@@ -1,11 +1,13 @@
-"""How many tokens each step drafts: `fixed`, `heuristic` and `latency` draft-length policies.
+"""How many tokens each step drafts: `goodput` (the app's default), `fixed`, `heuristic` and
+`latency` draft-length policies.
 
 A policy only decides the length of a step's draft block, from the draft's own outputs and past
 verdicts, never from the target's distributions at the step being decided; the acceptance rules
 and their guarantees (`fsd_chat.decoding.acceptance`) are untouched. The decoder asks it, per
 step, the most tokens the step may draft (`limit`), after each draft forward pass whether that
 position joins the block and whether to draft another (`extend`; the first position always joins,
-so k ≥ 1), and after the verdict how many drafted tokens were accepted (`observe`).
+so k ≥ 1), and after the verdict how many drafted tokens were accepted (`observe`). A limit of 0
+makes the step a target-only step (one target forward over one token, no draft work).
 
 - `fixed`: k = settings.draft_tokens.
 - `heuristic`: transformers' "heuristic" schedule (`num_assistant_tokens_schedule`): start at
@@ -48,6 +50,28 @@ so k ≥ 1), and after the verdict how many drafted tokens were accepted (`obser
   the timings, a decoder given none measures its own models once) and can be injected (tests pass
   synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
 
+- `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
+  per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
+  no verify width). With â the reply's measured acceptance (accepted / observed draft positions, a
+  position being observed when the ones before it were accepted; the counts are discounted by
+  `FORGET` a step, paused ones included, so that â follows the text, plus a Beta prior of `PRIOR_STRENGTH` pseudo-positions
+  at ½), a block of k yields E_k = 1 + â + … + â^k tokens (Leviathan et al. 2023, eq. 1) in
+  T_k = k·c_d + V(k + 1) seconds, target-only decoding 1 token in V(1). The step drafts the k ≥ 1
+  that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
+  E_k·V(1) / T_k > 1); when it does not, the policy pauses: target-only steps, then a probe (one
+  drafting step) after `PROBE_FIRST` of them, each later pause waiting twice as long as the one
+  before (up to `PROBE_MOST`: exponential backoff) until drafting pays for `PROBE_FIRST` steps in a
+  row. A draft that could not pay even with every token accepted (max_k (k + 1)·V(1) / T_k < 1: as
+  slow per forward as its target) is never drafted from, not even to probe ("draft ≤ 0.95× target").
+  â needs no confidence, so one test covers a draft model, a mapped draft and prompt lookup
+  (whose laws are point masses, q = δ, which `latency` cannot tell apart, and whose draft positions
+  cost c_d = 0: only the verify width is at stake). k is chosen before drafting, so the policy reads
+  nothing from the device (one host synchronisation per step, the verdict's). `pause` says why it
+  is paused ("lookup accepts 5%", "draft 0.87× target": the expected speed of the best k ≥ 1 over
+  target-only's), shown by the chat and `generate --json`.
+  Source: TurboSpec (Liu et al. 2024, arXiv 2406.14066): choose the proposal length, 0 included,
+  that maximises goodput (accepted tokens per second) from measured acceptance and forward times.
+
 Sources: SpecDec++ (Huang, Guo, Wang 2024, arXiv 2405.19715: stop drafting when a predicted
 acceptance probability says a rejection is likely; here the threshold comes from measured forward times);
 DISCO (Mamou et al. 2024, arXiv 2405.04304: a dynamic draft length from the draft's confidence);
@@ -79,6 +103,18 @@ PRIOR_STRENGTH = 2.0
 """Pseudo-tokens of each bin's Beta prior (centred on the bin's middle): measured acceptance
 outweighs it after a couple of observations."""
 
+FORGET = 0.95
+"""`goodput`: the weight the acceptance counts keep from one step to the next, target-only steps
+included (they follow the last 1 / (1 − FORGET) = 20 steps or so: the acceptance of a reply drifts
+between quoting and free text, and a long pause forgets what paused it)."""
+
+PROBE_FIRST = 8
+"""`goodput`: target-only steps before the first probe of a paused draft."""
+
+PROBE_MOST = 128
+"""`goodput`: the longest wait between probes, in target-only steps (one probe costs one draft block,
+so at most about 1/128 of the steps are spent on a draft that never pays)."""
+
 MEASURED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, MAX_DRAFT_TOKENS + 1)
 """Verify widths (tokens) `time_forwards` times; other widths are linearly interpolated."""
 
@@ -102,6 +138,10 @@ class ForwardTimings:
     draft: float
     widths: tuple[int, ...]
     verify: tuple[float, ...]
+
+    def verify_table(self) -> list[float]:
+        """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
+        return [self.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
 
     def verify_seconds(self, width: int) -> float:
         """Seconds of a target forward over `width` tokens (linear between measured widths)."""
@@ -173,6 +213,11 @@ class Next(StrEnum):
 class DraftPolicy(Protocol):
     """Chooses each step's draft length (see the module docstring)."""
 
+    @property
+    def pause(self) -> str | None:
+        """Why the policy takes target-only steps for now (None: it drafts; only `goodput` pauses)."""
+        ...
+
     def limit(self, settings: DecodingSettings, room: int) -> int:
         """The most tokens the coming step may draft, ≤ `room` (the reply's room left; 0: none).
         Starts a step."""
@@ -190,6 +235,8 @@ class DraftPolicy(Protocol):
 
 class FixedPolicy:
     """k = settings.draft_tokens at every step."""
+
+    pause: str | None = None
 
     def limit(self, settings: DecodingSettings, room: int) -> int:
         """settings.draft_tokens (at most `room`)."""
@@ -229,10 +276,11 @@ class LatencyPolicy:
         timings: The device's draft and verify forward times.
     """
 
+    pause: str | None = None
+
     def __init__(self, timings: ForwardTimings) -> None:
         self._draft = timings.draft
-        # V(w) for w = 0..MAX_DRAFT_TOKENS + 1 (w = 0 unused).
-        self._verify = [timings.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+        self._verify = timings.verify_table()
         self._accepted = [PRIOR_STRENGTH * (b + 0.5) / BINS for b in range(BINS)]
         self._observed = [PRIOR_STRENGTH] * BINS
         self._tokens, self._seconds = 1.0, self._verify[1]  # λ's pseudo-step: autoregressive
@@ -294,8 +342,100 @@ class LatencyPolicy:
         self._seconds += self._forwards * self._draft + self._verify[drafted + 1]
 
 
-def make_policy(name: DraftPolicyName, timings: Callable[[], ForwardTimings]) -> DraftPolicy:
-    """A fresh policy of that name; `timings` is called only by `latency` (measurements may be slow)."""
+class GoodputPolicy(FixedPolicy):
+    """Each step's k in 0..settings.draft_tokens with the most expected tokens per second, from the
+    measured acceptance and the forward timings; k = 0 is a target-only step (module docstring).
+
+    Args:
+        timings: The device's draft and verify forward times.
+        kind: What proposes, a `fsd_chat.decoding.proposal.DraftKind` (named in `pause`; a str
+            here: that module imports this one).
+    """
+
+    def __init__(self, timings: ForwardTimings, kind: str) -> None:
+        self._draft = timings.draft
+        self._verify = timings.verify_table()
+        self._kind = kind
+        self._hits = self._tries = 0.0  # discounted accepted / observed draft positions
+        self._cap = MAX_DRAFT_TOKENS  # settings.draft_tokens at the last step
+        self._wait = 0  # target-only steps left before the next probe
+        self._interval = PROBE_FIRST
+        self._paying = 0  # drafting steps in a row that paid
+        # Even with every draft token accepted no k may pay: a draft as slow per forward as its
+        # target. Then no step drafts, not even a probe, whatever the acceptance.
+        _, ceiling = self._best(1.0, MAX_DRAFT_TOKENS)
+        self._hopeless = ceiling < 1.0
+        if self._hopeless:
+            self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
+
+    @property
+    def estimate(self) -> float:
+        """â: the measured acceptance of a draft position given the ones before it were accepted."""
+        return (self._hits + PRIOR_STRENGTH / 2) / (self._tries + PRIOR_STRENGTH)
+
+    def best(self, cap: int) -> tuple[int, float]:
+        """The k in 1..cap with the most expected tokens per second at acceptance â, and that rate
+        as a multiple of target-only decoding's 1 / V(1) (E_k·V(1) / T_k)."""
+        return self._best(self.estimate, cap)
+
+    def _best(self, a: float, cap: int) -> tuple[int, float]:
+        expected, gain = 1.0, 1.0
+        best_k, best = 1, 0.0
+        for k in range(1, cap + 1):
+            gain *= a
+            expected += gain
+            speedup = expected * self._verify[1] / (k * self._draft + self._verify[k + 1])
+            if speedup > best:
+                best_k, best = k, speedup
+        return best_k, best
+
+    def limit(self, settings: DecodingSettings, room: int) -> int:
+        """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap."""
+        self._cap = settings.draft_tokens
+        if not room:
+            return 0
+        if self._hopeless:
+            return 0
+        if self.pause is not None and self._wait:
+            self._wait -= 1
+            self._hits, self._tries = FORGET * self._hits, FORGET * self._tries
+            return 0
+        # A probe drafts the best k as if drafting paid: a draft that pays again shows it.
+        return min(self.best(self._cap)[0], room)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Count the step's observed and accepted positions, then pause or resume."""
+        self._hits = FORGET * self._hits + accepted
+        self._tries = FORGET * self._tries + min(accepted + 1, drafted)
+        speedup = self.best(self._cap)[1]
+        if speedup >= 1.0:
+            self.pause = None
+            self._paying += 1
+            if self._paying >= PROBE_FIRST:
+                self._interval = PROBE_FIRST
+            return
+        # Each pause waits twice as long as the last, until drafting pays for a while again.
+        self._paying = 0
+        self._wait = self._interval
+        self._interval = min(2 * self._interval, PROBE_MOST)
+        # Short enough for the chat's stats strip: lookup drafts cost nothing, only their acceptance
+        # can fail them; a draft model may also be too slow.
+        if self._kind == "lookup":
+            self.pause = f"lookup accepts {self.estimate:.0%}"
+        else:
+            self.pause = f"{self._who()} {speedup:.2f}× target"
+
+    def _who(self) -> str:
+        return {"lookup": "lookup", "mapped": "mapped draft"}.get(self._kind, "draft")
+
+
+def make_policy(
+    name: DraftPolicyName, timings: Callable[[], ForwardTimings], kind: str = "model"
+) -> DraftPolicy:
+    """A fresh policy of that name; `timings` is called only by `latency` and `goodput`
+    (measurements may be slow); `kind` is what proposes."""
+    if name == "goodput":
+        return GoodputPolicy(timings(), kind)
     if name == "latency":
         return LatencyPolicy(timings())
     return HeuristicPolicy() if name == "heuristic" else FixedPolicy()

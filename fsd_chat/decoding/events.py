@@ -87,6 +87,9 @@ class StepStats:
             end-of-sequence token when it ends the reply (its law is part of the reply's).
         lookup_hits: 1 when this step's draft tokens came from prompt lookup (an n-gram matched),
             else 0.
+        paused: Why the draft policy takes target-only steps after this one, e.g. "lookup accepts
+            5%" or "draft 0.87× target" (`fsd_chat.decoding.draft_policy.GoodputPolicy`); None
+            while it drafts.
     """
 
     drafted: int
@@ -104,6 +107,7 @@ class StepStats:
     prefill_seconds: float = 0.0
     cost: float = 0.0
     lookup_hits: int = 0
+    paused: str | None = None
 
     @property
     def accepted(self) -> int:
@@ -163,6 +167,10 @@ class GenerationStats:
     prefill and the first step (of the first generation, when several are added)."""
     thresholds: list[float] = field(default_factory=list)
     """Distinct thresholds in force, in the order they were first used."""
+    paused: str | None = None
+    """Why speculation is paused after the last step added (`StepStats.paused`; None: it is not)."""
+    paused_steps: int = 0
+    """Steps taken while speculation was paused (target-only steps of a draft that did not pay)."""
 
     def add(self, step: Step) -> None:
         """Fold one step's statistics into the totals."""
@@ -184,6 +192,8 @@ class GenerationStats:
         self.lookup_hits += s.lookup_hits
         if s.threshold not in self.thresholds:
             self.thresholds.append(s.threshold)
+        self.paused_steps += self.paused is not None and not s.drafted
+        self.paused = s.paused
 
     @property
     def decode_seconds(self) -> float:
@@ -221,7 +231,7 @@ class GenerationStats:
         """Share of decoding time outside the two models' forward passes."""
         return self.other_seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
-    def to_dict(self) -> dict[str, float | int | list[float]]:
+    def to_dict(self) -> dict[str, float | int | list[float] | str | None]:
         """JSON-ready summary (the keys of `fsd-chat generate --json`'s final `stats`)."""
         return {
             "tokens": self.tokens,
@@ -245,4 +255,6 @@ class GenerationStats:
             "overhead_share": self.overhead_share,
             "lookup_hits": self.lookup_hits,
             "thresholds": list(self.thresholds),
+            "paused": self.paused,
+            "paused_steps": self.paused_steps,
         }

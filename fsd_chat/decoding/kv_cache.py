@@ -7,16 +7,21 @@ model is admitted only when transformers says its cache can be cropped without a
 (`Cache.is_croppable`, which transformers' own assisted generation asks): recurrent state (Mamba,
 the hybrid layers of Falcon-H1 or Qwen3-Next) is refused, KV-sharing layers (Gemma 3n, Gemma 4)
 are admitted. Some layers know only once they hold state, so it is asked after a one-token probe.
-Sliding-window layers (Gemma 2, Mistral, ...) can be rolled back only while they record their past
-(`activate_past_recording`, the mechanism transformers' own assisted generation uses); recording
-starts after the prefill so a long prompt does not keep a full-length copy of every window.
+Sliding-window layers (Gemma 2/3, gpt-oss, Mistral-style models) get a plain `DynamicLayer` that keeps
+every token's keys and values, not transformers' `DynamicSlidingWindowLayer`, which trims itself to
+the window and so cannot go back to an older prefix (its `activate_past_recording` only keeps the
+past until the next crop). The window is still applied: transformers' masking
+(`masking_utils.create_sliding_window_causal_mask`) builds the sliding mask from
+`config.sliding_window` whatever the cache layer, over the full length a `DynamicLayer` reports, so
+the attention reads the same keys as with a trimmed cache. Rollback and prefix reuse are then the
+full-attention ones, exact at any length, at the memory of a full cache for those layers.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
-from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from fsd_chat.support.errors import UnsupportedCacheError
 
@@ -72,7 +77,12 @@ class CachedModel:
         self._check_rollback()
 
     def _new_cache(self) -> Cache:
-        return DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
+        # Whole KV for sliding-window (and chunked) layers: the mask applies the window (module docstring).
+        cache.layers = [
+            DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers
+        ]
+        return cache
 
     def reset(self) -> None:
         """Start a new sequence with an empty cache."""
@@ -80,8 +90,8 @@ class CachedModel:
         self.seen = 0
 
     def _prefix_reusable(self) -> bool:
-        # A sliding-window layer keeps only its window once it trims its recorded past: it cannot
-        # go back to an arbitrary earlier prefix. Exactly DynamicLayer: sliding layers subclass it.
+        # A layer that trims what it holds cannot go back to an arbitrary earlier prefix. Exactly
+        # DynamicLayer: the trimming layers subclass it.
         return all(type(layer) is DynamicLayer for layer in self.cache.layers)
 
     def keep_prefix(self, seq: torch.Tensor, length: int) -> int:
@@ -122,7 +132,6 @@ class CachedModel:
         Raises:
             UnsupportedCacheError: the model does not keep its state in the cache it is given.
         """
-        first = self.seen == 0
         out = self.model(
             input_ids=seq[:, self.seen : upto],
             cache=self.cache,
@@ -136,16 +145,12 @@ class CachedModel:
             )
         self.seen = upto
         self.fed = seq
-        if first:
-            self.cache.activate_past_recording()
         return out.logits[0, -keep:, : self.vocab_size].float()
 
     def rollback(self, length: int) -> None:
         """Drop cached tokens beyond `length` (no-op when the cache holds fewer)."""
         drop = self.seen - length
-        if drop >= 0:
-            # crop(0) is not a no-op for sliding-window layers: it trims the recorded past back
-            # to the window, which keeps their memory bounded.
+        if drop > 0:
             self.cache.crop(-drop)
             self.seen = length
 

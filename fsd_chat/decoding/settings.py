@@ -19,8 +19,12 @@ step of target-only decoding (`AutoregressiveDecoder`)."""
 DivergenceName = Literal["kl", "reverse-kl", "js", "tv"]
 DIVERGENCE_NAMES: tuple[DivergenceName, ...] = ("kl", "reverse-kl", "js", "tv")
 
-DraftPolicyName = Literal["fixed", "heuristic", "latency"]
-DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("fixed", "heuristic", "latency")
+DraftPolicyName = Literal["goodput", "fixed", "heuristic", "latency"]
+DRAFT_POLICIES: tuple[DraftPolicyName, ...] = ("goodput", "fixed", "heuristic", "latency")
+DEFAULT_DRAFT_POLICY: DraftPolicyName = "goodput"
+"""The app's draft policy (chat, generate, config.toml): never much slower than the target alone.
+`DecodingSettings` itself defaults to "fixed", whose k does not depend on measured timings (a
+library caller, a test, a bench sweep)."""
 FORMER_DRAFT_POLICIES: dict[str, DraftPolicyName] = {"adaptive": "heuristic", "cost": "latency"}
 """Former names of draft policies -> their names now. A saved session's settings are read with the
 new names (`fsd_chat.conversation.session.settings_from_dict`); a flag or config.toml value with a
@@ -72,11 +76,12 @@ class DecodingSettings:
             output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS: the draft length of `fixed`, the
-            starting length of `heuristic`, the longest draft of `latency`.
+            starting length of `heuristic`, the longest draft of `latency` and `goodput`.
         draft_policy: How each step's draft length is chosen (`fsd_chat.decoding.draft_policy`):
             "fixed" (k), "heuristic" (+2 after a fully accepted block, −1 after a rejection:
-            transformers' "heuristic" schedule) or "latency" (draft while one more token's expected
-            gain per measured second beats the block's running rate).
+            transformers' "heuristic" schedule), "latency" (draft while one more token's expected
+            gain per measured second beats the block's running rate) or "goodput" (latency, and
+            target-only steps while drafting does not pay: never much slower than the target alone).
 
     Raises:
         SettingsError: on any value out of range.

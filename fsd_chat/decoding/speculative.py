@@ -13,13 +13,17 @@ Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 
 The settings (rule, divergence, threshold T, draft length k, draft policy) are read from
 `Controls` at the start of every step, so another thread can retune them mid-reply. The draft
-policy (`fsd_chat.decoding.draft_policy`: fixed, heuristic or latency) decides each step's k; a policy
-chosen mid-reply starts afresh.
+policy (`fsd_chat.decoding.draft_policy`: goodput, fixed, heuristic or latency) decides each step's
+k; a policy chosen mid-reply starts afresh. k = 0 (`goodput` when drafting does not pay) is a
+target-only step: no draft forward, no verify width; a draft model's cache catches up on the
+tokens it skipped in one forward when drafting resumes (`CachedModel.forward` feeds every unseen
+token), a mapped draft spells them first (`MappedProposer.propose`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from functools import cache
 
 import torch
@@ -167,7 +171,8 @@ class SpeculativeDecoder:
         """
         sampling = sampling or SamplingConfig()
         policy_name = self.controls.snapshot().draft_policy
-        policy = make_policy(policy_name, self.timings)  # before the clock starts: it may measure
+        kind = self.proposer.kind
+        policy = make_policy(policy_name, self.timings, kind)  # before the clock starts: it may measure
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -188,12 +193,17 @@ class SpeculativeDecoder:
         while True:
             settings = self.controls.snapshot()
             if settings.draft_policy != policy_name:
-                policy, policy_name = make_policy(settings.draft_policy, self.timings), settings.draft_policy
+                policy, policy_name = (
+                    make_policy(settings.draft_policy, self.timings, kind),
+                    settings.draft_policy,
+                )
                 clock.lap()  # a first measurement of the forward times is no step's time
             k = policy.limit(settings, reply.room())
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
+            if policy.pause is not None:
+                step = replace(step, stats=replace(step.stats, paused=policy.pause))
             prefill_seconds = 0.0
             yield step
             if step.stop_reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -312,6 +313,18 @@ async def test_the_cost_takes_the_theme_colour_of_its_size(
     assert colour_of(figures(widget), figure) == hex_colour(pilot.app.theme_variables[colour])
 
 
+async def test_the_strip_says_why_speculation_is_paused(strip: tuple[StatsStrip, Pilot[None]]) -> None:
+    widget, pilot = strip
+    why = "draft 0.87× [b]target[/b]"  # not markup: shown literally
+    widget.add([Step((), replace(stats(emitted=1), paused=why))])
+    await pilot.pause()
+    assert shown(figures(widget))[0] == f"  100 tok/s  cost 0  paused: {why}"
+    assert colour_of(figures(widget), f"paused: {why}") == hex_colour(pilot.app.theme_variables["warning"])
+    widget.add([Step((), stats(emitted=4, drafted=4, exact=3))])  # a probe that paid: drafting again
+    await pilot.pause()
+    assert "paused" not in shown(figures(widget))[0]
+
+
 @pytest.fixture
 async def dial() -> AsyncIterator[tuple[ThresholdDial, Pilot[None]]]:
     """A threshold dial with the default settings."""
@@ -352,6 +365,7 @@ async def dial_line(dial: tuple[ThresholdDial, Pilot[None]], settings: DecodingS
         ("fuzzy", "fixed", "T 0.35 ▕████    ▏ js fuzzy · k 5"),
         ("pure", "heuristic", "T 0.35 ▕████    ▏ js pure · k 5 heuristic"),
         ("exact", "latency", "T 0.35 ▕████    ▏ js exact · k ≤ 5 latency"),
+        ("exact", "goodput", "T 0.35 ▕████    ▏ js exact · k ≤ 5 goodput"),
     ],
 )
 async def test_the_dial_shows_the_settings_in_force(
@@ -385,6 +399,9 @@ async def test_the_dial_under_the_mixture_rule_and_autoregressive(
     line = await dial_line(dial, DecodingSettings(rule="mixture", threshold=0.25, draft_tokens=3))
     assert line == "T 0.25 ▕████    ▏ mixture nats/tok · k 3"
     widget, pilot = dial
+    widget.paused = "draft 0.80× target"
+    await pilot.pause()
+    assert shown(widget)[0].strip() == "T 0.25 ▕████    ▏ mixture nats/tok · k 0 paused"
     widget.autoregressive = True
     await pilot.pause()
     assert shown(widget)[0].strip() == "T  —  autoregressive: no drafting"
@@ -399,6 +416,7 @@ async def test_the_dial_under_the_mixture_rule_and_autoregressive(
         ),
         DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="heuristic"),
         DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="latency"),
+        DecodingSettings(divergence="reverse-kl", draft_tokens=MAX_DRAFT_TOKENS, draft_policy="goodput"),
     ],
 )
 async def test_the_dial_line_fits_the_dial(

@@ -291,6 +291,7 @@ class ChatScreen(Screen[None]):
         if steps:
             self.streaming.add_steps(steps)
             self.query_one(StatsStrip).add(steps)
+            self.query_one(ThresholdDial).paused = steps[-1].stats.paused
         if self.chat.steps_shown(steps, ended):
             self._finish_reply()
 

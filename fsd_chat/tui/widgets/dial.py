@@ -98,7 +98,12 @@ def cycle_rule(settings: DecodingSettings) -> DialChange:
 
 
 BAR_CELLS = 8
-DRAFT_LENGTH = {"fixed": "k {k}", "heuristic": "k {k} heuristic", "latency": "k ≤ {k} latency"}
+DRAFT_LENGTH = {
+    "goodput": "k ≤ {k} goodput",
+    "fixed": "k {k}",
+    "heuristic": "k {k} heuristic",
+    "latency": "k ≤ {k} latency",
+}
 """How the dial shows the draft length under each draft policy."""
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
@@ -118,6 +123,8 @@ class ThresholdDial(Widget, can_focus=True):
 
     settings: reactive[DecodingSettings] = reactive(DecodingSettings)
     autoregressive: reactive[bool] = reactive(False)
+    paused: reactive[str | None] = reactive(None)
+    """Why the draft policy takes target-only steps (`StepStats.paused`; None: it drafts)."""
 
     def render(self) -> Content:
         """The dial line."""
@@ -133,5 +140,8 @@ class ThresholdDial(Widget, can_focus=True):
             (bar(s.threshold / top), "$accent"),
             ("▏", "$text-muted"),
             f" {rule}",
-            (f" · {DRAFT_LENGTH[s.draft_policy].format(k=s.draft_tokens)}", "$text-muted"),
+            # Paused: target-only steps (k 0); the stats strip says why (the dial has no room).
+            (" · k 0 paused", "$warning")
+            if self.paused
+            else (f" · {DRAFT_LENGTH[s.draft_policy].format(k=s.draft_tokens)}", "$text-muted"),
         )

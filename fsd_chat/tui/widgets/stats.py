@@ -1,7 +1,8 @@
 """The stats strip: both sides of the dial over the last few steps (so a retune shows at once):
 tokens/s, acceptance rate, mean accepted length τ and fuzzy share, and the cost in nats per token
-(each token's KL divergence from the target's law; see `fsd_chat.decoding.acceptance`); then a
-sparkline of tokens per step."""
+(each token's KL divergence from the target's law; see `fsd_chat.decoding.acceptance`), and why
+speculation is paused when the draft policy takes target-only steps; then a sparkline of tokens per
+step."""
 
 from __future__ import annotations
 
@@ -66,9 +67,13 @@ class StatsStrip(Horizontal):
         if not w.steps:
             return Content("tok/s –   cost –   acc –   τ –   fuzzy –")
         # The cost sits beside tokens/s: the two sides of the dial, read together.
+        speed = (f"{w.tokens_per_second:5.0f} tok/s  ", cost_figure(w.cost_per_token))
+        if w.paused:
+            # Target-only steps, since drafting does not pay: why, in the policy's words, in place
+            # of the draft's figures.
+            return Content.assemble(*speed, Content.styled(f"  paused: {w.paused}", "$warning"))
         return Content.assemble(
-            f"{w.tokens_per_second:5.0f} tok/s  ",
-            cost_figure(w.cost_per_token),
+            *speed,
             f"  acc {w.acceptance_rate:4.0%}  τ {w.mean_accepted_length:4.2f}  fuzzy {w.fuzzy_share:4.0%}",
             # Prompt lookup drafts only where an n-gram matched: the share of steps it did.
             f"  lookup {w.lookup_hits}/{w.steps}" if w.lookup_hits else "",
