@@ -109,6 +109,16 @@ def test_summaries_most_recent_first(tmp_path: Path) -> None:
     assert summaries[0].turns == 2 and summaries[0].target == "/m/t"
 
 
+def test_a_target_only_session_is_summarised_without_its_loaded_draft(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.sqlite3")
+    target_only = make_session("alone000")
+    target_only.settings["mode"] = "autoregressive"  # --autoregressive: the draft was loaded, not used
+    saved(store, target_only)
+    saved(store, make_session("drafted0"))
+    drafts = {s.id: s.draft for s in store.summaries()}
+    assert drafts == {"alone000": None, "drafted0": "/m/d"}
+
+
 def test_an_unopenable_store_gives_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a folder")
     session = make_session()

@@ -160,7 +160,7 @@ def history() -> None:
         print("no saved sessions yet")
         return
     for s in summaries:
-        models = f"{Path(s.target).name} + {Path(s.draft).name}"
+        models = Path(s.target).name + (" (target only)" if s.draft is None else f" + {Path(s.draft).name}")
         # Titles are the user's text and paths are the user's: shown, never obeyed, by the terminal.
         print(
             one_line(f"{s.id}  {s.updated[:16].replace('T', ' ')}  {s.turns:3d} turns  {models}  {s.title}")

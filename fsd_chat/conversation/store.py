@@ -80,7 +80,8 @@ class SessionSummary:
     updated: str
     turns: int
     target: str
-    draft: str
+    draft: str | None
+    """The draft as loaded; None for a session decoded target-only (`--autoregressive`)."""
     title: str
 
 
@@ -374,24 +375,33 @@ class SessionStore:
         try:
             with self._connect(write=False) as conn:
                 rows = conn.execute(
-                    "SELECT s.id, s.created, s.updated, s.title, s.models, "
+                    "SELECT s.id, s.created, s.updated, s.title, s.models, s.settings, "
                     "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.id) "
                     "FROM sessions s ORDER BY s.updated DESC, s.created DESC"
                 ).fetchall()
         except NoSessionsError:
             return []
         summaries = []
-        for session_id, created, updated, title, models, count in rows:
+        for session_id, created, updated, title, models, settings, count in rows:
             try:
-                if not all(isinstance(v, str) for v in (session_id, created, updated, title, models)):
+                if not all(
+                    isinstance(v, str) for v in (session_id, created, updated, title, models, settings)
+                ):
                     raise MalformedSessionError("its row holds a value that is not text")
                 m = models_from_dict(json.loads(models))
+                target_only = settings_from_dict(json.loads(settings)).get("mode") == "autoregressive"
             except (MalformedSessionError, ValueError) as exc:
                 on_damaged(f"session {session_id} left out, its row is damaged: {exc}")
                 continue
             summaries.append(
                 SessionSummary(
-                    session_id, created, updated, count, m.get("target", ""), m.get("draft", ""), title
+                    session_id,
+                    created,
+                    updated,
+                    count,
+                    m.get("target", ""),
+                    None if target_only else m.get("draft", ""),
+                    title,
                 )
             )
         return summaries
