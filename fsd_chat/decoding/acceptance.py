@@ -4,7 +4,10 @@ emitted token costs.
 Rules (Holsman, Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 
 - `exact`: standard speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023):
-  accept x̃_i iff u_i ≤ min(1, p_i(x̃_i) / q_i(x̃_i)), u_i ~ U(0, 1); greedy: iff x̃_i = argmax p_i.
+  accept x̃_i iff u_i < p_i(x̃_i) / q_i(x̃_i), u_i ~ U[0, 1); greedy: iff x̃_i = argmax p_i. The
+  strict test has the same law (P(u < a) = a for u ~ U[0, 1)) and never accepts a token the
+  target cannot emit: with u ≤ p/q, a draw u = 0 (which `torch.rand` can return) would accept
+  x̃_i with p_i(x̃_i) = 0, a token top-k or top-p removed, as `draft-exact` at cost 0.
   After a rejection the correction is drawn from norm(max(0, p − q)). Lossless.
 - `fuzzy` (default): a position with D(p_i°, q_i°) ≤ T accepts its draft token whenever the target
   can emit it (p_i(x̃_i) > 0); the other positions take the exact test.
@@ -38,9 +41,11 @@ mixture (1 − λ)p + λq then have infinite cost. The rules are built so that t
 
 **Labels.** A position is *relaxed* when the rule's relaxed test decides it (sampling: D° ≤ T
 under `fuzzy`/`pure`, a mixture whose law differs from p under `mixture`; greedy: an accepted token
-other than argmax p). A draft token accepted at a relaxed position is `draft-fuzzy` even when the
-exact coin would also have passed, since its law is r, not p; one accepted elsewhere is
-`draft-exact` and costs 0.
+other than argmax p). A draft token accepted at a relaxed position whose law r departs from p
+(cost > 0) is `draft-fuzzy`, even when the exact coin would also have passed; every other accepted
+draft token is `draft-exact` and costs exactly 0 (+0.0). So a relaxed position whose law is p
+after all (a lookup token the truncated p holds with probability 1, where −log p(x̃) = −0.0) is
+`draft-exact`: `draft-fuzzy` ⇔ cost > 0, and `fuzzy_share` counts only tokens that cost something.
 
 **Cost.** Every emitted token is drawn from some law r (the relaxed law above at a relaxed position,
 the target's p otherwise); its cost is KL(r ‖ p) in nats, 0 whenever r = p. Greedy: the regret
@@ -85,7 +90,7 @@ import torch
 
 from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.sampling import draw
+from fsd_chat.decoding.sampling import draw, non_finite, non_finite_error
 from fsd_chat.decoding.settings import Rule, SamplingConfig
 
 NEWTON_STEPS = 12
@@ -99,6 +104,8 @@ class Verdict:
 
     Attributes:
         accepted: n, the number of draft tokens accepted (the prefix before the first rejection).
+        next_token: The target's token (correction or bonus), shape [1] int64 on the device, for
+            the decoder to write into its buffer without a host-to-device copy.
         token_ids: The n accepted draft tokens followed by the target's token (n + 1 ids).
         exact: Per draft position, whether a draft token accepted there is `draft-exact`: the exact
             test passed at a position the relaxed test did not decide (module docstring); length k.
@@ -109,6 +116,7 @@ class Verdict:
     """
 
     accepted: int
+    next_token: torch.Tensor
     token_ids: list[int]
     exact: list[bool]
     divergences: list[float]
@@ -244,6 +252,7 @@ def judge(
     generator: torch.Generator,
     p_full: torch.Tensor | None = None,
     q_full: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> Judgement:
     """Judge each draft position on its own: whether its draft token passes, the target's token
     after a rejection there, and what the emitted token costs (`verify` then keeps the prefix up to
@@ -266,6 +275,8 @@ def judge(
         p_full: The target's untruncated probabilities (temperature only), [k + 1, vocab] or
             [k, vocab], which D compares; default p (right when `sampling` does not truncate).
         q_full: The draft's untruncated probabilities, [k, vocab]; default q.
+        uniforms: The exact test's draws u_i ∈ [0, 1), shape [k] on p's device; default drawn
+            from `generator` (given by tests that must reach u = 0).
 
     Returns:
         The `Judgement`, on p's device; nothing is read back to the host.
@@ -303,9 +314,10 @@ def judge(
             costs = torch.where(passes, regret, costs)
         candidates = p.argmax(-1)
     else:
-        u = torch.rand(k, generator=generator, device=p.device)
-        # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
-        exact = u * q_x <= p_x
+        u = torch.rand(k, generator=generator, device=p.device) if uniforms is None else uniforms
+        # u < p/q written without the division (q(x̃) > 0 since x̃ was drawn from q); strict, so
+        # that u = 0 rejects a token with p(x̃) = 0 (module docstring).
+        exact = u * q_x < p_x
         accept = exact
         corrections = _residual(p_draft, q, draft_ids)
         if rule == "mixture":
@@ -319,7 +331,7 @@ def judge(
                 lam, costs = mixture_weight(p_draft, q_bar, threshold)
                 aim = p_draft + lam.unsqueeze(-1) * (q_bar - p_draft)
             # Exact speculative sampling towards the mixture: it accepts whatever the exact test does.
-            accept = u * q_x <= aim[positions, draft_ids]
+            accept = u * q_x < aim[positions, draft_ids]
             relaxed = costs > 0
             corrections = _residual(aim, q, draft_ids)
         elif rule != "exact":
@@ -341,7 +353,10 @@ def judge(
                 law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
                 costs = torch.where(relaxed, kl(law, p_draft), costs)
         candidates = draw(torch.cat([corrections, p[k:]]), sampling, generator)
-    return Judgement(accept, exact & ~relaxed, div, costs, candidates)
+    # KL ≥ 0, but its formulas round to −0.0 (−log 1) or a few ulps below 0 where r = p.
+    costs = torch.where(costs > 0, costs, 0.0)
+    # `draft-fuzzy` only where the relaxed law departs from p (module docstring, Labels).
+    return Judgement(accept, ~(relaxed & (costs > 0)), div, costs, candidates)
 
 
 def verify(
@@ -362,10 +377,13 @@ def verify(
 
     Returns:
         The `Verdict`, read back from the device in one transfer at the end: the call's only host
-        synchronisation. Nothing before it reads a device value (n stays on the device, and
-        `torch.multinomial` has checked its input with device-side asserts since torch 2.5).
+        synchronisation. Nothing before it reads a device value (n stays on the device, and the
+        draws are exponential races, which assert nothing on the device; see `sampling.draw`).
         Counted on the CPU, reads from torch's C++ code included, by `tests/test_host_syncs.py`,
         and on a GPU by `make gpu-check`.
+
+    Raises:
+        NonFiniteError: p or q holds a NaN (non-finite logits), flagged in the same transfer.
     """
     judged = judge(
         p,
@@ -384,8 +402,15 @@ def verify(
     # Only the correction at position n (or the bonus) is used; drawing all k + 1 keeps n on the
     # device. The other draws are independent of everything emitted, so the law is unchanged.
     next_token = judged.candidates.index_select(0, n.view(1))
+    # The verdict uses rows 0..n alone: a NaN row after a rejected token (the target overflowing
+    # on a token it then refuses) ends nothing.
+    used = torch.arange(k + 1, device=p.device) <= n
+    flags = [(non_finite(p) & used).any()]
+    if q is not None:
+        flags.append((non_finite(q) & used[:k]).any())
     block = torch.cat(
         [
+            torch.stack(flags).double(),
             n.view(1).double(),
             next_token.double(),
             draft_ids.double(),
@@ -394,11 +419,15 @@ def verify(
             judged.costs.double(),
         ]
     ).tolist()
+    flagged, block = block[: len(flags)], block[len(flags) :]
+    if any(flagged):
+        raise non_finite_error("target" if flagged[0] else "draft")
     accepted, chosen = int(block[0]), int(block[1])
     ids, passed = block[2 : 2 + k], block[2 + k : 2 + 2 * k]
     divs, position_costs = block[2 + 2 * k : 2 + 3 * k], block[2 + 3 * k :]
     return Verdict(
         accepted=accepted,
+        next_token=next_token,
         token_ids=[*(int(i) for i in ids[:accepted]), chosen],
         exact=[bool(e) for e in passed],
         divergences=divs,
