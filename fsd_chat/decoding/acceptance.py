@@ -60,7 +60,7 @@ token it emits, draft or correction.
 **Point-mass proposals** (prompt lookup: q_i = δ(x̃_i), passed as q = None). Every rule keeps its
 meaning and its exact cost, and its formulas need only a = p_i(x̃_i), never a one-hot row:
 
-- `exact`: accept iff u ≤ a; the residual norm(max(0, p − δ)) is p with x̃ removed, renormalised
+- `exact`: accept iff u < a; the residual norm(max(0, p − δ)) is p with x̃ removed, renormalised
   (p(y)/(1 − a) for y ≠ x̃). Lossless, as for any q.
 - D(p, δ) (`divergence.against_point_mass`): kl = +inf unless a = 1; reverse-kl = −log a;
   js = log 2 + ½[a log a − (1 + a) log(1 + a)]; tv = 1 − a. All but kl are decreasing in a, so
@@ -71,7 +71,7 @@ meaning and its exact cost, and its formulas need only a = p_i(x̃_i), never a o
 - A `fuzzy`/`pure` position with D ≤ T emits x̃ for sure (law δ, when a > 0): cost
   KL(δ‖p) = −log a ≤ −log a_T. Otherwise its law is the correction's (`fuzzy`: residual after an
   exact test; `pure`: p), cost 0 as before.
-- `mixture`: r = (1 − λ)p + λδ; accept iff u ≤ (1 − λ)a + λ; the residual norm(max(0, r − δ)) is
+- `mixture`: r = (1 − λ)p + λδ; accept iff u < (1 − λ)a + λ; the residual norm(max(0, r − δ)) is
   again p without x̃ renormalised. KL(r‖p) = (1 − λ)(1 − a) log(1 − λ) + r(x̃) log(r(x̃)/a),
   r(x̃) = a + λ(1 − a), is a function of (λ, a), increasing in λ (its derivative is
   (1 − a)[log(r(x̃)/a) − log(1 − λ)] ≥ 0), +inf for λ > 0 at a = 0: the KL of the two-outcome laws
