@@ -107,8 +107,9 @@ class Verdict:
         next_token: The target's token (correction or bonus), shape [1] int64 on the device, for
             the decoder to write into its buffer without a host-to-device copy.
         token_ids: The n accepted draft tokens followed by the target's token (n + 1 ids).
-        exact: Per draft position, whether a draft token accepted there is `draft-exact`: the exact
-            test passed at a position the relaxed test did not decide (module docstring); length k.
+        exact: Per draft position, whether a draft token accepted there is `draft-exact`: its law
+            is the target's (the exact test decided, or the relaxed law costs 0; module docstring,
+            Labels); length k.
         divergences: Per draft position, D(p_i°, q_i°) of the untruncated laws, in the
             divergence's units; length k.
         costs: Cost in nats of each of the n + 1 emitted tokens (see the module docstring).
@@ -135,10 +136,11 @@ class Judgement:
 
     Attributes:
         accept: Whether the position's draft token passes the rule, shape [k] bool.
-        draft_exact: Whether a draft token accepted there is `draft-exact` (the exact test passed
-            where the relaxed test did not decide), shape [k] bool.
+        draft_exact: Whether a draft token accepted there is `draft-exact` (not a relaxed position
+            whose law departs from p), shape [k] bool.
         divergences: D(p_i°, q_i°) of the untruncated laws, shape [k], in the divergence's units.
-        costs: Cost in nats of the token the position emits (draft token or correction), shape [k].
+        costs: Cost in nats of the token the position emits (draft token or correction), shape [k];
+            ≥ 0, and +0.0 where the law is p.
         candidates: The target's token after a rejection at each position, then the bonus token
             after k acceptances, shape [k + 1] int64.
     """
