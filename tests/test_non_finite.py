@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fsd_chat.conversation.controller import ChatController
+from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
@@ -25,6 +27,7 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import NonFiniteError
+from tests.test_chat_controller import Saves, make_chat, start
 from tests.test_cli_generate import run_cli
 
 PROMPT = "Once upon a time"
@@ -42,10 +45,17 @@ def broken(
     reply = greedy_ids(pair.autoregressive(Controls()), pair, PROMPT, 24)
     other = greedy_ids(pair.autoregressive(Controls()), pair, OTHER_PROMPT, 24)
     avoid = set(pair.tokenizer(PROMPT).input_ids) | set(pair.tokenizer(OTHER_PROMPT).input_ids) | set(other)
-    before = next(i for i, t in enumerate(reply) if i >= 2 and t not in avoid | set(reply[:i]))
-    token = reply[before]
-    reply = reply[: before + 1]
-    directory = tmp_path_factory.mktemp("broken") / "target"
+    reply = reply[: breakable(reply, avoid) + 1]
+    return break_target(target_dir, reply[-1], tmp_path_factory.mktemp("broken") / "target"), reply
+
+
+def breakable(reply: list[int], avoid: set[int], first: int = 2) -> int:
+    """The first position (≥ `first`) of `reply` whose token occurs neither before it nor in `avoid`."""
+    return next(i for i, t in enumerate(reply) if i >= first and t not in avoid | set(reply[:i]))
+
+
+def break_target(target_dir: Path, token: int, directory: Path) -> Path:
+    """Save to `directory` a copy of the target whose embedding of `token` is +inf."""
     shutil.copytree(target_dir, directory)
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     with torch.no_grad():
@@ -53,7 +63,7 @@ def broken(
         model.config.tie_word_embeddings = False
         model.get_input_embeddings().weight[token] = math.inf
     model.save_pretrained(directory)
-    return directory, reply
+    return directory
 
 
 def greedy_ids(decoder: Decoder, pair: ModelPair, prompt: str, tokens: int) -> list[int]:
@@ -140,3 +150,58 @@ def test_a_nan_row_draws_without_an_error() -> None:
         torch.multinomial(probs, 1)
     token = draw(probs, sampling, torch.Generator().manual_seed(0))
     assert token.shape == (2,) and 0 <= int(token[0]) < 3
+
+
+def chat_reply(chat: ChatController, text: str) -> tuple[str, list[int]]:
+    """Send `text`, stream its reply to the end; returns its text and token ids."""
+    _, steps, fold = start(chat, text)
+    collected = list(steps)
+    for step in collected:
+        fold.add(step)
+    chat.steps_shown(tuple(collected), ended=True)
+    chat.finish()
+    return "".join(s.text for s in collected), [t.id for s in collected for t in s.tokens]
+
+
+def test_the_chat_keeps_the_partial_reply_says_why_and_goes_on(
+    pair: ModelPair, target_dir: Path, draft_dir: Path, tmp_path: Path
+) -> None:
+    """What the chat screen does with the error (its worker hands it to the controller): a
+    notification naming the cause, the partial reply kept and saved, and the chat goes on. The next
+    message is in a new chat: this model breaks on a token, which the old one's history holds."""
+    healthy = make_chat(pair, tmp_path / "healthy", Saves())
+    healthy.controls.update(rule="exact", threshold=0.0)  # the dial at 0: greedy, the target's reply
+    _, reply = chat_reply(healthy, PROMPT)
+    # Past the first step's k + 1 = 5 tokens, so that a step has emitted something before.
+    token = reply[breakable(reply, set(pair.tokenizer(PROMPT).input_ids), first=5)]
+    for next_message in (OTHER_PROMPT, "Lily had a big dog", "The sun was hot", "Ben and Sam"):
+        healthy.new_chat()
+        _, other = chat_reply(healthy, next_message)
+        if token not in {*other, *pair.tokenizer(next_message).input_ids}:
+            break
+    else:
+        pytest.fail("no next message avoids the broken token")
+    assert healthy.close(10)
+    directory = break_target(target_dir, token, tmp_path / "broken")
+    broken_pair = load_pair(ModelSpec(str(directory)), ModelSpec(str(draft_dir)), CPU)
+    chat = make_chat(broken_pair, tmp_path, Saves())
+    chat.controls.update(rule="exact", threshold=0.0)
+    _, steps, fold = start(chat, PROMPT)
+    shown = ""
+    with pytest.raises(NonFiniteError) as raised:
+        for step in steps:
+            fold.add(step)
+            shown += step.text
+            chat.steps_shown((step,), ended=False)
+    notice = chat.generation_failed(raised.value)
+    assert notice.severity == "error" and "bfloat16" in notice.text and "\n" not in notice.text
+    finished = chat.finish(error=notice.text)
+    assert shown and finished.sent.reply.content == shown and not finished.retry
+    first = chat.session.id
+    chat.new_chat()
+    text, _ = chat_reply(chat, next_message)
+    assert text  # the next message gets its reply
+    assert chat.close(10)
+    saved = SessionStore(tmp_path / "data" / "sessions.sqlite3").load(first)
+    assert [t.content for t in saved.turns] == [PROMPT, shown]
+    assert saved.turns[1].reply is not None and saved.turns[1].reply.stop_reason == "error"
