@@ -407,12 +407,11 @@ def verify(
     # The verdict uses rows 0..n alone: a NaN row after a rejected token (the target overflowing
     # on a token it then refuses) ends nothing.
     used = torch.arange(k + 1, device=p.device) <= n
-    flags = [(non_finite(p) & used).any()]
-    if q is not None:
-        flags.append((non_finite(q) & used[:k]).any())
+    # Per law, a flag per row (k + 1 for p, k for q), read with the rest: no reduction to one here.
+    flags = [non_finite(p) & used] if q is None else [non_finite(p) & used, non_finite(q) & used[:k]]
     block = torch.cat(
         [
-            torch.stack(flags).double(),
+            *(flag.double() for flag in flags),
             n.view(1).double(),
             next_token.double(),
             draft_ids.double(),
@@ -421,9 +420,10 @@ def verify(
             judged.costs.double(),
         ]
     ).tolist()
-    flagged, block = block[: len(flags)], block[len(flags) :]
+    width = sum(flag.shape[0] for flag in flags)
+    flagged, block = block[:width], block[width:]
     if any(flagged):
-        raise non_finite_error("target" if flagged[0] else "draft")
+        raise non_finite_error("target" if any(flagged[: k + 1]) else "draft")
     accepted, chosen = int(block[0]), int(block[1])
     ids, passed = block[2 : 2 + k], block[2 + k : 2 + 2 * k]
     divs, position_costs = block[2 + 2 * k : 2 + 3 * k], block[2 + 3 * k :]

@@ -77,9 +77,10 @@ def non_finite(law: torch.Tensor) -> torch.Tensor:
     device (no host read).
 
     Logits with +inf or NaN (a float16 overflow) give NaN rows after the softmax, as does a row
-    whose logits are all -inf; the decoders read this flag with the step's single transfer.
+    whose logits are all -inf; the decoders read this flag with the step's single transfer. A row
+    holds a NaN exactly when its sum is NaN (probabilities are finite otherwise): one pass.
     """
-    return law.isnan().any(-1)
+    return law.sum(-1).isnan()
 
 
 def non_finite_error(model: str) -> NonFiniteError:
