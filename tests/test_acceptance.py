@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fsd_chat.decoding.acceptance import verify
+from fsd_chat.decoding.acceptance import judge, verify
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import SamplingConfig
@@ -129,3 +129,42 @@ def test_sampled_correction_comes_from_the_residual() -> None:
     rate = 1 - len(rejected) / len(outcomes)
     sigma = math.sqrt((2 / 7) * (5 / 7) / len(outcomes))
     assert abs(rate - 2 / 7) < 6 * sigma
+
+
+def test_u_zero_rejects_a_token_the_target_cannot_emit() -> None:
+    """u = 0 (`torch.rand` can return it) must not accept x̃ with p(x̃) = 0: u·q(x̃) ≤ p(x̃) did,
+    labelling a token outside top-k `draft-exact` at cost 0. Forced through `judge`'s draws."""
+    sampling = SamplingConfig(temperature=1.0, top_k=2, seed=0)
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    p = probabilities(logits, sampling)  # top-2: tokens 0 and 1
+    q = torch.tensor([[0.1, 0.1, 0.7, 0.1]] * 2)
+    draft_ids = torch.tensor([2, 2])  # outside p's support
+    zeros = torch.zeros(2)
+    for rule in ("exact", "fuzzy", "mixture"):
+        for proposal in (q, None):  # a model's law, and a point mass (prompt lookup)
+            judged = judge(
+                p,
+                proposal,
+                draft_ids,
+                rule=rule,  # type: ignore[arg-type]
+                divergence_name="tv",
+                threshold=0.0 if rule == "exact" else 0.9,
+                sampling=sampling,
+                generator=torch.Generator().manual_seed(0),
+                p_full=probabilities(logits, sampling.untruncated()),
+                uniforms=zeros,
+            )
+            assert not judged.accept.any(), (rule, proposal)
+    # And u = 0 still accepts a token the target can emit.
+    judged = judge(
+        p,
+        None,
+        torch.tensor([1, 0]),
+        rule="exact",
+        divergence_name="tv",
+        threshold=0.0,
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+        uniforms=zeros,
+    )
+    assert judged.accept.all() and judged.draft_exact.all()

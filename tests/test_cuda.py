@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
+from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -102,8 +103,18 @@ def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
     )
 
 
-def test_one_synchronisation_per_step(pair32: ModelPair) -> None:
-    decoder = pair32.speculative(Controls(DecodingSettings(draft_tokens=4)))
+@pytest.mark.parametrize("kind", ["model", "lookup", "target-only"])
+def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
+    """For a draft model, prompt lookup (verified copies and target steps) and target-only decoding;
+    the mapped draft is counted on the CPU (tests/test_host_syncs.py)."""
+    controls = Controls(DecodingSettings(draft_tokens=4))
+    decoder = {
+        "model": lambda: pair32.speculative(controls),
+        "lookup": lambda: SpeculativeDecoder(
+            pair32.target, PromptLookup(), pair32.tokenizer, controls=controls
+        ),
+        "target-only": lambda: pair32.autoregressive(controls),
+    }[kind]()
     steps = decoder.generate(
         pair32.tokenizer(PROMPTS[0]).input_ids,
         max_new_tokens=64,

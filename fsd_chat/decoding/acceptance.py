@@ -4,7 +4,10 @@ emitted token costs.
 Rules (Holsman, Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 
 - `exact`: standard speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023):
-  accept x̃_i iff u_i ≤ min(1, p_i(x̃_i) / q_i(x̃_i)), u_i ~ U(0, 1); greedy: iff x̃_i = argmax p_i.
+  accept x̃_i iff u_i < p_i(x̃_i) / q_i(x̃_i), u_i ~ U[0, 1); greedy: iff x̃_i = argmax p_i. The
+  strict test has the same law (P(u < a) = a for u ~ U[0, 1)) and never accepts a token the
+  target cannot emit: with u ≤ p/q, a draw u = 0 (which `torch.rand` can return) would accept
+  x̃_i with p_i(x̃_i) = 0, a token top-k or top-p removed, as `draft-exact` at cost 0.
   After a rejection the correction is drawn from norm(max(0, p − q)). Lossless.
 - `fuzzy` (default): a position with D(p_i°, q_i°) ≤ T accepts its draft token whenever the target
   can emit it (p_i(x̃_i) > 0); the other positions take the exact test.
@@ -38,9 +41,11 @@ mixture (1 − λ)p + λq then have infinite cost. The rules are built so that t
 
 **Labels.** A position is *relaxed* when the rule's relaxed test decides it (sampling: D° ≤ T
 under `fuzzy`/`pure`, a mixture whose law differs from p under `mixture`; greedy: an accepted token
-other than argmax p). A draft token accepted at a relaxed position is `draft-fuzzy` even when the
-exact coin would also have passed, since its law is r, not p; one accepted elsewhere is
-`draft-exact` and costs 0.
+other than argmax p). A draft token accepted at a relaxed position whose law r departs from p
+(cost > 0) is `draft-fuzzy`, even when the exact coin would also have passed; every other accepted
+draft token is `draft-exact` and costs exactly 0 (+0.0). So a relaxed position whose law is p
+after all (a lookup token the truncated p holds with probability 1, where −log p(x̃) = −0.0) is
+`draft-exact`: `draft-fuzzy` ⇔ cost > 0, and `fuzzy_share` counts only tokens that cost something.
 
 **Cost.** Every emitted token is drawn from some law r (the relaxed law above at a relaxed position,
 the target's p otherwise); its cost is KL(r ‖ p) in nats, 0 whenever r = p. Greedy: the regret
@@ -55,7 +60,7 @@ token it emits, draft or correction.
 **Point-mass proposals** (prompt lookup: q_i = δ(x̃_i), passed as q = None). Every rule keeps its
 meaning and its exact cost, and its formulas need only a = p_i(x̃_i), never a one-hot row:
 
-- `exact`: accept iff u ≤ a; the residual norm(max(0, p − δ)) is p with x̃ removed, renormalised
+- `exact`: accept iff u < a; the residual norm(max(0, p − δ)) is p with x̃ removed, renormalised
   (p(y)/(1 − a) for y ≠ x̃). Lossless, as for any q.
 - D(p, δ) (`divergence.against_point_mass`): kl = +inf unless a = 1; reverse-kl = −log a;
   js = log 2 + ½[a log a − (1 + a) log(1 + a)]; tv = 1 − a. All but kl are decreasing in a, so
@@ -66,7 +71,7 @@ meaning and its exact cost, and its formulas need only a = p_i(x̃_i), never a o
 - A `fuzzy`/`pure` position with D ≤ T emits x̃ for sure (law δ, when a > 0): cost
   KL(δ‖p) = −log a ≤ −log a_T. Otherwise its law is the correction's (`fuzzy`: residual after an
   exact test; `pure`: p), cost 0 as before.
-- `mixture`: r = (1 − λ)p + λδ; accept iff u ≤ (1 − λ)a + λ; the residual norm(max(0, r − δ)) is
+- `mixture`: r = (1 − λ)p + λδ; accept iff u < (1 − λ)a + λ; the residual norm(max(0, r − δ)) is
   again p without x̃ renormalised. KL(r‖p) = (1 − λ)(1 − a) log(1 − λ) + r(x̃) log(r(x̃)/a),
   r(x̃) = a + λ(1 − a), is a function of (λ, a), increasing in λ (its derivative is
   (1 − a)[log(r(x̃)/a) − log(1 − λ)] ≥ 0), +inf for λ > 0 at a = 0: the KL of the two-outcome laws
@@ -85,7 +90,7 @@ import torch
 
 from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.sampling import draw
+from fsd_chat.decoding.sampling import draw, non_finite, non_finite_error
 from fsd_chat.decoding.settings import Rule, SamplingConfig
 
 NEWTON_STEPS = 12
@@ -99,9 +104,12 @@ class Verdict:
 
     Attributes:
         accepted: n, the number of draft tokens accepted (the prefix before the first rejection).
+        next_token: The target's token (correction or bonus), shape [1] int64 on the device, for
+            the decoder to write into its buffer without a host-to-device copy.
         token_ids: The n accepted draft tokens followed by the target's token (n + 1 ids).
-        exact: Per draft position, whether a draft token accepted there is `draft-exact`: the exact
-            test passed at a position the relaxed test did not decide (module docstring); length k.
+        exact: Per draft position, whether a draft token accepted there is `draft-exact`: its law
+            is the target's (the exact test decided, or the relaxed law costs 0; module docstring,
+            Labels); length k.
         divergences: Per draft position, D(p_i°, q_i°) of the untruncated laws, in the
             divergence's units; length k.
         costs: Cost in nats of each of the n + 1 emitted tokens (see the module docstring).
@@ -109,6 +117,7 @@ class Verdict:
     """
 
     accepted: int
+    next_token: torch.Tensor
     token_ids: list[int]
     exact: list[bool]
     divergences: list[float]
@@ -127,10 +136,11 @@ class Judgement:
 
     Attributes:
         accept: Whether the position's draft token passes the rule, shape [k] bool.
-        draft_exact: Whether a draft token accepted there is `draft-exact` (the exact test passed
-            where the relaxed test did not decide), shape [k] bool.
+        draft_exact: Whether a draft token accepted there is `draft-exact` (not a relaxed position
+            whose law departs from p), shape [k] bool.
         divergences: D(p_i°, q_i°) of the untruncated laws, shape [k], in the divergence's units.
-        costs: Cost in nats of the token the position emits (draft token or correction), shape [k].
+        costs: Cost in nats of the token the position emits (draft token or correction), shape [k];
+            ≥ 0, and +0.0 where the law is p.
         candidates: The target's token after a rejection at each position, then the bonus token
             after k acceptances, shape [k + 1] int64.
     """
@@ -244,6 +254,7 @@ def judge(
     generator: torch.Generator,
     p_full: torch.Tensor | None = None,
     q_full: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> Judgement:
     """Judge each draft position on its own: whether its draft token passes, the target's token
     after a rejection there, and what the emitted token costs (`verify` then keeps the prefix up to
@@ -266,6 +277,8 @@ def judge(
         p_full: The target's untruncated probabilities (temperature only), [k + 1, vocab] or
             [k, vocab], which D compares; default p (right when `sampling` does not truncate).
         q_full: The draft's untruncated probabilities, [k, vocab]; default q.
+        uniforms: The exact test's draws u_i ∈ [0, 1), shape [k] on p's device; default drawn
+            from `generator` (given by tests that must reach u = 0).
 
     Returns:
         The `Judgement`, on p's device; nothing is read back to the host.
@@ -303,9 +316,10 @@ def judge(
             costs = torch.where(passes, regret, costs)
         candidates = p.argmax(-1)
     else:
-        u = torch.rand(k, generator=generator, device=p.device)
-        # u ≤ p/q written without the division; q(x̃) > 0 since x̃ was drawn from q.
-        exact = u * q_x <= p_x
+        u = torch.rand(k, generator=generator, device=p.device) if uniforms is None else uniforms
+        # u < p/q written without the division (q(x̃) > 0 since x̃ was drawn from q); strict, so
+        # that u = 0 rejects a token with p(x̃) = 0 (module docstring).
+        exact = u * q_x < p_x
         accept = exact
         corrections = _residual(p_draft, q, draft_ids)
         if rule == "mixture":
@@ -319,7 +333,7 @@ def judge(
                 lam, costs = mixture_weight(p_draft, q_bar, threshold)
                 aim = p_draft + lam.unsqueeze(-1) * (q_bar - p_draft)
             # Exact speculative sampling towards the mixture: it accepts whatever the exact test does.
-            accept = u * q_x <= aim[positions, draft_ids]
+            accept = u * q_x < aim[positions, draft_ids]
             relaxed = costs > 0
             corrections = _residual(aim, q, draft_ids)
         elif rule != "exact":
@@ -341,7 +355,10 @@ def judge(
                 law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
                 costs = torch.where(relaxed, kl(law, p_draft), costs)
         candidates = draw(torch.cat([corrections, p[k:]]), sampling, generator)
-    return Judgement(accept, exact & ~relaxed, div, costs, candidates)
+    # KL ≥ 0, but its formulas round to −0.0 (−log 1) or a few ulps below 0 where r = p.
+    costs = torch.where(costs > 0, costs, 0.0)
+    # `draft-fuzzy` only where the relaxed law departs from p (module docstring, Labels).
+    return Judgement(accept, ~(relaxed & (costs > 0)), div, costs, candidates)
 
 
 def verify(
@@ -362,10 +379,13 @@ def verify(
 
     Returns:
         The `Verdict`, read back from the device in one transfer at the end: the call's only host
-        synchronisation. Nothing before it reads a device value (n stays on the device, and
-        `torch.multinomial` has checked its input with device-side asserts since torch 2.5).
+        synchronisation. Nothing before it reads a device value (n stays on the device, and the
+        draws are exponential races, which assert nothing on the device; see `sampling.draw`).
         Counted on the CPU, reads from torch's C++ code included, by `tests/test_host_syncs.py`,
         and on a GPU by `make gpu-check`.
+
+    Raises:
+        NonFiniteError: p or q holds a NaN (non-finite logits), flagged in the same transfer.
     """
     judged = judge(
         p,
@@ -384,8 +404,14 @@ def verify(
     # Only the correction at position n (or the bonus) is used; drawing all k + 1 keeps n on the
     # device. The other draws are independent of everything emitted, so the law is unchanged.
     next_token = judged.candidates.index_select(0, n.view(1))
+    # The verdict uses rows 0..n alone: a NaN row after a rejected token (the target overflowing
+    # on a token it then refuses) ends nothing.
+    used = torch.arange(k + 1, device=p.device) <= n
+    # Per law, a flag per row (k + 1 for p, k for q), read with the rest: no reduction to one here.
+    flags = [non_finite(p) & used] if q is None else [non_finite(p) & used, non_finite(q) & used[:k]]
     block = torch.cat(
         [
+            *(flag.double() for flag in flags),
             n.view(1).double(),
             next_token.double(),
             draft_ids.double(),
@@ -394,11 +420,16 @@ def verify(
             judged.costs.double(),
         ]
     ).tolist()
+    width = sum(flag.shape[0] for flag in flags)
+    flagged, block = block[:width], block[width:]
+    if any(flagged):
+        raise non_finite_error("target" if any(flagged[: k + 1]) else "draft")
     accepted, chosen = int(block[0]), int(block[1])
     ids, passed = block[2 : 2 + k], block[2 + k : 2 + 2 * k]
     divs, position_costs = block[2 + 2 * k : 2 + 3 * k], block[2 + 3 * k :]
     return Verdict(
         accepted=accepted,
+        next_token=next_token,
         token_ids=[*(int(i) for i in ids[:accepted]), chosen],
         exact=[bool(e) for e in passed],
         divergences=divs,

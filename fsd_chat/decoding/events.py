@@ -18,9 +18,11 @@ class Origin(StrEnum):
     """How a token was produced."""
 
     DRAFT_EXACT = "draft-exact"
-    """Draft token accepted by the exact speculative-sampling test (the output follows the target)."""
+    """Draft token whose law is the target's: accepted by the exact speculative-sampling test, or by
+    a relaxed test at a position where the relaxed law is p itself. Its cost is 0."""
     DRAFT_FUZZY = "draft-fuzzy"
-    """Draft token accepted only because divergence ≤ threshold: the output may depart from the target."""
+    """Draft token accepted where the relaxed test decided and its law departs from the target's:
+    the output may depart from the target. Its cost is > 0 (see `fsd_chat.decoding.acceptance`)."""
     TARGET_RESAMPLED = "target-resampled"
     """Correction drawn from the target after a rejection."""
     TARGET_BONUS = "target-bonus"
@@ -70,8 +72,8 @@ class StepStats:
 
     Attributes:
         drafted: Draft tokens proposed (k of this step; 0 for autoregressive steps).
-        accepted_exact: Draft tokens accepted by the exact test.
-        accepted_fuzzy: Draft tokens accepted only by the divergence test (D ≤ threshold).
+        accepted_exact: Draft tokens accepted `draft-exact`.
+        accepted_fuzzy: Draft tokens accepted `draft-fuzzy` (each costs > 0).
         emitted: Tokens this step emitted (after EOS / max-new-tokens / stop-string trimming).
         target_forwards: Target forward passes this step (1).
         draft_forwards: Draft forward passes this step.
@@ -218,7 +220,7 @@ class GenerationStats:
 
     @property
     def fuzzy_share(self) -> float:
-        """Share of emitted tokens that were accepted only by the divergence test."""
+        """Share of emitted tokens labelled `draft-fuzzy` (those that cost something)."""
         return self.accepted_fuzzy / self.tokens if self.tokens else 0.0
 
     @property

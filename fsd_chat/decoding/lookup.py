@@ -18,6 +18,7 @@ the rules as `Proposal.q = None` (`fsd_chat.decoding.acceptance` derives each ru
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fsd_chat.decoding.draft_policy import DraftPolicy
@@ -27,17 +28,18 @@ from fsd_chat.decoding.reply import Reply
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, SamplingConfig
 
 
-def find_continuation(tokens: torch.Tensor, ngram: int, limit: int) -> tuple[int, int]:
+def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> tuple[int, int]:
     """Where the continuation of the latest earlier occurrence of the context's longest matching
     suffix (≤ `ngram` tokens) starts, and how many tokens of it to propose.
 
     Vectorised over the context: every position's window of `ngram` tokens is compared with the
     last window at once ([L, ngram] comparisons), the length of agreement is counted back from each
-    window's end, and the best (longest agreement, then latest) is chosen by one argmax. One host
-    read, of the two results.
+    window's end, and the best (longest agreement, then latest) is chosen by one argmax. It runs on
+    the host's copy of the context (`Reply.host`): the step's proposal length must be known there,
+    and searching a device copy would cost a device read per step besides the verdict's.
 
     Args:
-        tokens: The context, shape [L] int64 (prompt and reply so far; any device).
+        tokens: The context, shape [L] int64 (prompt and reply so far).
         ngram: The longest suffix to match, in tokens (≥ 1).
         limit: The most tokens to propose (≥ 1).
 
@@ -47,15 +49,14 @@ def find_continuation(tokens: torch.Tensor, ngram: int, limit: int) -> tuple[int
     length = tokens.shape[0]
     if length < 2:
         return 0, 0
-    padded = torch.cat([tokens.new_full((ngram - 1,), -1), tokens])
-    windows = padded.unfold(0, ngram, 1)  # [L, ngram]: row e ends at tokens[e]
-    agree = (windows == windows[-1]).flip(-1).long().cumprod(-1).sum(-1)  # [L]
-    ends = torch.arange(length, device=tokens.device)
+    padded = np.concatenate([np.full(ngram - 1, -1, dtype=tokens.dtype), tokens])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, ngram)  # [L, ngram]: row e ends at tokens[e]
+    agree = (windows == windows[-1])[:, ::-1].cumprod(-1).sum(-1)  # [L]
+    ends = np.arange(length)
     # Padding agrees with padding: no agreement runs past the context's start.
-    agree = agree.minimum(ends + 1)[:-1]  # the last window is the suffix itself: not an earlier one
-    best = (agree * length + ends[:-1]).argmax()
-    found, end = torch.stack([agree[best], best]).tolist()
-    if found == 0:
+    agree = np.minimum(agree, ends + 1)[:-1]  # the last window is the suffix itself: not an earlier one
+    end = int((agree * length + ends[:-1]).argmax())
+    if agree[end] == 0:
         return 0, 0
     start = end + 1
     return start, min(limit, length - start)
@@ -95,7 +96,7 @@ class PromptLookup:
         """Copy up to `limit` tokens of the matched continuation to seq[0, length:]. The policy
         only caps the length (`limit`): a copied token's law, δ, says nothing of its acceptance."""
         length = reply.length
-        start, count = find_continuation(reply.seq[0, :length], self.ngram, limit)
+        start, count = find_continuation(reply.host[:length], self.ngram, limit)
         if count:
             # start + count ≤ length: source and destination do not overlap.
             reply.seq[0, length : length + count] = reply.seq[0, start : start + count]

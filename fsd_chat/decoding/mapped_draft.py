@@ -51,6 +51,12 @@ class MappedDraft:
         self._to_draft = torch.zeros(mapping.target_vocab, dtype=torch.long, device=device)
         self._to_draft[mapping.target_ids.to(device)] = mapping.draft_ids.to(device)
         self._seq = torch.empty((1, 0), dtype=torch.long, device=device)
+        # Each step's spelling reaches the device through this host buffer, pinned on CUDA so that
+        # the copy is asynchronous: a tensor built from a Python list would be copied with a wait.
+        # The copy has run before the buffer is written again: the next step's verdict read waits
+        # for everything queued before it.
+        self._staging = torch.empty(0, dtype=torch.long)
+        self._staged = self._staging.numpy()  # the same memory, written from Python
         self.length = 0
         """Draft tokens that spell the reply's emitted text (prompt included)."""
 
@@ -112,7 +118,11 @@ class MappedDraft:
             untruncated law likewise (None without `untruncated`).
         """
         if drafted:
-            self._seq[0, self.length + drafted - 1] = self._to_draft[seq[0, start + drafted - 1]]
+            # index_select with a 1-element slice: indexing with a 0-dim tensor reads it on the host.
+            drafted_id = seq[0, start + drafted - 1 : start + drafted]
+            self._seq[0, self.length + drafted - 1 : self.length + drafted].copy_(
+                self._to_draft.index_select(0, drafted_id)
+            )
         logits = self.model.forward(self._seq, self.length + drafted, keep=1)[-1]
         masked = logits.masked_fill(self._unpaired, float("-inf"))
         q = F.pad(probabilities(masked, sampling), (0, 1))[self._gather]
@@ -139,7 +149,13 @@ class MappedDraft:
             grown = self._allocate(end)
             grown[0, : self.length] = self._seq[0, : self.length]
             self._seq = grown
-        self._seq[0, self.length : end] = torch.tensor(draft_ids, dtype=torch.long)
+        if len(draft_ids) > self._staging.shape[0]:
+            self._staging = torch.empty(
+                2 * len(draft_ids), dtype=torch.long, pin_memory=self.model.device.type == "cuda"
+            )
+            self._staged = self._staging.numpy()
+        self._staged[: len(draft_ids)] = draft_ids
+        self._seq[0, self.length : end].copy_(self._staging[: len(draft_ids)], non_blocking=True)
         self.length = end
 
 
@@ -183,7 +199,7 @@ class MappedProposer:
     def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
         """Spell the prompt in draft tokens and prefill the draft's cache (`MappedDraft.begin`)."""
         self._reply = reply
-        self.mapped.begin([int(i) for i in reply.seq[0, : reply.length].tolist()], reuse_prefix)
+        self.mapped.begin(reply.host[: reply.length].tolist(), reuse_prefix)
         self._spelled = reply.length
 
     def propose(
@@ -198,7 +214,7 @@ class MappedProposer:
         seq, start = reply.seq, reply.length
         if start > self._spelled:
             # Tokens the target emitted alone (plain target steps) since the last proposal.
-            self.mapped.settle([int(i) for i in seq[0, self._spelled : start].tolist()], 0)
+            self.mapped.settle(reply.host[self._spelled : start].tolist(), 0)
             self._spelled = start
         self._start = start
 
@@ -211,8 +227,8 @@ class MappedProposer:
 
     def rollback(self, length: int) -> None:
         """Keep the accepted draft tokens (length − the step's start) and spell the step's last
-        token, already written at seq[0, length]."""
+        token, already recorded at host[length] (`Reply.record`)."""
         assert self._reply is not None  # prefill came first
-        emitted = self._reply.seq[0, self._start : length + 1].tolist()
-        self.mapped.settle([int(i) for i in emitted], length - self._start)
+        emitted = self._reply.host[self._start : length + 1].tolist()
+        self.mapped.settle(emitted, length - self._start)
         self._spelled = length + 1

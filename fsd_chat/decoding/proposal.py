@@ -131,7 +131,7 @@ def draw_positions(
         then = policy.extend(q)
         if then is Next.DROP:
             break
-        seq[0, start + len(q_rows)] = draw(q, sampling, generator)
+        seq[0, start + len(q_rows)].copy_(draw(q, sampling, generator))
         q_rows.append(q)
         if q_full is not None:
             q_full_rows.append(q_full)

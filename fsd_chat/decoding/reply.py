@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -15,7 +16,7 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.kv_cache import CachedModel
-from fsd_chat.decoding.sampling import draw, probabilities, seeded_generator
+from fsd_chat.decoding.sampling import draw, non_finite, non_finite_error, probabilities, seeded_generator
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.support.errors import ContextLengthError, SettingsError
@@ -67,8 +68,13 @@ class Reply:
         self.context = context
         # A reply never outgrows the context window, whatever max_new_tokens says: size by both.
         budget = max_new_tokens if context is None else min(max_new_tokens, context)
-        self.seq = torch.empty((1, len(prompt_ids) + budget + headroom + 1), dtype=torch.long, device=device)
+        capacity = len(prompt_ids) + budget + headroom + 1
+        self.seq = torch.empty((1, capacity), dtype=torch.long, device=device)
         self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        # The host's copy of the tokens decided so far (`record`): prompt lookup searches it and a
+        # mapped draft spells it, so neither reads the device in a step.
+        self.host = np.zeros(capacity, dtype=np.int64)
+        self.host[: len(prompt_ids)] = prompt_ids
         self.length = len(prompt_ids)
         self._eos = eos_token_ids
         self._stop_strings = stop_strings
@@ -91,6 +97,11 @@ class Reply:
         if self.context is not None:
             room = min(room, self.context - 1 - self.length)
         return max(room, 0)
+
+    def record(self, ids: list[int]) -> None:
+        """Copy to the host buffer the ids a step emits (already on the device at
+        seq[length : length + len(ids)]), before the proposer's rollback and `commit` read them."""
+        self.host[self.length : self.length + len(ids)] = ids
 
     def commit(
         self,
@@ -155,7 +166,7 @@ class Reply:
     @property
     def token_ids(self) -> list[int]:
         """Generated token ids so far."""
-        return self.seq[0, self.prompt_length : self.length].tolist()
+        return self.host[self.prompt_length : self.length].tolist()
 
 
 @dataclass(slots=True)
@@ -263,10 +274,22 @@ def target_step(
     prefill_seconds: float,
 ) -> Step:
     """One target forward pass over the last token, emitting one token of origin `target`: every
-    step of `AutoregressiveDecoder`, and a speculative step whose draft policy drafts nothing."""
+    step of `AutoregressiveDecoder`, and a speculative step whose draft policy drafts nothing.
+
+    The token is written into the buffer on the device; the host reads it once, with the flag of
+    a non-finite law (one synchronisation, no host-to-device copy).
+
+    Raises:
+        NonFiniteError: the target's logits are not finite (the reply ends before this token).
+    """
     logits = target.forward(reply.seq, reply.length, keep=1)
-    token = int(draw(probabilities(logits[-1], sampling), sampling, generator))
-    reply.seq[0, reply.length] = token
+    probs = probabilities(logits[-1], sampling)
+    token = draw(probs, sampling, generator)
+    reply.seq[0, reply.length : reply.length + 1].copy_(token.view(1))
+    bad, token_id = torch.stack([non_finite(probs).long(), token]).tolist()
+    if bad:
+        raise non_finite_error("target")
+    reply.record([token_id])
     target_seconds = clock.lap()
     stats = StepStats(
         drafted=0,
@@ -283,4 +306,4 @@ def target_step(
         rule=rule,
         prefill_seconds=prefill_seconds,
     )
-    return reply.commit([token], [Origin.TARGET], [None], [0.0], stats, clock)
+    return reply.commit([token_id], [Origin.TARGET], [None], [0.0], stats, clock)

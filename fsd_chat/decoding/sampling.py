@@ -13,6 +13,7 @@ import math
 import torch
 
 from fsd_chat.decoding.settings import SamplingConfig
+from fsd_chat.support.errors import NonFiniteError
 
 
 def seeded_generator(config: SamplingConfig, device: torch.device | str) -> torch.Generator:
@@ -53,8 +54,38 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """One token per row: argmax when greedy, else a draw. [..., vocab] -> [...] int64."""
+    """One token per row: argmax when greedy, else a draw. [..., vocab] -> [...] int64.
+
+    The draw is an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) independent, which picks
+    i with probability p_i (the first of independent exponential clocks of rates p_i to ring; the
+    Gumbel-max trick in another form). gpt-fast samples this way (`multinomial_sample_one_no_sync`)
+    because, unlike `torch.multinomial`, it checks nothing on the device: a row of NaNs gives some
+    index instead of a device-side assert that leaves the CUDA context unusable (the decoders
+    detect such rows with `non_finite` and end the reply). The noise is clamped away from 0, so a
+    token with p_i = 0 never wins (0 / 0 would be NaN, which argmax picks).
+    """
     if config.greedy:
         return probs.argmax(-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    noise = (
+        torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    )
+    return (probs / noise).argmax(-1)
+
+
+def non_finite(law: torch.Tensor) -> torch.Tensor:
+    """Whether each row of a law ([..., vocab] probabilities) holds a NaN, shape [...] bool, on its
+    device (no host read).
+
+    Logits with +inf or NaN (a float16 overflow) give NaN rows after the softmax, as does a row
+    whose logits are all -inf; the decoders read this flag with the step's single transfer. A row
+    holds a NaN exactly when its sum is NaN (probabilities are finite otherwise): one pass.
+    """
+    return law.sum(-1).isnan()
+
+
+def non_finite_error(model: str) -> NonFiniteError:
+    """The one line that ends a reply whose `model` ("target" or "draft") gave a non-finite law."""
+    return NonFiniteError(
+        f"the {model} model's logits are not finite (NaN or inf), most likely a float16 overflow: "
+        "load it with --dtype bfloat16 (or float32); the reply ends here"
+    )

@@ -262,7 +262,10 @@ class SpeculativeDecoder:
             q_full=proposal.q_full,
         )
         n = verdict.accepted
-        seq[0, start + n] = verdict.token_ids[-1]
+        # From the device tensor: a Python int written into a CUDA tensor is a host-to-device copy
+        # that waits for the queue.
+        seq[0, start + n : start + n + 1].copy_(verdict.next_token)
+        reply.record(verdict.token_ids)
         # Both caches must hold exactly the tokens before the last emitted one.
         self.target.rollback(start + n)
         self.proposer.rollback(start + n)

@@ -27,3 +27,8 @@ class SettingsError(FsdChatError, ValueError):
 
 class DeviceMemoryError(FsdChatError):
     """The accelerator ran out of memory (loading a model, or during a reply)."""
+
+
+class NonFiniteError(FsdChatError):
+    """A model's next-token law is not a law (NaN or inf logits, most often a float16 overflow):
+    the reply ends there, keeping what it emitted."""
