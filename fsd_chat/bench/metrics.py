@@ -100,7 +100,8 @@ class Summary:
         mean_accepted_length: τ, tokens per target forward.
         draft_tokens_per_step: Mean k: drafted tokens per target forward (None without drafting).
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
-        fuzzy_share: Share of tokens accepted only by the relaxed test (None without drafting).
+        fuzzy_share: Share of tokens kept by the relaxed test at a cost > 0, the `draft-fuzzy`
+            tokens (None without drafting).
         target_forwards_per_token: Target forwards / tokens (1/τ).
         draft_forwards_per_token: Draft forwards / tokens.
         target_forward_seconds: Mean seconds of one target forward (prefill excluded).

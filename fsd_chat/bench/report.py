@@ -161,7 +161,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("τ", "mean_accepted_length", "tokens per target forward", _num(".2f")),
     Column("mean k", "draft_tokens_per_step", "drafted tokens per target forward", _num(".2f")),
     Column("accept", "acceptance_rate", "accepted / drafted tokens", _num(".0%")),
-    Column("fuzzy", "fuzzy_share", "share of tokens accepted only by the relaxed test", _num(".0%")),
+    Column(
+        "fuzzy",
+        "fuzzy_share",
+        "share of tokens kept by the relaxed test at a cost > 0 (draft-fuzzy)",
+        _num(".0%"),
+    ),
     Column(
         "cost/tok (±95%)",
         "quality.cost_per_token",

@@ -42,8 +42,8 @@ MARKS: dict[Origin, tuple[str, str]] = {
 """How each origin is marked in the provenance view."""
 
 LEGEND = (
-    "plain: draft token accepted by the exact test · <ins>underlined</ins>: draft token accepted only "
-    "because D ≤ T (fuzzy) · <b>bold</b>: target token resampled after a rejection · "
+    "plain: draft token accepted by the exact test · <ins>underlined</ins>: draft token kept by the relaxed "
+    "test where its law departs from the target's (cost > 0) · <b>bold</b>: target token resampled after a rejection · "
     "<i>italic</i>: target bonus token · <sup>⟨…⟩</sup>: the settings changed here"
 )
 
