@@ -346,3 +346,19 @@ def test_a_draft_that_cannot_pay_is_never_run(
     assert run.ids == greedy_references[prompt]
     assert run.stats.draft_forwards == 0 and run.stats.drafted == 0
     assert run.stats.paused == "draft ≤ 0.95× target" and run.stats.paused_steps == len(run.steps) - 1
+
+
+def test_a_conversation_keeps_its_policy_from_reply_to_reply(pair: ModelPair) -> None:
+    """The chat's decoder (reuse_prefix) carries what goodput measured into the next reply: a
+    lookup that did not pay is not tried afresh at the next reply's start; a decoder that does
+    not reuse its prefix (the bench's runs) starts every reply afresh."""
+    prompt = pair.tokenizer(PROMPTS[0]).input_ids
+    conversation = slow_decoder(pair, PromptLookup(2), LINEAR)
+    first = collect(conversation.generate(prompt, max_new_tokens=40))
+    assert first.stats.drafted > 0 and first.steps[-1].stats.paused is not None
+    second = collect(conversation.generate(prompt, max_new_tokens=40))
+    assert second.steps[0].stats.drafted == 0 and second.steps[0].stats.paused is not None
+    afresh = slow_decoder(pair, PromptLookup(2), LINEAR)
+    afresh.reuse_prefix = False
+    assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[-1].stats.paused is not None
+    assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[0].stats.paused is None

@@ -1,6 +1,10 @@
 """How many tokens each step drafts: `goodput` (the app's default), `fixed`, `heuristic` and
 `latency` draft-length policies.
 
+A decoder that reuses its prefix (the chat, the server) keeps its policy from reply to reply, so
+what a policy measured carries over a conversation; a new decoder (each of the bench's runs)
+starts afresh.
+
 A policy only decides the length of a step's draft block, from the draft's own outputs and past
 verdicts, never from the target's distributions at the step being decided; the acceptance rules
 and their guarantees (`fsd_chat.decoding.acceptance`) are untouched. The decoder asks it, per
@@ -52,7 +56,7 @@ makes the step a target-only step (one target forward over one token, no draft w
 
 - `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
-  no verify width). With â the reply's measured acceptance (accepted / observed draft positions, a
+  no verify width). With â the measured acceptance (accepted / observed draft positions, a
   position being observed when the ones before it were accepted; the counts are discounted by
   `FORGET` a step, paused ones included, so that â follows the text, plus a Beta prior of `PRIOR_STRENGTH` pseudo-positions
   at ½), a block of k yields E_k = 1 + â + … + â^k tokens (Leviathan et al. 2023, eq. 1) in

@@ -14,7 +14,8 @@ Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025, §3):
 The settings (rule, divergence, threshold T, draft length k, draft policy) are read from
 `Controls` at the start of every step, so another thread can retune them mid-reply. The draft
 policy (`fsd_chat.decoding.draft_policy`: goodput, fixed, heuristic or latency) decides each step's
-k; a policy chosen mid-reply starts afresh. k = 0 (`goodput` when drafting does not pay) is a
+k; a policy chosen mid-reply starts afresh, and with reuse_prefix one policy lives from reply to
+reply (what it measured carries over). k = 0 (`goodput` when drafting does not pay) is a
 target-only step: no draft forward, no verify width; a draft model's cache catches up on the
 tokens it skipped in one forward when drafting resumes (`CachedModel.forward` feeds every unseen
 token), a mapped draft spells them first (`MappedProposer.propose`).
@@ -39,7 +40,7 @@ from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
 from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, target_step
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, SamplingConfig
+from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.vocab_map import VocabularyMap
 
@@ -129,6 +130,17 @@ class SpeculativeDecoder:
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
         common = min(vocab_size, draft_vocab)
         self.timings = timings or cache(lambda: time_forwards(target, draft_model, common))
+        self._kept_policy: tuple[DraftPolicyName, DraftPolicy] | None = None
+
+    def _policy(self, name: DraftPolicyName) -> DraftPolicy:
+        """The draft policy of that name. With reuse_prefix (one conversation, reply after reply:
+        the chat, the server) it is the one the last reply ended with, so what it measured (the
+        acceptance, a pause and its probe schedule) carries over and a draft that did not pay is
+        not tried afresh at every reply's start; a policy chosen anew starts afresh."""
+        kept = self._kept_policy
+        if not (self.reuse_prefix and kept is not None and kept[0] == name):
+            kept = self._kept_policy = (name, make_policy(name, self.timings, self.proposer.kind))
+        return kept[1]
 
     @property
     def compile_error(self) -> str | None:
@@ -171,8 +183,7 @@ class SpeculativeDecoder:
         """
         sampling = sampling or SamplingConfig()
         policy_name = self.controls.snapshot().draft_policy
-        kind = self.proposer.kind
-        policy = make_policy(policy_name, self.timings, kind)  # before the clock starts: it may measure
+        policy = self._policy(policy_name)  # before the clock starts: it may measure
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -193,10 +204,7 @@ class SpeculativeDecoder:
         while True:
             settings = self.controls.snapshot()
             if settings.draft_policy != policy_name:
-                policy, policy_name = (
-                    make_policy(settings.draft_policy, self.timings, kind),
-                    settings.draft_policy,
-                )
+                policy, policy_name = self._policy(settings.draft_policy), settings.draft_policy
                 clock.lap()  # a first measurement of the forward times is no step's time
             k = policy.limit(settings, reply.room())
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
