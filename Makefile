@@ -5,14 +5,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # The offline story pair (the tests' models, and make chat-stories).
-MODELS ?= ../shared/models
+MODELS ?= $(SHARED)/models
 
 SHARED ?= ../shared
 # chat opens the default model unless one is given (make chat TARGET=... [DRAFT=...]); gpu-check
-# benchmarks the CPU-scale stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
+# benchmarks the scaled stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
 GIVEN = $(filter command line environment,$(origin $(1)))
 
-.PHONY: setup model lock chat chat-stories test test-fast lint docs gpu-check
+.PHONY: setup model lock chat chat-stories test test-fast lint docs gpu-check gpu-carry
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,26 @@ docs: setup
 	sed 's#(docs/#(#g' README.md > docs/index.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-gpu-check: setup
-	$(BIN)/python -m scripts.gpu_check --models "$(MODELS)" --builder "$(SHARED)/tools/build_scaled_target.py" \
+# On a GPU image whose python3 has a CUDA torch and the carried wheels on PYTHONPATH (make
+# gpu-carry), name that interpreter instead of the venv's: make gpu-check GPU_PYTHON=python3 SHARED=shared
+GPU_PYTHON ?= $(BIN)/python
+
+gpu-check: $(if $(call GIVEN,GPU_PYTHON),,setup)
+	$(GPU_PYTHON) -m scripts.gpu_check --models "$(MODELS)" --data-dir "$(SHARED)/data" \
+		--builder "$(SHARED)/tools/build_scaled_target.py" \
 		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")
+
+# What this workplace's GPU machines lack for gpu-check (docs/development.md): the locked wheels their
+# image has not, or not at the locked version (python 3.12, manylinux x86_64: about 57 MB, mostly
+# bitsandbytes), into .whl/; the offline pair, the tinystories prompts and the builder into shared/.
+GPU_WHEELS = transformers|bitsandbytes|platformdirs|typer|rich
+GPU_PLATFORMS = manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1
+
+gpu-carry: | $(BIN)/python
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(foreach p,$(GPU_PLATFORMS),--platform $(p)_x86_64) -d .whl \
+		$$(grep -E '^($(GPU_WHEELS))==' requirements.lock)
+	mkdir -p shared/data shared/tools
+	cp -r --no-preserve=mode "$(MODELS)" shared/
+	cp -r --no-preserve=mode "$(SHARED)/data/tinystories" shared/data/
+	cp --no-preserve=mode "$(SHARED)/tools/build_scaled_target.py" shared/tools/

@@ -3,7 +3,8 @@ without one.
 
 Covers what the CPU suite can only reach with torch.cuda's queries patched: float32 greedy identity
 with target-only decoding, bfloat16 and float16, an 8-bit and a 4-bit target with a bfloat16 draft,
-sampling losslessness (a reduced chi-square test: 4,000 replies, α = 0.001), a target dispatched
+sampling losslessness (the CPU suite's chi-square tests on batched verdicts drawn on the GPU, and
+300 two-token replies through the decoder; α = 0.001 each), a target dispatched
 with device_map="auto" on one GPU, and the host synchronisations of a step counted by torch's own
 CUDA sync debug mode.
 """
@@ -18,12 +19,21 @@ from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
 from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.settings import Rule
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.decoding_helpers import collect
-from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two
+from tests.test_sampling_lossless import (
+    ALPHA,
+    LOSSLESS_CASES,
+    PROMPT,
+    SAMPLING,
+    assert_first_two_tokens_follow_the_target,
+    chi_square_p_value,
+    exact_first_two,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,6 +41,9 @@ pytestmark = [
 ]
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
+REPLIES = 300
+"""End-to-end replies of the losslessness plumbing check: a few seconds on an H100 (4,000 took over
+100 s there, each reply being a few eager forwards and synchronisations in series)."""
 
 
 def cuda_pair(dtype: str, quantize_target: str = "none") -> ModelPair:
@@ -78,18 +91,31 @@ def test_reduced_precision_and_quantized_targets_decode(dtype: str, quantize_tar
     assert all(torch.isfinite(torch.tensor(t.cost)) for s in run.steps for t in s.tokens)
 
 
-def test_sampling_is_lossless_on_cuda(pair32: ModelPair) -> None:
-    replies, sampling = 4_000, SamplingConfig(temperature=0.9, top_p=0.95)
+@pytest.mark.parametrize(("rule", "threshold", "seed"), LOSSLESS_CASES)
+def test_batched_verdicts_follow_the_target_on_cuda(
+    pair32: ModelPair, rule: Rule, threshold: float, seed: int
+) -> None:
+    """The CPU suite's law (tests/test_sampling_lossless.py) with the laws, the draws and `judge`'s
+    verdicts on the GPU, from CUDA's generator: 20,000 first and second tokens per rule, each tested
+    at α = 0.001 against the target's exact law, and against the draft's for power (p < 1e-6)."""
+    assert_first_two_tokens_follow_the_target(
+        pair32, rule, threshold, torch.Generator(device="cuda").manual_seed(seed)
+    )
+
+
+def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair) -> None:
+    """The plumbing around the rule on the GPU (seeds, caches, the reply's end): REPLIES two-token
+    replies, their first tokens tested against the target's law at α = 0.001 (no power claimed:
+    the batched test above has it)."""
     vocab, eos = pair32.vocab_size, pair32.tokenizer.eos_token_id
-    prompt_ids = pair32.tokenizer("Once upon a time, there was a").input_ids
+    prompt_ids = pair32.tokenizer(PROMPT).input_ids
     decoder = pair32.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=2)))
     firsts = torch.zeros(vocab + 1, dtype=torch.long)
-    for seed in range(replies):
-        seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+    for seed in range(REPLIES):
+        seeded = SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed=seed)
         ids = collect(decoder.generate(prompt_ids, max_new_tokens=2, sampling=seeded)).ids
         firsts[ids[0] if ids else vocab] += 1
-    first, _ = exact_first_two(pair32.target.cpu(), prompt_ids, vocab, eos)
-    pair32.target.cuda()
+    first, _ = exact_first_two(pair32.target, prompt_ids, vocab, eos)
     assert chi_square_p_value(firsts, first) > ALPHA
 
 
