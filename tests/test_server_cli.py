@@ -13,17 +13,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from fsd_chat.cli import main
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.test_cli_generate import run_cli
 
 
 def test_serve_help_is_its_own(capsys: pytest.CaptureFixture[str]) -> None:
