@@ -254,3 +254,16 @@ def test_a_curve_starts_from_exact_sd_under_its_own_draft_policy() -> None:
     # At 0.01, halfway from each curve's own anchor: fixed 110, latency 85.
     assert (comparison.a, comparison.b) == ("mixture k=5", "mixture k=5 latency")
     assert comparison.at_costs[0].cost == 0.01 and comparison.at_costs[0].ratio == pytest.approx(110 / 85)
+
+
+def test_mean_k_is_zero_for_a_policy_that_never_drafted() -> None:
+    """A run that drafted nothing (a draft policy paused throughout: a real mapped pair whose draft
+    is as slow as its target) has mean k 0 and no acceptance rate; target-only decoding has no mean
+    k at all."""
+    goodput = Configuration(SETUP, 0.0, "exact", 3, draft_policy="goodput")
+    runs = [_measurement(AUTOREGRESSIVE, prompt, 1.0, 10, 0) for prompt in range(3)] + [
+        _measurement(goodput, prompt, 1.0, 10, 0) for prompt in range(3)
+    ]
+    autoregressive, paused = summarize([AUTOREGRESSIVE, goodput], runs)
+    assert paused.draft_tokens_per_step == 0.0 and paused.acceptance_rate is None
+    assert autoregressive.draft_tokens_per_step is None

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
-from fsd_chat.bench.records import BASELINES, Configuration, Measurement, Method, Setup
+from fsd_chat.bench.records import BASELINES, UNCOUNTED_DRAFTS, Configuration, Measurement, Method, Setup
 from fsd_chat.bench.stats import Spread, mean_ci95, median_with_ci95, paired_ratios
 
 SPEEDUP_BASELINES: tuple[Method, ...] = tuple(m for m in BASELINES if m != "hf-ensemble")
@@ -98,7 +98,8 @@ class Summary:
         work_speedup: The same paired medians on the forward-work clock (see the module docstring).
         work_speedup_ci95: Their intervals.
         mean_accepted_length: τ, tokens per target forward.
-        draft_tokens_per_step: Mean k: drafted tokens per target forward (None without drafting).
+        draft_tokens_per_step: Mean k: drafted tokens per target forward (0 for a method that
+            drafted nothing; None for those whose drafts are not counted, `UNCOUNTED_DRAFTS`).
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
         fuzzy_share: Share of tokens accepted only by the relaxed test (None without drafting).
         target_forwards_per_token: Target forwards / tokens (1/τ).
@@ -458,7 +459,9 @@ def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Sum
                 work_speedup=work_speedups,
                 work_speedup_ci95=work_intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
-                draft_tokens_per_step=_ratio(drafted, target_forwards) or None,
+                draft_tokens_per_step=None
+                if config.method in UNCOUNTED_DRAFTS
+                else _ratio(drafted, target_forwards) or 0.0,
                 acceptance_rate=_ratio(sum(c.accepted for c in counts), drafted),
                 fuzzy_share=(_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0) if drafted else None,
                 target_forwards_per_token=_ratio(target_forwards, tokens) or 0.0,
