@@ -267,3 +267,48 @@ def test_mean_k_is_zero_for_a_policy_that_never_drafted() -> None:
     autoregressive, paused = summarize([AUTOREGRESSIVE, goodput], runs)
     assert paused.draft_tokens_per_step == 0.0 and paused.acceptance_rate is None
     assert autoregressive.draft_tokens_per_step is None
+
+
+def test_work_clock_times_each_draft_policy_by_its_own_forwards() -> None:
+    """goodput's target-only steps are 1-token forwards (5 ms here, as target-only decoding's), fixed
+    k's are verifies (10 ms): pooled at the same k, goodput's steps would be charged 7.5 ms and its
+    forward-work ratio to target-only decoding would read 0.67 for equal work."""
+    goodput = Configuration(SETUP, 0.0, "exact", 4, draft_policy="goodput")
+    one_token = ForwardTally(11, 0.0, 10, 0.05)
+    runs = []
+    for prompt in range(3):
+        runs += [
+            _measurement(EXACT, prompt, 1.0, 4, 12),
+            Measurement(
+                AUTOREGRESSIVE,
+                prompt,
+                0,
+                [1],
+                Generation(
+                    list(range(10)),
+                    1.0,
+                    GenerationStats(tokens=10, target_forwards=10),
+                    one_token,
+                    ForwardTally(),
+                ),
+                20.0,
+                None,
+            ),
+            Measurement(
+                goodput,
+                prompt,
+                0,
+                [1],
+                Generation(
+                    list(range(10)),
+                    1.0,
+                    GenerationStats(tokens=10, target_forwards=10),
+                    one_token,
+                    ForwardTally(),
+                ),
+                20.0,
+                None,
+            ),
+        ]
+    (paused,) = summarize([AUTOREGRESSIVE, EXACT, goodput], runs)[2:]
+    assert paused.work_speedup["autoregressive"] == pytest.approx(1.0)

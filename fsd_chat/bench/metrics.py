@@ -15,7 +15,7 @@ Speed is measured on two clocks. Wall clock (`tokens_per_second`, `speedup`) is 
 but on a machine shared with other processes one run can wait seconds for a core. Forward work
 (`work_speedup`) is immune to that: each run's tokens / (its target forwards × t_target + its draft
 forwards × t_draft), where t_target and t_draft are the median per-forward times over all runs of
-the same setup, temperature and k (the verify width), so every configuration of that kind is charged
+the same setup, temperature, k (the verify width) and draft policy, so every configuration of that kind is charged
 the same price per forward and only the forward counts differ. It leaves out time outside forward
 passes (1–3% in fsd-chat's decoders), so it cannot see a rule's own arithmetic.
 
@@ -292,14 +292,20 @@ RunRate = Callable[[Measurement], float]
 """A clock: tokens/s of one run."""
 
 
+def _work_key(config: Configuration) -> tuple[object, ...]:
+    return (*config.group, config.draft_tokens, config.draft_policy)
+
+
 def work_rate(runs: list[Measurement]) -> RunRate:
     """The forward-work clock of a set of runs: tokens / (target forwards × t_target + draft
-    forwards × t_draft), with t the median over the runs of the same setup, temperature and k of
-    each run's mean per-forward decode seconds (see the module docstring)."""
+    forwards × t_draft), with t the median over the runs of the same setup, temperature, k and draft policy of
+    each run's mean per-forward decode seconds (see the module docstring). Runs under different draft
+    policies do not share t: a policy that chooses k per step (goodput's target-only steps) runs
+    forwards of other widths than fixed k's."""
     per_forward: dict[tuple[object, ...], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for run in runs:
         g, c = run.generation, run.config
-        for tally, times in zip((g.target, g.draft), per_forward[(*c.group, c.draft_tokens)], strict=True):
+        for tally, times in zip((g.target, g.draft), per_forward[_work_key(c)], strict=True):
             if tally.decode_calls:
                 times.append(tally.decode_seconds / tally.decode_calls)
     medians = {
@@ -309,7 +315,7 @@ def work_rate(runs: list[Measurement]) -> RunRate:
 
     def rate(run: Measurement) -> float:
         counts = _Counts.of(run)
-        t_target, t_draft = medians[(*run.config.group, run.config.draft_tokens)]
+        t_target, t_draft = medians[_work_key(run.config)]
         seconds = counts.target * t_target + counts.draft * t_draft
         return len(run.generation.token_ids) / seconds if seconds > 0 else 0.0
 
