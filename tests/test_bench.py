@@ -115,6 +115,8 @@ def test_report_structure(report: tuple[dict, Path]) -> None:
     env = data["environment"]
     assert env["packages"]["torch"] and env["packages"]["transformers"]
     assert env["device"] == ["cpu"] and env["torch_threads"] == 1
+    # The machine's load when the run finished: 1-, 5- and 15-minute averages (Linux has them).
+    assert len(env["load_average"]) == 3 and all(load >= 0 for load in env["load_average"])
     assert data["interrupted"] is False
     # 2 temperatures × (autoregressive, exact, hf-assisted, hf-ensemble, fuzzy at 3 thresholds,
     # mixture at 2)

@@ -254,3 +254,61 @@ def test_a_curve_starts_from_exact_sd_under_its_own_draft_policy() -> None:
     # At 0.01, halfway from each curve's own anchor: fixed 110, latency 85.
     assert (comparison.a, comparison.b) == ("mixture k=5", "mixture k=5 latency")
     assert comparison.at_costs[0].cost == 0.01 and comparison.at_costs[0].ratio == pytest.approx(110 / 85)
+
+
+def test_mean_k_is_zero_for_a_policy_that_never_drafted() -> None:
+    """A run that drafted nothing (a draft policy paused throughout: a real mapped pair whose draft
+    is as slow as its target) has mean k 0 and no acceptance rate; target-only decoding has no mean
+    k at all."""
+    goodput = Configuration(SETUP, 0.0, "exact", 3, draft_policy="goodput")
+    runs = [_measurement(AUTOREGRESSIVE, prompt, 1.0, 10, 0) for prompt in range(3)] + [
+        _measurement(goodput, prompt, 1.0, 10, 0) for prompt in range(3)
+    ]
+    autoregressive, paused = summarize([AUTOREGRESSIVE, goodput], runs)
+    assert paused.draft_tokens_per_step == 0.0 and paused.acceptance_rate is None
+    assert autoregressive.draft_tokens_per_step is None
+
+
+def test_work_clock_times_each_draft_policy_by_its_own_forwards() -> None:
+    """goodput's target-only steps are 1-token forwards (5 ms here, as target-only decoding's), fixed
+    k's are verifies (10 ms): pooled at the same k, goodput's steps would be charged 7.5 ms and its
+    forward-work ratio to target-only decoding would read 0.67 for equal work."""
+    goodput = Configuration(SETUP, 0.0, "exact", 4, draft_policy="goodput")
+    one_token = ForwardTally(11, 0.0, 10, 0.05)
+    runs = []
+    for prompt in range(3):
+        runs += [
+            _measurement(EXACT, prompt, 1.0, 4, 12),
+            Measurement(
+                AUTOREGRESSIVE,
+                prompt,
+                0,
+                [1],
+                Generation(
+                    list(range(10)),
+                    1.0,
+                    GenerationStats(tokens=10, target_forwards=10),
+                    one_token,
+                    ForwardTally(),
+                ),
+                20.0,
+                None,
+            ),
+            Measurement(
+                goodput,
+                prompt,
+                0,
+                [1],
+                Generation(
+                    list(range(10)),
+                    1.0,
+                    GenerationStats(tokens=10, target_forwards=10),
+                    one_token,
+                    ForwardTally(),
+                ),
+                20.0,
+                None,
+            ),
+        ]
+    (paused,) = summarize([AUTOREGRESSIVE, EXACT, goodput], runs)[2:]
+    assert paused.work_speedup["autoregressive"] == pytest.approx(1.0)

@@ -21,6 +21,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import fsd_chat.models.loading
+from fsd_chat.bench.methods import PairRunner
+from fsd_chat.bench.records import Configuration, Setup
 from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import mixture_weight
@@ -304,3 +306,32 @@ def test_generate_json_and_the_transcript_name_the_mapped_draft(
 def test_the_legend_names_the_mapped_draft() -> None:
     assert "mapped" in str(Legend(False, draft_label="draft vocabulary mapped (97% coverage)").content)
     assert "mapped" not in str(Legend(False).content)
+
+
+def test_bench_refuses_transformers_sampling_with_a_draft_inside_the_targets_vocabulary(
+    pruned: ModelPair,
+) -> None:
+    """The pruned draft's every token is the target's: transformers 5.24's universal assisted
+    generation fails when it samples with such a draft (an AttributeError deep in its vocabulary
+    translator), so bench says so in one line instead; greedy, it runs."""
+    runner = PairRunner(pruned)
+    ids = pruned.tokenizer("Once upon a time").input_ids
+    try:
+        greedy = runner.run(
+            Configuration(Setup("float32"), 0.0, "hf-assisted", 3),
+            ids,
+            max_new_tokens=8,
+            seed=0,
+            stop_strings=(),
+        )
+        assert greedy.token_ids
+        with pytest.raises(IncompatibleModelsError, match="--temperature 0"):
+            runner.run(
+                Configuration(Setup("float32"), 1.0, "hf-assisted", 3),
+                ids,
+                max_new_tokens=8,
+                seed=0,
+                stop_strings=(),
+            )
+    finally:
+        runner.close()

@@ -33,8 +33,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load_average() -> list[float] | None:
+    try:
+        return [round(load, 2) for load in os.getloadavg()]
+    except (AttributeError, OSError):  # no load average on this platform (Windows: no getloadavg)
+        return None
+
+
 def environment(pairs: dict[str, ModelPair]) -> dict[str, object]:
-    """Versions, device, threads and the loaded setups (keyed by setup label)."""
+    """Versions, device, threads, the loaded setups (keyed by setup label) and the machine's load
+    average when the run finished (runnable processes over the last 1, 5 and 15 minutes, from
+    `os.getloadavg`; None where the platform has none): figures measured beside other work are
+    read with it."""
     devices = {str(p.device) for p in pairs.values()}
     cuda = [torch.cuda.get_device_name(torch.device(d)) for d in devices if d.startswith("cuda")]
     return {
@@ -46,6 +56,7 @@ def environment(pairs: dict[str, ModelPair]) -> dict[str, object]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
+        "load_average": _load_average(),
         "setups": {label: pair.describe() for label, pair in pairs.items()},
         "scorer": next(iter(pairs.values())).describe() if pairs else None,
         "argv": sys.argv,

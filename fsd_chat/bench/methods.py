@@ -292,6 +292,16 @@ class PairRunner:
                     "transformers' assisted generation cannot run a draft with another tokenizer of the "
                     "target's vocabulary size: leave hf-assisted out of --baselines"
                 )
+            if not sampling.greedy and len(pair.vocab_map.draft_ids) == pair.vocab_map.draft_vocab:
+                # transformers 5.24's sampling path (UniversalSpeculativeDecodingGenerator) prunes
+                # the draft's LM head only when some draft token is missing from the target's
+                # vocabulary, then reads the pruned ids anyway: AttributeError
+                # ('AssistantToTargetTranslator' ... 'assistant_overlap_token_ids').
+                raise IncompatibleModelsError(
+                    "transformers' universal assisted generation cannot sample with a draft whose every "
+                    "token is in the target's vocabulary (transformers fails): leave hf-assisted out of "
+                    "--baselines, or use --temperature 0"
+                )
             # transformers' universal assisted generation: the draft's text re-tokenised for it.
             options |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.draft_tokenizer}
         with torch.inference_mode():

@@ -15,7 +15,7 @@ Speed is measured on two clocks. Wall clock (`tokens_per_second`, `speedup`) is 
 but on a machine shared with other processes one run can wait seconds for a core. Forward work
 (`work_speedup`) is immune to that: each run's tokens / (its target forwards × t_target + its draft
 forwards × t_draft), where t_target and t_draft are the median per-forward times over all runs of
-the same setup, temperature and k (the verify width), so every configuration of that kind is charged
+the same setup, temperature, k (the verify width) and draft policy, so every configuration of that kind is charged
 the same price per forward and only the forward counts differ. It leaves out time outside forward
 passes (1–3% in fsd-chat's decoders), so it cannot see a rule's own arithmetic.
 
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
-from fsd_chat.bench.records import BASELINES, Configuration, Measurement, Method, Setup
+from fsd_chat.bench.records import BASELINES, UNCOUNTED_DRAFTS, Configuration, Measurement, Method, Setup
 from fsd_chat.bench.stats import Spread, mean_ci95, median_with_ci95, paired_ratios
 
 SPEEDUP_BASELINES: tuple[Method, ...] = tuple(m for m in BASELINES if m != "hf-ensemble")
@@ -98,7 +98,8 @@ class Summary:
         work_speedup: The same paired medians on the forward-work clock (see the module docstring).
         work_speedup_ci95: Their intervals.
         mean_accepted_length: τ, tokens per target forward.
-        draft_tokens_per_step: Mean k: drafted tokens per target forward (None without drafting).
+        draft_tokens_per_step: Mean k: drafted tokens per target forward (0 for a method that
+            drafted nothing; None for those whose drafts are not counted, `UNCOUNTED_DRAFTS`).
         acceptance_rate: Accepted / drafted draft tokens (None without drafting).
         fuzzy_share: Share of tokens kept by the relaxed test at a cost > 0, the `draft-fuzzy`
             tokens (None without drafting).
@@ -292,14 +293,20 @@ RunRate = Callable[[Measurement], float]
 """A clock: tokens/s of one run."""
 
 
+def _work_key(config: Configuration) -> tuple[object, ...]:
+    return (*config.group, config.draft_tokens, config.draft_policy)
+
+
 def work_rate(runs: list[Measurement]) -> RunRate:
     """The forward-work clock of a set of runs: tokens / (target forwards × t_target + draft
-    forwards × t_draft), with t the median over the runs of the same setup, temperature and k of
-    each run's mean per-forward decode seconds (see the module docstring)."""
+    forwards × t_draft), with t the median over the runs of the same setup, temperature, k and draft policy of
+    each run's mean per-forward decode seconds (see the module docstring). Runs under different draft
+    policies do not share t: a policy that chooses k per step (goodput's target-only steps) runs
+    forwards of other widths than fixed k's."""
     per_forward: dict[tuple[object, ...], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for run in runs:
         g, c = run.generation, run.config
-        for tally, times in zip((g.target, g.draft), per_forward[(*c.group, c.draft_tokens)], strict=True):
+        for tally, times in zip((g.target, g.draft), per_forward[_work_key(c)], strict=True):
             if tally.decode_calls:
                 times.append(tally.decode_seconds / tally.decode_calls)
     medians = {
@@ -309,7 +316,7 @@ def work_rate(runs: list[Measurement]) -> RunRate:
 
     def rate(run: Measurement) -> float:
         counts = _Counts.of(run)
-        t_target, t_draft = medians[(*run.config.group, run.config.draft_tokens)]
+        t_target, t_draft = medians[_work_key(run.config)]
         seconds = counts.target * t_target + counts.draft * t_draft
         return len(run.generation.token_ids) / seconds if seconds > 0 else 0.0
 
@@ -459,7 +466,9 @@ def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Sum
                 work_speedup=work_speedups,
                 work_speedup_ci95=work_intervals,
                 mean_accepted_length=_ratio(tokens, target_forwards) or 0.0,
-                draft_tokens_per_step=_ratio(drafted, target_forwards) or None,
+                draft_tokens_per_step=None
+                if config.method in UNCOUNTED_DRAFTS
+                else _ratio(drafted, target_forwards) or 0.0,
                 acceptance_rate=_ratio(sum(c.accepted for c in counts), drafted),
                 fuzzy_share=(_ratio(sum(c.fuzzy for c in counts), tokens) or 0.0) if drafted else None,
                 target_forwards_per_token=_ratio(target_forwards, tokens) or 0.0,

@@ -36,6 +36,10 @@ BASELINES: tuple[Method, ...] = (
 )
 """The methods of `--baselines`. `hf-ensemble` is transformers' own lossy verification
 (`generate(assistant_model=..., assistant_ensemble_weight=w)`), run at every `--ensemble-weights` w."""
+UNCOUNTED_DRAFTS: tuple[Method, ...] = ("autoregressive", "hf-prompt-lookup")
+"""The methods with no drafted-token count: target-only decoding, and transformers' prompt lookup,
+whose drafts transformers does not count. Every other method's mean k is a figure, 0 where it
+drafted nothing (a draft policy that paused throughout)."""
 HF_ASSISTED: tuple[Method, ...] = ("hf-assisted", "hf-assisted-default", "hf-ensemble")
 """The baselines that run transformers' assisted generation with the draft model."""
 FSD_RULES: tuple[Method, ...] = ("fuzzy", "pure", "mixture")

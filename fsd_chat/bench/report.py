@@ -147,7 +147,7 @@ COLUMNS: tuple[Column, ...] = (
         "×exact work",
         "work_speedup.exact",
         "the same against exact SD on the forward-work clock (each run's forward counts × the median "
-        "per-forward times of its setup, sampling and k: immune to other processes, blind to time "
+        "per-forward times of its setup, sampling, k and draft policy: immune to other processes, blind to time "
         "outside forward passes)",
         _speedup("work_speedup_ci95", "exact"),
     ),
