@@ -12,10 +12,12 @@ time it is shown.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
+from textual.css.styles import RulesMap
 from textual.widgets import Markdown, Static
 
 from fsd_chat.conversation.session import (
@@ -63,7 +65,9 @@ def update_in_place(widget: Static, content: Content) -> None:
     measure (`Content.get_height`, what Textual's layout uses), at its current width.
     """
     size = widget.size
-    same = size.width > 0 and content.get_height(widget.styles, size.width) == size.height
+    # The styles as Textual's layout passes them (`Widget.get_content_height`): read by `.get`.
+    rules = cast("RulesMap", widget.styles)
+    same = size.width > 0 and content.get_height(rules, size.width) == size.height
     widget.update(content, layout=not same)
 
 
