@@ -2,7 +2,8 @@
 
 1. Decode tokens/s of one reply of N tokens in the real chat (headless Textual app, the worker
    thread, batching, the reply widget) against the same decoder driven the way `fsd-chat generate`
-   drives it, same settings and the same number of torch threads, interleaved over repeats.
+   drives it, same settings and the same number of torch threads, interleaved over repeats; the
+   median of the paired ratios with its 95% percentile bootstrap interval (2,000 resamples, seed 0).
 2. The UI thread's CPU time per update while a reply streams (from the first update to the last,
    drawing included), for replies of 100 and 500 tokens and for 1 and 100 turns in the session
    (a resumed one).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -37,6 +39,15 @@ from fsd_chat.tui.screens.chat import ChatScreen
 MODELS = Path(__file__).resolve().parents[1] / ".." / "shared" / "models"
 PROMPT = "Once upon a time"
 SETTINGS = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.05, draft_tokens=5)
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the median of `values` (2,000 resamples, seed 0)."""
+    data = torch.tensor(values, dtype=torch.float64)
+    picks = torch.randint(len(values), (2000, len(values)), generator=torch.Generator().manual_seed(0))
+    medians = data[picks].median(dim=1).values
+    low, high = torch.quantile(medians, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
 
 
 def generate_tps(pair: ModelPair, tokens: int) -> float:
@@ -109,8 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(MODELS / "stories260K"))
     parser.add_argument("--draft", default=str(MODELS / "stories260K-draft"))
-    parser.add_argument("--tokens", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=Path("bench-chat.json"))
     args = parser.parse_args()
@@ -120,6 +131,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp())
     generate_tps(pair, 50)  # warm-up
+    load_before = os.getloadavg()[0]  # the machine's other work, which scatters single runs
 
     ratios, gen, chat = [], [], []
     for _ in range(args.repeats):  # interleaved, so drift on the shared machine hits both alike
@@ -130,6 +142,8 @@ def main() -> None:
         chat.append(c)
         ratios.append(c / g)
         print(f"generate {g:7.1f} tok/s   chat {c:7.1f} tok/s   ratio {c / g:.2f}", flush=True)
+    load_after = os.getloadavg()[0]
+    ratio_interval = median_interval(ratios)
     per_update = {}
     for tokens in (100, 500):
         for turns in (1, 100):
@@ -158,11 +172,17 @@ def main() -> None:
         "chat_tokens_per_second": chat,
         "chat_over_generate": ratios,
         "chat_over_generate_median": statistics.median(ratios),
+        "chat_over_generate_median_ci95": ratio_interval,
+        "generate_median": statistics.median(gen),
+        "chat_median": statistics.median(chat),
+        "load_average_1min": [load_before, load_after],
         "per_update": per_update,
     }
     args.output.write_text(json.dumps(report, indent=2))
     print(
-        f"chat / generate, median of {args.repeats}: {report['chat_over_generate_median']:.2f}  ({args.output})"
+        f"chat / generate, median of {args.repeats}: {report['chat_over_generate_median']:.2f} "
+        f"(95% CI {ratio_interval[0]:.2f}-{ratio_interval[1]:.2f}); load average {load_before:.1f} -> "
+        f"{load_after:.1f}  ({args.output})"
     )
 
 

@@ -36,3 +36,13 @@ def test_the_pacer_follows_the_uis_cost_within_bounds() -> None:
     cpu[0] += 1.0  # very costly drawing: still at least a batch every LONGEST_INTERVAL
     pacer.shown()
     assert pacer.interval == LONGEST_INTERVAL
+
+
+def test_the_work_before_the_first_batch_spaces_the_second() -> None:
+    wall, cpu = [0.0], [0.0]
+    pacer = BatchPacer(share=0.05, clock=lambda: wall[0], cpu_clock=lambda: cpu[0])
+    cpu[0] += 0.010  # sending: mounting the message and its reply, laying them out
+    assert pacer.wait() == 0.0  # the first batch still goes out at once
+    pacer.shown()
+    # 10 ms / 5% = 0.2 s, not BATCH_INTERVAL: no second full layout right at the reply's start.
+    assert abs(pacer.interval - 0.2) < 1e-9

@@ -49,8 +49,9 @@ LONGEST_INTERVAL = 0.5
 
 class BatchPacer:
     """When the UI may show the next batch: `BATCH_INTERVAL` after the last one, stretched so that
-    the UI thread's CPU time since then (rendering included) stays within `UI_SHARE` of the wall
-    clock. Call it from the UI thread only (it reads that thread's CPU clock)."""
+    the UI thread's CPU time since then (rendering included; since the pacer was made, for the
+    first) stays within `UI_SHARE` of the wall clock. Make it when the reply starts, and call it
+    from the UI thread only (it reads that thread's CPU clock)."""
 
     def __init__(
         self,
@@ -64,7 +65,10 @@ class BatchPacer:
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._last: float | None = None
-        self._last_cpu = 0.0
+        # From the start, not from the first batch: the UI's work before it (mounting the message
+        # and its reply, laying them out) spaces the second batch too, instead of a second full
+        # layout 1/30 s into the reply.
+        self._last_cpu = cpu_clock()
 
     def wait(self) -> float:
         """Seconds until the next batch may be shown (0 when it may be shown now)."""
@@ -73,7 +77,6 @@ class BatchPacer:
     def shown(self) -> None:
         """A batch is being shown now: the interval to the next one follows the UI's recent drawing time."""
         now, cpu = self._clock(), self._cpu_clock()
-        if self._last is not None:
-            spent = cpu - self._last_cpu
-            self.interval = min(LONGEST_INTERVAL, max(BATCH_INTERVAL, spent / self.share))
+        spent = cpu - self._last_cpu
+        self.interval = min(LONGEST_INTERVAL, max(BATCH_INTERVAL, spent / self.share))
         self._last, self._last_cpu = now, cpu

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from textual.app import App, ComposeResult
+from textual.content import Content
 from textual.widgets import Button, Markdown, Static
 
 from fsd_chat.conversation.session import ReplyBuilder, Session, Turn, now
@@ -15,7 +17,7 @@ from fsd_chat.decoding.events import Origin
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import SHOWN_TURNS, ChatScreen
 from fsd_chat.tui.screens.help import colours_content
-from fsd_chat.tui.widgets.conversation import LIVE_LIMIT, ReplyView
+from fsd_chat.tui.widgets.conversation import LIVE_LIMIT, ReplyView, update_in_place
 from fsd_chat.tui.widgets.legend import Legend
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 
@@ -129,3 +131,26 @@ async def test_a_long_live_chat_puts_its_oldest_turns_away(pair: ModelPair, tmp_
         await wait_for(pilot, lambda: len(screen.query(".turn")) == SHOWN_TURNS)
         assert str(screen.query_one("#earlier", Button).label) == f"Show {SHOWN_TURNS + 2} earlier turns"
         assert len(screen.session.turns) == 2 * SHOWN_TURNS + 2  # put away from the screen only
+
+
+class OneLine(App[None]):
+    def compose(self) -> ComposeResult:
+        yield Static(id="line")
+
+
+async def test_an_update_within_the_last_line_asks_for_no_layout() -> None:
+    # `_layout_updates` counts Textual's layout requests (a private counter: what the screen-wide
+    # re-arrangement per update would show up as).
+    async with OneLine().run_test(size=(40, 10)) as pilot:
+        line = pilot.app.query_one("#line", Static)
+        update_in_place(line, Content("Once upon"))
+        await pilot.pause()
+        asked = line._layout_updates
+        update_in_place(line, Content("Once upon a time"))  # still one line: a repaint
+        await pilot.pause()
+        assert line._layout_updates == asked
+        assert line.render_line(0).text.startswith("Once upon a time")
+        update_in_place(line, Content("Once upon a time " * 5))  # 85 cells: three lines at 40
+        await pilot.pause()
+        assert line._layout_updates > asked
+        assert line.size.height == 3

@@ -12,10 +12,12 @@ time it is shown.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
+from textual.css.styles import RulesMap
 from textual.widgets import Markdown, Static
 
 from fsd_chat.conversation.session import (
@@ -51,6 +53,22 @@ def provenance_content(
     if stopped:
         parts.append((" ⏹ stopped", "bold $warning"))
     return Content.assemble(*parts)
+
+
+def update_in_place(widget: Static, content: Content) -> None:
+    """Show `content` in `widget`, laying the screen out again only when its height changes.
+
+    `Static.update` asks for a layout by default: Textual then re-arranges every widget on the
+    screen and redraws all of it, and a widget whose size changed asks for a second one. While a
+    reply streams most updates leave the live tail's height as it was (the text grows within its
+    last line), and a repaint of the widget alone shows them. The height is the widget's own
+    measure (`Content.get_height`, what Textual's layout uses), at its current width.
+    """
+    size = widget.size
+    # The styles as Textual's layout passes them (`Widget.get_content_height`): read by `.get`.
+    rules = cast("RulesMap", widget.styles)
+    same = size.width > 0 and content.get_height(rules, size.width) == size.height
+    widget.update(content, layout=not same)
 
 
 class UserMessage(Static):
@@ -124,7 +142,9 @@ class ReplyView(Vertical):
             self._freeze(cut)
             live = self._live_runs()
         self.live_chars = sum(len(run.text) for run in live)
-        self.query_one(".provenance", Static).update(provenance_content(live, self._previous_setting()))
+        update_in_place(
+            self.query_one(".provenance", Static), provenance_content(live, self._previous_setting())
+        )
 
     def _live_runs(self) -> list[OriginRun]:
         runs = self.record.runs[self._live_run :]

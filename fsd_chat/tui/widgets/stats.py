@@ -15,6 +15,7 @@ from textual.content import Content
 from textual.widgets import Sparkline, Static
 
 from fsd_chat.decoding.events import GenerationStats, Step
+from fsd_chat.tui.widgets.conversation import update_in_place
 
 WINDOW = 16
 """Steps the figures are taken over."""
@@ -82,7 +83,8 @@ class StatsStrip(Horizontal):
     def add(self, steps: Iterable[Step]) -> None:
         """Take in a batch of steps and refresh once."""
         self._steps.extend(steps)
-        self.query_one("#figures", Static).update(self._figures())
+        # One line of fixed size (see app.tcss): no layout of the screen for it.
+        update_in_place(self.query_one("#figures", Static), self._figures())
         self.query_one("#spark", Sparkline).data = [s.stats.emitted for s in self._steps]
 
     def clear(self) -> None:
