@@ -340,11 +340,11 @@ def test_a_draft_that_cannot_pay_is_never_run(
     pair: ModelPair, greedy_references: dict[str, list[int]]
 ) -> None:
     prompt = PROMPTS[1]
-    run = collect(
-        slow_decoder(pair, pair.draft, SLOW).generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120)
-    )
+    slow = slow_decoder(pair, pair.draft, SLOW)
+    run = collect(slow.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120))
     assert run.ids == greedy_references[prompt]
     assert run.stats.draft_forwards == 0 and run.stats.drafted == 0
+    assert slow.proposer.cached_models[0].seen == 0  # not even the prompt's prefill
     assert run.stats.paused == "draft ≤ 0.95× target" and run.stats.paused_steps == len(run.steps) - 1
 
 
@@ -362,3 +362,32 @@ def test_a_conversation_keeps_its_policy_from_reply_to_reply(pair: ModelPair) ->
     afresh.reuse_prefix = False
     assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[-1].stats.paused is not None
     assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[0].stats.paused is None
+
+
+@pytest.mark.slow
+def test_a_reply_that_starts_paused_feeds_the_draft_on_its_first_probe(
+    pair: ModelPair, greedy_references: dict[str, list[int]]
+) -> None:
+    """The conversation's second reply starts paused (the policy carried over): the draft model
+    reads no prompt at its start, its first probe reads it whole, and greedy output is the target's."""
+    decoder = slow_decoder(pair, pair.draft, NEAR)
+    first, second = PROMPTS[0], PROMPTS[1]
+    assert (
+        collect(decoder.generate(pair.tokenizer(first).input_ids, max_new_tokens=120)).ids
+        == (greedy_references[first])
+    )
+    draft = decoder.proposer.cached_models[0]
+    fed: list[int] = []
+    forward = draft.forward
+
+    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        fed.append(upto - draft.seen)
+        return forward(seq, upto, keep)
+
+    draft.forward = counting  # type: ignore[method-assign]
+    prompt_ids = pair.tokenizer(second).input_ids
+    run = collect(decoder.generate(prompt_ids, max_new_tokens=120))
+    assert run.ids == greedy_references[second]
+    assert run.steps[0].stats.paused is not None and run.stats.drafted > 0  # it probed
+    assert len(fed) == run.stats.draft_forwards  # no prefill pass of its own
+    assert fed[0] > len(prompt_ids)  # the first probe read the prompt and the paused steps at once

@@ -198,14 +198,17 @@ def begin(
     stop_strings: tuple[str, ...],
     time_phases: bool,
     reuse_prefix: bool,
+    deferred: Sequence[CachedModel] = (),
 ) -> Start:
     """Start a reply: prefill the models' caches with all prompt tokens but the last (each step
     feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting after each the
     prompt tokens every model has read (`Controls.report_prefill`) when there are more than one
     chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt
     shares with what it holds (`CachedModel.keep_prefix`) and only the rest is fed; else the caches
-    start empty. `time_phases`: synchronise the device at each phase so that draft, target and
-    other seconds are exact (see `PhaseClock`).
+    start empty. The caches of `deferred` models (some of `models`: a draft a paused draft policy
+    will not run for a while) are kept or emptied likewise but not fed: their first forward pass
+    reads the tokens they lack at once. `time_phases`: synchronise the device at each phase so
+    that draft, target and other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -231,18 +234,19 @@ def begin(
             model.reset()
     # A long prompt is fed PREFILL_CHUNK tokens a forward pass, the models in step, its progress
     # reported between them (the causal mask makes the chunks' logits and cache those of one pass).
-    start = min(model.seen for model in models)
+    fed = [model for model in models if model not in deferred]
+    start = min(model.seen for model in fed)
     ends = [*range(start + PREFILL_CHUNK, prefix, PREFILL_CHUNK), prefix]
     if len(ends) > 1:
         controls.report_prefill(start, prefix)  # at once: the first chunk takes a while too
     for upto in ends:
-        for model in models:
+        for model in fed:
             if model.seen < upto:
                 model.forward(reply.seq, upto, keep=1)
         if len(ends) > 1:
             controls.report_prefill(upto, prefix)
     if len(ends) > 1:
-        for model in models:
+        for model in fed:
             # Sliding-window layers record their past from the first forward pass on: cut it back
             # to the window, as one pass would have left it (`CachedModel.forward`).
             model.rollback(model.seen)

@@ -184,6 +184,9 @@ class SpeculativeDecoder:
         sampling = sampling or SamplingConfig()
         policy_name = self.controls.snapshot().draft_policy
         policy = self._policy(policy_name)  # before the clock starts: it may measure
+        # A paused policy drafts nothing for a while (a draft that cannot pay: never), so a draft
+        # model's cache is not fed the prompt now; its first forward, on a probe, reads it at once.
+        deferred = self.proposer.cached_models if policy.pause is not None else ()
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -197,6 +200,7 @@ class SpeculativeDecoder:
             stop_strings=stop_strings,
             time_phases=self.time_phases,
             reuse_prefix=self.reuse_prefix,
+            deferred=deferred,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         self.proposer.prefill(reply, self.reuse_prefix)
