@@ -3,6 +3,7 @@ cannot be rolled back (refused before decoding)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
 from fsd_chat.conversation.session import ReplyBuilder
 from fsd_chat.decoding import Controls, DecodingSettings, StopReason
-from fsd_chat.decoding.events import Origin, StepStats
+from fsd_chat.decoding.events import GenerationStats, Origin, Step, StepStats, Token
 from fsd_chat.decoding.reply import Reply
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models.loading import load_pair
@@ -90,3 +91,27 @@ def test_model_with_recurrent_state_is_refused(tmp_path: Path, target_dir: Path)
     )
     with pytest.raises(UnsupportedCacheError, match="cannot be rolled back"):
         pair.speculative(Controls())
+
+
+def test_the_end_token_counts_in_the_mean_accepted_length() -> None:
+    """τ of a target-only reply that ends on EOS is 1: the EOS step made a forward pass for it."""
+    stats = GenerationStats()
+    one = StepStats(
+        drafted=0,
+        accepted_exact=0,
+        accepted_fuzzy=0,
+        emitted=1,
+        target_forwards=1,
+        draft_forwards=0,
+        draft_seconds=0.0,
+        target_seconds=0.01,
+        other_seconds=0.0,
+        threshold=0.0,
+        divergence="js",
+        rule="autoregressive",
+    )
+    token = Token(id=5, text="a", origin=Origin.TARGET, divergence=None, cost=0.0)
+    for _ in range(6):
+        stats.add(Step(tokens=(token,), stats=one))
+    stats.add(Step(tokens=(), stats=replace(one, emitted=0), stop_reason=StopReason.EOS))
+    assert stats.tokens == 6 and stats.mean_accepted_length == 1.0

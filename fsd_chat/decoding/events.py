@@ -173,6 +173,8 @@ class GenerationStats:
     """Why speculation is paused after the last step added (`StepStats.paused`; None: it is not)."""
     paused_steps: int = 0
     """Steps taken while speculation was paused (target-only steps of a draft that did not pay)."""
+    end_tokens: int = 0
+    """End-of-sequence tokens the steps decided (0 or 1): not among `tokens`, which are shown."""
 
     def add(self, step: Step) -> None:
         """Fold one step's statistics into the totals."""
@@ -180,6 +182,7 @@ class GenerationStats:
         if not self.steps:
             self.first_token_seconds = s.prefill_seconds + s.seconds
         self.tokens += s.emitted
+        self.end_tokens += step.stop_reason == StopReason.EOS
         self.drafted += s.drafted
         self.accepted_exact += s.accepted_exact
         self.accepted_fuzzy += s.accepted_fuzzy
@@ -215,8 +218,10 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """τ: tokens emitted per target forward pass (1.0 for autoregressive decoding)."""
-        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+        """τ: tokens emitted per target forward pass (1.0 for autoregressive decoding), the
+        end-of-sequence token included: the step that decided it made a forward pass for it, and
+        leaving it out would put τ below 1 in short replies that no speculation produced."""
+        return (self.tokens + self.end_tokens) / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def fuzzy_share(self) -> float:
