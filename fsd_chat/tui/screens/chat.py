@@ -393,7 +393,12 @@ class ChatScreen(Screen[None]):
         """End the running generation (if any) now: its reply is kept, marked stopped."""
         if self.streaming is not None:
             self.chat.stop()
-            self._finish_reply()
+            # Steps decoded but held back by the pacer belong to the reply that is kept.
+            if self._batch_timer is not None:
+                self._batch_timer.stop()
+            self._show_steps()
+            if self.streaming is not None:  # _show_steps finishes a reply whose last step ended it
+                self._finish_reply()
         self.app.workers.cancel_group(self, GROUP)
 
     def on_unmount(self) -> None:
