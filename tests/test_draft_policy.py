@@ -291,13 +291,9 @@ def slow_decoder(pair: ModelPair, draft: object, curve: ForwardTimings) -> Specu
     return decoder
 
 
-@pytest.mark.slow
-def test_paused_steps_do_no_draft_work_and_the_draft_catches_up_in_one_forward(
-    pair: ModelPair, greedy_references: dict[str, list[int]]
-) -> None:
-    """Greedy, T = 0, a model draft under the NEAR curve: pauses, probes and catch-ups, and the
-    output is still the target's."""
-    decoder = slow_decoder(pair, pair.draft, NEAR)
+def tokens_fed(decoder: SpeculativeDecoder) -> list[int]:
+    """A list that records, for each forward pass of the decoder's draft model from now on, the
+    tokens it reads."""
     draft = decoder.proposer.cached_models[0]
     fed: list[int] = []
     forward = draft.forward
@@ -307,6 +303,17 @@ def test_paused_steps_do_no_draft_work_and_the_draft_catches_up_in_one_forward(
         return forward(seq, upto, keep)
 
     draft.forward = counting  # type: ignore[method-assign]
+    return fed
+
+
+@pytest.mark.slow
+def test_paused_steps_do_no_draft_work_and_the_draft_catches_up_in_one_forward(
+    pair: ModelPair, greedy_references: dict[str, list[int]]
+) -> None:
+    """Greedy, T = 0, a model draft under the NEAR curve: pauses, probes and catch-ups, and the
+    output is still the target's."""
+    decoder = slow_decoder(pair, pair.draft, NEAR)
+    fed = tokens_fed(decoder)
     prompt = PROMPTS[0]
     run = collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=120))
     assert run.ids == greedy_references[prompt]
@@ -376,15 +383,7 @@ def test_a_reply_that_starts_paused_feeds_the_draft_on_its_first_probe(
         collect(decoder.generate(pair.tokenizer(first).input_ids, max_new_tokens=120)).ids
         == (greedy_references[first])
     )
-    draft = decoder.proposer.cached_models[0]
-    fed: list[int] = []
-    forward = draft.forward
-
-    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        fed.append(upto - draft.seen)
-        return forward(seq, upto, keep)
-
-    draft.forward = counting  # type: ignore[method-assign]
+    fed = tokens_fed(decoder)
     prompt_ids = pair.tokenizer(second).input_ids
     run = collect(decoder.generate(prompt_ids, max_new_tokens=120))
     assert run.ids == greedy_references[second]
