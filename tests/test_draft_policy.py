@@ -9,12 +9,15 @@ measured timings' shape is checked.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
     MEASURED_WIDTHS,
+    MIN_CEILING,
     PROBE_FIRST,
     PROBE_MOST,
     ForwardTimings,
@@ -46,14 +49,12 @@ BUMPY = ForwardTimings(
 """The shape measured on the CPU-scale pair in float32 (a 1-token forward = 1)."""
 SLOW = ForwardTimings(draft=1.0, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
 """A draft as slow per forward as its target: drafting never pays, even fully accepted."""
-NEAR = ForwardTimings(draft=0.8, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
+NEAR = ForwardTimings(draft=0.7, widths=(1, WIDE), verify=(1.0, 1.0 + 0.1 * (WIDE - 1)))
 """A draft nearly as slow as its target: it pays only when nearly every token is accepted
-(k = 1: 1 + a tokens in 1.9 forwards)."""
+(k = 1: 1 + a tokens in 1.8 forwards)."""
 WIDTH_COSTS = ForwardTimings(draft=0.0, widths=(1, WIDE), verify=(1.0, 1.0 + 0.3 * (WIDE - 1)))
 """Prompt lookup (no draft forward) where each verified token adds 30% to a forward (a wide
 shape on this CPU): lookup pays only if its tokens are accepted."""
-LINEAR = ForwardTimings(draft=0.0, widths=(1, WIDE), verify=(1.0, float(WIDE)))
-"""Prompt lookup where a verify costs a forward per token: it never pays."""
 
 
 def confident(top: float, vocab: int = 8) -> torch.Tensor:
@@ -229,12 +230,85 @@ def test_goodput_never_drafts_from_a_draft_as_slow_as_its_target() -> None:
     assert [policy.limit(settings, room=100) for _ in range(1000)] == [0] * 1000  # no probe either
 
 
+def test_goodput_never_drafts_from_a_draft_that_promises_too_little() -> None:
+    """A draft at 0.85 of its target's forward could gain at most 5% with every token accepted
+    (k → 32: 33 tokens in 0.85·32 + 4.2 forwards): under MIN_CEILING, so it is never run."""
+    policy = GoodputPolicy(ForwardTimings(draft=0.85, widths=(1, WIDE), verify=SLOW.verify), "model")
+    _, ceiling = GoodputPolicy(
+        ForwardTimings(draft=0.85, widths=(1, WIDE), verify=SLOW.verify), "lookup"
+    )._best(1.0, MAX_DRAFT_TOKENS)
+    assert 1.0 < ceiling < MIN_CEILING
+    assert policy.pause == f"draft ≤ {ceiling:.2f}× target"
+    assert [policy.limit(DecodingSettings(draft_tokens=5), room=100) for _ in range(300)] == [0] * 300
+
+
+PRICED = ForwardTimings(draft=0.25, widths=(1, WIDE), verify=(1.0, 1.0), measured=True)
+"""Measured here: a draft at a quarter of its target's forward, verification free in width."""
+
+
+def priced(k: int) -> float:
+    """PRICED's seconds of a step drafting k tokens (k = 0: a target-only step)."""
+    return k * PRICED.draft + PRICED.verify_seconds(k + 1)
+
+
+def drive(
+    policy: GoodputPolicy, steps: int, draft_cost: float, target_cost: float, accepted: float = 1.0
+) -> list[int]:
+    """Run `steps` steps of `policy` (timed by PRICED) whose drafting steps take `draft_cost` times
+    what the timing pass priced them at and whose target forwards (a target-only step, a drafting
+    step's verify) `target_cost` times, each accepting round(accepted·k) of k draft tokens; the k
+    of each step."""
+    ks = []
+    for _ in range(steps):
+        k = policy.limit(DecodingSettings(draft_tokens=3), room=100)
+        if k:
+            policy.observe(k, round(accepted * k))
+            policy.timed(k, draft_cost * priced(k), target_cost * PRICED.verify_seconds(k + 1))
+        else:
+            policy.timed(0, target_cost * priced(0), None)
+        ks.append(k)
+    return ks
+
+
+def test_goodput_prices_steps_by_their_own_seconds() -> None:
+    """The timing pass says a 3-token block pays 4 tokens for 1.75 forwards; if drafting steps take
+    three times that (a shifted load, a spelling cost the pass left out) and target-only steps what
+    it said, drafting does not pay: goodput pauses within a few steps. The same times scaled alike
+    (the whole machine slower) change no decision."""
+    dear = GoodputPolicy(PRICED, "model")
+    ks = drive(dear, 6, draft_cost=3.0, target_cost=1.0)
+    assert ks[0] >= 1 and ks[-1] == 0 and dear.pause is not None and dear.pause.startswith("draft 0.")
+    assert dear.drafting_price > 2.0
+    as_written = drive(
+        GoodputPolicy(replace(PRICED, measured=False), "model"), 40, draft_cost=3.0, target_cost=1.0
+    )
+    assert as_written[-30:] == [3] * 30  # not measured here: taken as is, and drafting pays
+    slower = GoodputPolicy(PRICED, "model")
+    assert drive(slower, 40, draft_cost=3.0, target_cost=3.0) == as_written
+    assert slower.pause is None and slower.drafting_price == pytest.approx(1.0)
+
+
+def test_goodput_leaves_a_draft_models_catch_up_out_of_its_prices() -> None:
+    """A probe after target-only steps also reads what they emitted (one wide draft forward): its
+    seconds are not a drafting step's price for a draft model, and are for prompt lookup (which has
+    no catch-up)."""
+    for kind, counted in (("model", False), ("lookup", True)):
+        policy = GoodputPolicy(PRICED, kind)
+        drive(policy, 3, draft_cost=1.0, target_cost=1.0, accepted=0.0)  # rejected: paused
+        assert policy.pause is not None
+        drive(policy, PROBE_FIRST, draft_cost=1.0, target_cost=1.0)  # target-only steps
+        k = policy.limit(DecodingSettings(draft_tokens=3), room=100)
+        assert k >= 1  # the probe
+        policy.timed(k, 10 * priced(k), None)
+        assert (policy.drafting_price > 1.5) is counted, kind
+
+
 def test_goodput_pauses_a_draft_that_does_not_pay_and_probes_with_backoff() -> None:
     policy = GoodputPolicy(NEAR, "mapped")
     settings = DecodingSettings(draft_tokens=5)
     assert policy.pause is None and policy.limit(settings, room=100) >= 1  # it tries first
     policy.observe(1, 0)
-    assert policy.pause == f"mapped draft {(1 + policy.estimate) / 1.9:.2f}× target"
+    assert policy.pause == f"mapped draft {(1 + policy.estimate) / 1.8:.2f}× target"
     runs = zero_runs(policy, settings, 600, accepted=False)
     # Exponential backoff from PROBE_FIRST to PROBE_MOST target-only steps between probes.
     assert runs[:6] == [
@@ -331,7 +405,7 @@ def test_goodput_keeps_greedy_output_for_lookup_and_mapped_drafts(
     request: pytest.FixtureRequest, pair: ModelPair, greedy_references: dict[str, list[int]], kind: str
 ) -> None:
     if kind == "lookup":
-        decoder = slow_decoder(pair, PromptLookup(2), LINEAR)
+        decoder = slow_decoder(pair, PromptLookup(2), WIDTH_COSTS)
     else:
         decoder = request.getfixturevalue("shuffled").speculative(
             Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="goodput"))
@@ -360,12 +434,12 @@ def test_a_conversation_keeps_its_policy_from_reply_to_reply(pair: ModelPair) ->
     lookup that did not pay is not tried afresh at the next reply's start; a decoder that does
     not reuse its prefix (the bench's runs) starts every reply afresh."""
     prompt = pair.tokenizer(PROMPTS[0]).input_ids
-    conversation = slow_decoder(pair, PromptLookup(2), LINEAR)
+    conversation = slow_decoder(pair, PromptLookup(2), WIDTH_COSTS)
     first = collect(conversation.generate(prompt, max_new_tokens=40))
     assert first.stats.drafted > 0 and first.steps[-1].stats.paused is not None
     second = collect(conversation.generate(prompt, max_new_tokens=40))
     assert second.steps[0].stats.drafted == 0 and second.steps[0].stats.paused is not None
-    afresh = slow_decoder(pair, PromptLookup(2), LINEAR)
+    afresh = slow_decoder(pair, PromptLookup(2), WIDTH_COSTS)
     afresh.reuse_prefix = False
     assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[-1].stats.paused is not None
     assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[0].stats.paused is None

@@ -65,8 +65,21 @@ makes the step a target-only step (one target forward over one token, no draft w
   E_k·V(1) / T_k > 1); when it does not, the policy pauses: target-only steps, then a probe (one
   drafting step) after `PROBE_FIRST` of them, each later pause waiting twice as long as the one
   before (up to `PROBE_MOST`: exponential backoff) until drafting pays for `PROBE_FIRST` steps in a
-  row. A draft that could not pay even with every token accepted (max_k (k + 1)·V(1) / T_k < 1: as
-  slow per forward as its target) is never drafted from, not even to probe ("draft ≤ 0.95× target").
+  row. A draft that could not gain `MIN_CEILING` even with every token accepted
+  (max_k (k + 1)·V(1) / T_k < MIN_CEILING: nearly as slow per forward as its target) is never
+  drafted from, not even to probe, and a draft model's cache is never filled ("draft ≤ 1.04× target").
+
+  The prices follow the steps' own seconds: c_d and V(w) come from the timing pass (the shape of
+  the cost in k), and two running factors scale them to what steps actually take: the target's
+  (a target-only step's seconds / V(1), and a drafting step's verify forward / V(k + 1) where that
+  lap is its own: on the CPU, or with a synchronisation per phase) and drafting's (a drafting
+  step's seconds / (k·c_d + V(k + 1))), each a geometric mean discounted by `TIME_FORGET` a
+  sample. A step's seconds include what the timing pass leaves out (sampling, the acceptance test,
+  rollback, a mapped draft's spelling) and follow a load that shifts after the pass. A factor
+  shared by both would cancel in E_k·V(1) / T_k: only their ratio moves the decision (until both
+  are measured it is 1). The first drafting step after target-only steps is not counted for a
+  draft model: its first forward also reads the tokens the pause emitted (prompt lookup has no
+  such catch-up).
   â needs no confidence, so one test covers a draft model, a mapped draft and prompt lookup
   (whose laws are point masses, q = δ, which `latency` cannot tell apart, and whose draft positions
   cost c_d = 0: only the verify width is at stake). k is chosen before drafting, so the policy reads
@@ -119,6 +132,16 @@ PROBE_MOST = 128
 """`goodput`: the longest wait between probes, in target-only steps (one probe costs one draft block,
 so at most about 1/128 of the steps are spent on a draft that never pays)."""
 
+TIME_FORGET = 0.8
+"""`goodput`: the weight a running time factor keeps from one step of its kind to the next (it follows
+the last 1 / (1 − TIME_FORGET) = 5 steps or so: a load that shifts shows within a few steps)."""
+
+MIN_CEILING = 1.1
+"""`goodput`: the least speed-up over target-only decoding a draft must promise with every token
+accepted (at the best k) to be drafted from at all. Real acceptance is lower (at 90% a k = 1 block
+keeps 95% of that promise) and the timing pass leaves the acceptance test and rollback out, so a
+draft that promises less than 10% gains nothing a user would see, and costs its prefill."""
+
 MEASURED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, MAX_DRAFT_TOKENS + 1)
 """Verify widths (tokens) `time_forwards` times; other widths are linearly interpolated."""
 
@@ -137,11 +160,15 @@ class ForwardTimings:
         draft: Seconds of one draft position (a 1-token draft forward and its softmax).
         widths: Verify widths in tokens, increasing, from 1 to at least MAX_DRAFT_TOKENS + 1.
         verify: Seconds of a target forward over each of `widths` tokens.
+        measured: Measured on this machine (`time_forwards`): `goodput` then scales these by the
+            seconds its steps take. False for timings written by hand (tests, a device described
+            rather than measured), which are taken as they are.
     """
 
     draft: float
     widths: tuple[int, ...]
     verify: tuple[float, ...]
+    measured: bool = False
 
     def verify_table(self) -> list[float]:
         """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
@@ -195,7 +222,9 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
             for sample, seconds in zip(samples, times, strict=True):
                 sample.append(seconds)
     fastest = [min(s) for s in samples]
-    return ForwardTimings(draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]))
+    return ForwardTimings(
+        draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), measured=True
+    )
 
 
 def _bin(confidence: float) -> int:
@@ -236,6 +265,12 @@ class DraftPolicy(Protocol):
         """The verdict of the step: `drafted` tokens in the block, `accepted` of them accepted."""
         ...
 
+    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
+        """The wall-clock `seconds` a step that drafted `drafted` tokens took (0: a target-only
+        step), prefill excluded, and of those the target's verify forward (None: not known on its
+        own, e.g. on CUDA without a synchronisation per phase); called after every step."""
+        ...
+
 
 class FixedPolicy:
     """k = settings.draft_tokens at every step."""
@@ -251,6 +286,9 @@ class FixedPolicy:
         return Next.DRAFT
 
     def observe(self, drafted: int, accepted: int) -> None:
+        """Nothing to learn."""
+
+    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Nothing to learn."""
 
 
@@ -345,13 +383,18 @@ class LatencyPolicy:
         self._tokens += accepted + 1
         self._seconds += self._forwards * self._draft + self._verify[drafted + 1]
 
+    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
+        """Nothing: λ counts modelled seconds, from the timing pass alone."""
+
 
 class GoodputPolicy(FixedPolicy):
     """Each step's k in 0..settings.draft_tokens with the most expected tokens per second, from the
-    measured acceptance and the forward timings; k = 0 is a target-only step (module docstring).
+    measured acceptance and the forward timings scaled by the steps' own seconds; k = 0 is a
+    target-only step (module docstring).
 
     Args:
-        timings: The device's draft and verify forward times.
+        timings: The device's draft and verify forward times (scaled by measured step times only
+            when `timings.measured`).
         kind: What proposes, a `fsd_chat.decoding.proposal.DraftKind` (named in `pause`; a str
             here: that module imports this one).
     """
@@ -360,15 +403,20 @@ class GoodputPolicy(FixedPolicy):
         self._draft = timings.draft
         self._verify = timings.verify_table()
         self._kind = kind
+        self._learns = timings.measured
         self._hits = self._tries = 0.0  # discounted accepted / observed draft positions
         self._cap = MAX_DRAFT_TOKENS  # settings.draft_tokens at the last step
         self._wait = 0  # target-only steps left before the next probe
         self._interval = PROBE_FIRST
         self._paying = 0  # drafting steps in a row that paid
-        # Even with every draft token accepted no k may pay: a draft as slow per forward as its
-        # target. Then no step drafts, not even a probe, whatever the acceptance.
+        # log(measured / modelled seconds), discounted sums and weights: [target-only, drafting].
+        self._log_ratio = [0.0, 0.0]
+        self._weight = [0.0, 0.0]
+        self._caught_up = True  # the last step drafted (or none yet): the draft model is not behind
+        # Even with every draft token accepted no k may pay enough: a draft nearly as slow per
+        # forward as its target. Then no step drafts, not even a probe, whatever the acceptance.
         _, ceiling = self._best(1.0, MAX_DRAFT_TOKENS)
-        self._hopeless = ceiling < 1.0
+        self._hopeless = ceiling < MIN_CEILING
         if self._hopeless:
             self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
 
@@ -377,10 +425,21 @@ class GoodputPolicy(FixedPolicy):
         """â: the measured acceptance of a draft position given the ones before it were accepted."""
         return (self._hits + PRIOR_STRENGTH / 2) / (self._tries + PRIOR_STRENGTH)
 
+    @property
+    def drafting_price(self) -> float:
+        """How much dearer a drafting step runs, against its timing-pass price, than a target-only
+        step against its own (1: as the timing pass says; > 1: drafting dearer than it measured)."""
+        means = [
+            total / weight if weight else 0.0
+            for total, weight in zip(self._log_ratio, self._weight, strict=True)
+        ]
+        return math.exp(means[1] - means[0])
+
     def best(self, cap: int) -> tuple[int, float]:
-        """The k in 1..cap with the most expected tokens per second at acceptance â, and that rate
-        as a multiple of target-only decoding's 1 / V(1) (E_k·V(1) / T_k)."""
-        return self._best(self.estimate, cap)
+        """The k in 1..cap with the most expected tokens per second at acceptance â and the
+        measured prices, and that rate as a multiple of target-only decoding's (E_k·V(1) / T_k)."""
+        k, speedup = self._best(self.estimate, cap)
+        return k, speedup / self.drafting_price
 
     def _best(self, a: float, cap: int) -> tuple[int, float]:
         expected, gain = 1.0, 1.0
@@ -388,10 +447,14 @@ class GoodputPolicy(FixedPolicy):
         for k in range(1, cap + 1):
             gain *= a
             expected += gain
-            speedup = expected * self._verify[1] / (k * self._draft + self._verify[k + 1])
+            speedup = expected * self._verify[1] / self._seconds(k)
             if speedup > best:
                 best_k, best = k, speedup
         return best_k, best
+
+    def _seconds(self, k: int) -> float:
+        """T_k: the timing pass's seconds of a step drafting k tokens (k = 0: V(1))."""
+        return k * self._draft + self._verify[k + 1]
 
     def limit(self, settings: DecodingSettings, room: int) -> int:
         """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap."""
@@ -428,6 +491,26 @@ class GoodputPolicy(FixedPolicy):
             self.pause = f"lookup accepts {self.estimate:.0%}"
         else:
             self.pause = f"{self._who()} {speedup:.2f}× target"
+
+    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
+        """Fold the step's seconds into the time factors: a target-only step's, or a drafting
+        step's verify forward, into the target's; a drafting step's whole seconds into drafting's
+        (not the catch-up step of a draft model). Nothing when the timings were not measured here."""
+        drafting = drafted > 0
+        caught_up, self._caught_up = self._caught_up, drafting
+        if not self._learns or seconds <= 0:
+            return
+        if not drafting:
+            self._fold(0, seconds / self._verify[1])
+            return
+        if verify_seconds:
+            self._fold(0, verify_seconds / self._verify[drafted + 1])
+        if caught_up or self._kind == "lookup":
+            self._fold(1, seconds / self._seconds(drafted))
+
+    def _fold(self, kind: int, ratio: float) -> None:
+        self._log_ratio[kind] = TIME_FORGET * self._log_ratio[kind] + math.log(ratio)
+        self._weight[kind] = TIME_FORGET * self._weight[kind] + 1.0
 
     def _who(self) -> str:
         return {"lookup": "lookup", "mapped": "mapped draft"}.get(self._kind, "draft")

@@ -214,6 +214,8 @@ class SpeculativeDecoder:
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
+            verify_seconds = step.stats.target_seconds if step.stats.drafted and clock.exact else None
+            policy.timed(step.stats.drafted, step.stats.seconds, verify_seconds)
             if policy.pause is not None:
                 step = replace(step, stats=replace(step.stats, paused=policy.pause))
             prefill_seconds = 0.0

@@ -22,6 +22,13 @@ class PhaseClock:
         self._device = device
         self._last = self.now()
 
+    @property
+    def exact(self) -> bool:
+        """Whether each lap is the seconds of its own phase: on the CPU (whose work is done when
+        the call returns) or when marks synchronise; on CUDA without them, only sums up to a host
+        wait are."""
+        return self._cuda or self._device.type != "cuda"
+
     def now(self) -> float:
         """Current time in seconds, after the device has finished its queued work."""
         if self._cuda:
