@@ -56,10 +56,14 @@ makes the step a target-only step (one target forward over one token, no draft w
 
 - `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
-  no verify width). With â the measured acceptance (accepted / observed draft positions, a
-  position being observed when the ones before it were accepted; the counts are discounted by
-  `FORGET` a step, paused ones included, so that â follows the text, plus a Beta prior of `PRIOR_STRENGTH` pseudo-positions
-  at ½), a block of k yields E_k = 1 + â + … + â^k tokens (Leviathan et al. 2023, eq. 1) in
+  no verify width). With â_i the measured acceptance at position i of a block (accepted /
+  observed draft tokens there, a position being observed when the ones before it were accepted;
+  the counts are discounted by `FORGET` a step, paused ones included, so that â follows the text;
+  a Beta prior of `PRIOR_STRENGTH` pseudo-tokens at the pooled acceptance â of all positions, itself
+  with a prior at ½), a block of k yields E_k = 1 + G_1 + … + G_k tokens, G_i = â_1···â_i
+  (Leviathan et al. 2023, eq. 1, with an acceptance per position: acceptance comes in runs, a draft
+  that got the first tokens right tends to get the next ones right too, so one â for every
+  position undercounts long blocks) in
   T_k = k·c_d + V(k + 1) seconds, target-only decoding 1 token in V(1). The step drafts the k ≥ 1
   that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
   E_k·V(1) / T_k > 1); when it does not, the policy pauses: target-only steps, then a probe (one
@@ -404,7 +408,9 @@ class GoodputPolicy(FixedPolicy):
         self._verify = timings.verify_table()
         self._kind = kind
         self._learns = timings.measured
-        self._hits = self._tries = 0.0  # discounted accepted / observed draft positions
+        # Discounted accepted / observed draft tokens at each position of a block.
+        self._hits = torch.zeros(MAX_DRAFT_TOKENS, dtype=torch.float64)
+        self._tries = torch.zeros(MAX_DRAFT_TOKENS, dtype=torch.float64)
         self._cap = MAX_DRAFT_TOKENS  # settings.draft_tokens at the last step
         self._wait = 0  # target-only steps left before the next probe
         self._interval = PROBE_FIRST
@@ -415,7 +421,7 @@ class GoodputPolicy(FixedPolicy):
         self._caught_up = True  # the last step drafted (or none yet): the draft model is not behind
         # Even with every draft token accepted no k may pay enough: a draft nearly as slow per
         # forward as its target. Then no step drafts, not even a probe, whatever the acceptance.
-        _, ceiling = self._best(1.0, MAX_DRAFT_TOKENS)
+        _, ceiling = self._best(torch.ones(MAX_DRAFT_TOKENS, dtype=torch.float64), MAX_DRAFT_TOKENS)
         self._hopeless = ceiling < MIN_CEILING
         if self._hopeless:
             self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
@@ -423,7 +429,13 @@ class GoodputPolicy(FixedPolicy):
     @property
     def estimate(self) -> float:
         """â: the measured acceptance of a draft position given the ones before it were accepted."""
-        return (self._hits + PRIOR_STRENGTH / 2) / (self._tries + PRIOR_STRENGTH)
+        return float((self._hits.sum() + PRIOR_STRENGTH / 2) / (self._tries.sum() + PRIOR_STRENGTH))
+
+    def acceptance(self) -> torch.Tensor:
+        """â_i for positions i = 1..MAX_DRAFT_TOKENS ([MAX_DRAFT_TOKENS] float64): each position's
+        own counts, with a prior of PRIOR_STRENGTH pseudo-tokens at the pooled `estimate` (a deep
+        position, seldom reached, starts from what the block as a whole shows)."""
+        return (self._hits + PRIOR_STRENGTH * self.estimate) / (self._tries + PRIOR_STRENGTH)
 
     @property
     def drafting_price(self) -> float:
@@ -438,16 +450,15 @@ class GoodputPolicy(FixedPolicy):
     def best(self, cap: int) -> tuple[int, float]:
         """The k in 1..cap with the most expected tokens per second at acceptance â and the
         measured prices, and that rate as a multiple of target-only decoding's (E_k·V(1) / T_k)."""
-        k, speedup = self._best(self.estimate, cap)
+        k, speedup = self._best(self.acceptance(), cap)
         return k, speedup / self.drafting_price
 
-    def _best(self, a: float, cap: int) -> tuple[int, float]:
-        expected, gain = 1.0, 1.0
+    def _best(self, acceptance: torch.Tensor, cap: int) -> tuple[int, float]:
+        # E_k = 1 + G_1 + … + G_k, G_i = â_1···â_i.
+        expected = (1.0 + acceptance[:cap].cumprod(0).cumsum(0)).tolist()
         best_k, best = 1, 0.0
         for k in range(1, cap + 1):
-            gain *= a
-            expected += gain
-            speedup = expected * self._verify[1] / self._seconds(k)
+            speedup = expected[k - 1] * self._verify[1] / self._seconds(k)
             if speedup > best:
                 best_k, best = k, speedup
         return best_k, best
@@ -465,15 +476,18 @@ class GoodputPolicy(FixedPolicy):
             return 0
         if self.pause is not None and self._wait:
             self._wait -= 1
-            self._hits, self._tries = FORGET * self._hits, FORGET * self._tries
+            self._hits *= FORGET
+            self._tries *= FORGET
             return 0
         # A probe drafts the best k as if drafting paid: a draft that pays again shows it.
         return min(self.best(self._cap)[0], room)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Count the step's observed and accepted positions, then pause or resume."""
-        self._hits = FORGET * self._hits + accepted
-        self._tries = FORGET * self._tries + min(accepted + 1, drafted)
+        self._hits *= FORGET
+        self._tries *= FORGET
+        self._hits[:accepted] += 1.0
+        self._tries[: min(accepted + 1, drafted)] += 1.0
         speedup = self.best(self._cap)[1]
         if speedup >= 1.0:
             self.pause = None

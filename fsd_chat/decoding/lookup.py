@@ -82,7 +82,7 @@ class PromptLookup:
             raise ValueError(f"the lookup n-gram must be ≥ 1 token, got {ngram}")
         self.ngram = ngram
 
-    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
+    def prefill(self, reply: Reply, reuse_prefix: bool, defer: bool) -> None:
         """Nothing to encode: the context is searched at each step."""
 
     def propose(

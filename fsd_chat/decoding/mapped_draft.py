@@ -60,7 +60,7 @@ class MappedDraft:
         self.length = 0
         """Draft tokens that spell the reply's emitted text (prompt included)."""
 
-    def begin(self, prompt_ids: list[int], reuse_prefix: bool) -> None:
+    def begin(self, prompt_ids: list[int], reuse_prefix: bool, defer: bool = False) -> None:
         """Start a reply: spell the prompt in draft tokens and prefill the draft's cache with all
         but the last of them.
 
@@ -69,6 +69,7 @@ class MappedDraft:
             reuse_prefix: Keep the cached draft tokens the new spelling begins with
                 (`CachedModel.keep_prefix`) and prefill only the rest; else start from an empty
                 cache.
+            defer: Spell only: the draft's first forward (`distribution`) reads what its cache lacks.
         """
         spelling = self.mapping.translate(prompt_ids)
         # A new buffer: keep_prefix compares the new spelling with the buffer the cache was fed.
@@ -80,7 +81,7 @@ class MappedDraft:
             self.model.keep_prefix(self._seq, max(self.length - 1, 0))
         else:
             self.model.reset()
-        if self.model.seen < self.length - 1 and self.length < self._limit():
+        if not defer and self.model.seen < self.length - 1 and self.length < self._limit():
             self.model.forward(self._seq, self.length - 1, keep=1)
 
     def spelled(self) -> list[int]:
@@ -196,10 +197,11 @@ class MappedProposer:
         """See `Proposer.compile_error`."""
         return self.mapped.model.compile_error
 
-    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
-        """Spell the prompt in draft tokens and prefill the draft's cache (`MappedDraft.begin`)."""
+    def prefill(self, reply: Reply, reuse_prefix: bool, defer: bool) -> None:
+        """Spell the prompt in draft tokens and prefill the draft's cache, unless deferred
+        (`MappedDraft.begin`)."""
         self._reply = reply
-        self.mapped.begin(reply.host[: reply.length].tolist(), reuse_prefix)
+        self.mapped.begin(reply.host[: reply.length].tolist(), reuse_prefix, defer)
         self._spelled = reply.length
 
     def propose(

@@ -74,10 +74,12 @@ class Proposer(Protocol):
         """Why compiled draft forward passes fell back to eager ones (None: they did not, or none)."""
         ...
 
-    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
+    def prefill(self, reply: Reply, reuse_prefix: bool, defer: bool) -> None:
         """Start a reply whose prompt is seq[0, : length] (the last prompt token is fed by the
         first step), after `reply.begin` has prefilled the `cached_models`; `reuse_prefix` as
-        there (a cache of another model keeps what it shares with the last reply)."""
+        there (a cache of another model keeps what it shares with the last reply); `defer`: the
+        draft policy is paused, so a model of its own is not fed the prompt now (its first
+        forward, on a probe, reads it)."""
         ...
 
     def propose(
@@ -172,9 +174,9 @@ class ModelDraft:
         """See `Proposer.compile_error`."""
         return self.model.compile_error
 
-    def prefill(self, reply: Reply, reuse_prefix: bool) -> None:
+    def prefill(self, reply: Reply, reuse_prefix: bool, defer: bool) -> None:
         """Nothing more: `reply.begin` prefills the draft's cache (a `cached_models` entry) as the
-        target's, keeping the prefix it shares with the last reply."""
+        target's, keeping the prefix it shares with the last reply, or defers it."""
 
     def propose(
         self,

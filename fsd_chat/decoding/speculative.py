@@ -186,7 +186,8 @@ class SpeculativeDecoder:
         policy = self._policy(policy_name)  # before the clock starts: it may measure
         # A paused policy drafts nothing for a while (a draft that cannot pay: never), so a draft
         # model's cache is not fed the prompt now; its first forward, on a probe, reads it at once.
-        deferred = self.proposer.cached_models if policy.pause is not None else ()
+        defer = policy.pause is not None
+        deferred = self.proposer.cached_models if defer else ()
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -203,7 +204,7 @@ class SpeculativeDecoder:
             deferred=deferred,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
-        self.proposer.prefill(reply, self.reuse_prefix)
+        self.proposer.prefill(reply, self.reuse_prefix, defer)
         prefill_seconds = start.prefill_seconds + clock.lap()
         while True:
             settings = self.controls.snapshot()
