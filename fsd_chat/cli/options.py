@@ -96,7 +96,7 @@ DTYPE = Option(
     ("--dtype",),
     str,
     "auto",
-    "auto (bf16/fp16 on CUDA, float32 on CPU), float32, bfloat16 or float16.",
+    "Weights' dtype; auto: bfloat16 on CUDA (float16 on a GPU without it), float32 on CPU.",
     MODELS,
     check_dtype_name,
     DTYPES,
