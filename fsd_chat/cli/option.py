@@ -103,7 +103,8 @@ class Option(Generic[T]):
         try:
             return self.validate(cast(T, float(cast(int, value)) if number else value))
         except FsdChatError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+            # The key, since the check's message names the flag or the quantity ("draft length k").
+            raise ConfigError(f"{where}: {self.name}: {exc}") from None
 
     def replace(self, **changes: Any) -> Option[T]:
         """A variant of this option (another default, or a longer help) for one command."""
