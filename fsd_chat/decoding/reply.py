@@ -200,15 +200,16 @@ def begin(
     reuse_prefix: bool,
     deferred: Sequence[CachedModel] = (),
 ) -> Start:
-    """Start a reply: prefill the models' caches with all prompt tokens but the last (each step
-    feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting after each the
-    prompt tokens every model has read (`Controls.report_prefill`) when there are more than one
-    chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt
-    shares with what it holds (`CachedModel.keep_prefix`) and only the rest is fed; else the caches
-    start empty. The caches of `deferred` models (some of `models`: a draft a paused draft policy
-    will not run for a while) are kept or emptied likewise but not fed: their first forward pass
-    reads the tokens they lack at once. `time_phases`: synchronise the device at each phase so
-    that draft, target and other seconds are exact (see `PhaseClock`).
+    """Start a reply: prefill the models' caches (the target's first) with all prompt tokens but the
+    last (each step feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting
+    after each the prompt tokens every model has read (`Controls.report_prefill`) when there are
+    more than one chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt shares
+    with what it holds (`CachedModel.keep_prefix`) and only the rest is fed (the target's kept
+    tokens go to `Controls.cached_prompt_tokens`); else the caches start empty. The caches of
+    `deferred` models (some of `models`: a draft a paused draft policy will not run for a while) are
+    kept or emptied likewise but not fed: their first forward pass reads the tokens they lack at
+    once. `time_phases`: synchronise the device at each phase so that draft, target and other
+    seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -232,6 +233,7 @@ def begin(
             model.keep_prefix(reply.seq, prefix)
         else:
             model.reset()
+    controls.cached_prompt_tokens = models[0].seen
     # A long prompt is fed PREFILL_CHUNK tokens a forward pass, the models in step, its progress
     # reported between them (the causal mask makes the chunks' logits and cache those of one pass).
     fed = [model for model in models if model not in deferred]
