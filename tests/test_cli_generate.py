@@ -17,6 +17,9 @@ import pytest
 from fsd_chat.cli import main
 from tests.test_bench_cli import CLI
 
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The repository root: a subprocess imports fsd_chat from here, the code under test."""
+
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     try:
@@ -185,7 +188,10 @@ def test_missing_bitsandbytes_is_one_line(target_dir: Path, draft_dir: Path, tmp
     shadow = tmp_path / "shadow" / "bitsandbytes"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('bitsandbytes is broken here')\n")
-    env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
+    # The checkout first, so that the subprocess runs the code under test and not an installed
+    # fsd_chat; then the shadow, then whatever PYTHONPATH held (kept, not replaced).
+    paths = [str(CHECKOUT), str(shadow.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     args = [
         sys.executable,
         "-m",

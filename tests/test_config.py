@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from fsd_chat.cli import app
+from fsd_chat.cli import app, main
 from fsd_chat.cli.chat import CONFIG_OPTIONS, with_config
 from fsd_chat.cli.option import config_values
 from fsd_chat.support.config import ConfigError, config_dir, data_dir, load_config, sessions_path
@@ -46,13 +46,19 @@ def test_options_and_keymap(tmp_path: Path) -> None:
         ('threshold = "high"', "threshold = 'high' has the wrong type"),
         ("draft_tokens = true", "draft_tokens = True has the wrong type"),
         ("raw = 1", "raw = 1 has the wrong type"),
-        ('dtype = "float64"', "config.toml: unknown dtype 'float64'; use auto, float32, bfloat16, float16"),
+        (
+            'dtype = "float64"',
+            "config.toml: dtype: unknown dtype 'float64'; use auto, float32, bfloat16, float16",
+        ),
         (
             'divergence = "hellinger"',
-            "config.toml: unknown divergence 'hellinger'; use kl, reverse-kl, js, tv",
+            "config.toml: divergence: unknown divergence 'hellinger'; use kl, reverse-kl, js, tv",
         ),
-        ('device = "mps"', "config.toml: unsupported device 'mps'"),
-        ("max_new_tokens = 0", "config.toml: --max-new-tokens must be in 1..10,000,000, got 0"),
+        ('device = "mps"', "config.toml: device: unsupported device 'mps'"),
+        (
+            "max_new_tokens = 0",
+            "config.toml: max_new_tokens: --max-new-tokens must be in 1..10,000,000, got 0",
+        ),
         ("[keymap]\nstop = 3", "\\[keymap\\] maps binding ids to key strings"),
     ],
 )
@@ -61,6 +67,49 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         config_values(load_config(path), CONFIG_OPTIONS)
+
+
+BAD_DECODING_VALUES = [
+    ("threshold = -0.5", "threshold must be a finite number ≥ 0"),
+    ("threshold = inf", "threshold must be a finite number ≥ 0"),
+    ("draft_tokens = 0", "draft length k must be in 1..32, got 0"),
+    ("draft_tokens = 33", "draft length k must be in 1..32, got 33"),
+    ("temperature = -1", "temperature must be 0 (greedy) or a finite number"),
+    ("top_p = 1.5", "top-p must be in"),
+    ("top_p = 0", "top-p must be in"),
+    ("top_k = -1", "top-k must be ≥ 0"),
+    ("min_p = 2", "min-p must be in [0, 1]"),
+    ("seed = -1", "seed must be in 0..2^64 − 1"),
+    ("threads = 0", "--threads must be ≥ 1, got 0"),
+]
+"""config.toml decoding values out of range, and what the settings' own check says of each."""
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+@pytest.mark.parametrize(("line", "message"), BAD_DECODING_VALUES)
+def test_bad_decoding_value_names_the_file_and_key(
+    command: str,
+    line: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The real command, reading a real config.toml in a temporary XDG config folder: refused in
+    # one line (exit 2) before any model loads or the chat opens, naming the file and the key.
+    monkeypatch.delenv("FSD_CHAT_CONFIG_DIR", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))
+    path = tmp_path / "fsd-chat" / "config.toml"
+    path.parent.mkdir()
+    path.write_text(f'target = "nowhere"\n{line}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main([command])
+    out, err = capsys.readouterr()
+    key = line.split(" = ")[0]
+    assert exit_info.value.code == 2 and out == ""
+    assert err.startswith(f"fsd-chat: error: {path}: {key}: "), err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_config_values_are_converted_like_flags(tmp_path: Path) -> None:

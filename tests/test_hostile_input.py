@@ -282,7 +282,7 @@ CASES = [
     Case(
         "chat-config-former-policy",
         ["chat", *PAIR],
-        "config.toml: unknown draft policy 'adaptive' (now called 'heuristic'); use goodput, fixed, heuristic, latency",
+        "config.toml: draft_policy: unknown draft policy 'adaptive' (now called 'heuristic'); use goodput, fixed, heuristic, latency",
         config='draft_policy = "adaptive"\n',
     ),
     Case(

@@ -121,11 +121,39 @@ def test_smoke_models_and_one_reply(served: Served) -> None:
     prompt = prompt_ids(served.pair.tokenizer, [Message("user", PROMPT)])
     assert reply.usage.prompt_tokens == len(prompt)
     timings = extra(reply, "timings")
-    assert timings["predicted_n"] == 8 and timings["prompt_n"] == len(prompt)
+    assert timings["predicted_n"] == 8 and timings["prompt_n"] + timings["cache_n"] == len(prompt)
     assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
     fsd = extra(reply, "fsd")
     assert 0.0 <= fsd["acceptance_rate"] <= 1.0 and fsd["mean_accepted_length"] >= 1.0
     assert fsd["stop_reason"] == "max-new-tokens" and fsd["settings"] == asdict(DecodingSettings())
+
+
+def test_timings_count_the_cached_prompt_tokens_apart(served: Served) -> None:
+    # As llama-server's: prompt_n counts the prompt tokens read now, cache_n those the KV cache kept
+    # from the reply before. A text completion, then the same text with its reply and more re-sent:
+    # the decoder keeps what the new prompt shares with the last sequence (prompt and reply ids).
+    client = served.client()
+    tokenizer = served.pair.tokenizer
+    first = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"fsd": {"origins": True}}
+    )
+    reply_ids = [t["id"] for t in extra(first.choices[0], "fsd_tokens")["content"]]
+    # What the target's KV cache holds: the reply's last token was drawn, never fed.
+    before = tokenizer(PROMPT).input_ids + reply_ids[:-1]
+    text = PROMPT + first.choices[0].text + " The end."
+    second = client.completions.create(model=MODEL, prompt=text, max_tokens=4)
+    prompt = tokenizer(text).input_ids
+    shared = next((i for i, (a, b) in enumerate(zip(before, prompt, strict=False)) if a != b), len(before))
+    # Every prompt token but the last is prefilled; the last is fed by the first step.
+    expected_cache = min(shared, len(prompt) - 1)
+    timings = extra(second, "timings")
+    assert expected_cache > len(tokenizer(PROMPT).input_ids)  # the reply's tokens were kept too
+    assert timings["cache_n"] == expected_cache, timings
+    assert timings["prompt_n"] == len(prompt) - expected_cache, timings
+    # The same prompt again: everything but its last token is kept.
+    again = client.completions.create(model=MODEL, prompt=text, max_tokens=4)
+    assert extra(again, "timings")["cache_n"] == len(prompt) - 1
+    assert extra(again, "timings")["prompt_n"] == 1
 
 
 @pytest.mark.slow

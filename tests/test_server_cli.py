@@ -55,7 +55,9 @@ def test_config_toml_settings_reach_serve(
     (tmp_path / "config.toml").write_text('target = "x"\nrule = "lossy"\n')
     monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path))
     code, _, err = run_cli(["serve"], capsys)
-    assert code == 2 and err.startswith("fsd-chat: error: ") and "config.toml: unknown rule 'lossy'" in err
+    assert (
+        code == 2 and err.startswith("fsd-chat: error: ") and "config.toml: rule: unknown rule 'lossy'" in err
+    )
 
 
 @pytest.mark.slow

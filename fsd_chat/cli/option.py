@@ -103,7 +103,8 @@ class Option(Generic[T]):
         try:
             return self.validate(cast(T, float(cast(int, value)) if number else value))
         except FsdChatError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+            # The key, since the check's message names the flag or the quantity ("draft length k").
+            raise ConfigError(f"{where}: {self.name}: {exc}") from None
 
     def replace(self, **changes: Any) -> Option[T]:
         """A variant of this option (another default, or a longer help) for one command."""
@@ -111,16 +112,16 @@ class Option(Generic[T]):
 
     def listed(self, flag: str | None = None) -> Option[str]:
         """The comma-separated form of this option, as `bench` takes it to sweep over its values
-        (which the sweep parses and checks): the same help, panel and default; `flag` (e.g.
-        "--thresholds") renames it."""
-        values = f" ({', '.join(self.choices)})" if self.choices else ""
+        (which the sweep parses and checks): the same help, panel, default and choices (shown once,
+        as the flag's metavar); `flag` (e.g. "--thresholds") renames it."""
         return Option(
             flag.removeprefix("--").replace("-", "_") if flag else self.name,
             (flag,) if flag else self.flags,
             str,
             None if self.default is None else str(self.default),
-            f"{self.help} Comma-separated{values}: each is measured.",
+            f"{self.help} Comma-separated: each is measured.",
             self.panel,
+            choices=self.choices,
         )
 
 

@@ -9,8 +9,8 @@ there fails with the same one line as the flag. Read rather than copied: copies 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 from fsd_chat.cli.option import Option, one_of
 from fsd_chat.decoding.settings import (
@@ -42,6 +42,7 @@ from fsd_chat.models.options import (
     check_quantization,
     pair_specs,
 )
+from fsd_chat.support.threads import choose_threads
 
 MODELS = "Models"
 DECODING = "Decoding"
@@ -51,6 +52,24 @@ CHAT = "Chat"
 
 _DEFAULTS = DecodingSettings()
 _SAMPLING = SamplingConfig()
+
+T = TypeVar("T")
+
+
+def _checked_by(settings: Callable[..., object], field: str) -> Callable[[T], T]:
+    """The check of the option that sets `field` of `settings` (`DecodingSettings`,
+    `SamplingConfig`): the settings object's own validation of that one value, the other fields at
+    their defaults, so that a flag and config.toml are refused by the rule the decoder applies, as
+    soon as they are read. Returns the checked value.
+
+    The returned check raises SettingsError for a value the settings object refuses.
+    """
+
+    def check(value: T) -> T:
+        return cast(T, getattr(settings(**{field: value}), field))
+
+    return check
+
 
 TARGET = Option(
     "target",
@@ -96,7 +115,7 @@ DTYPE = Option(
     ("--dtype",),
     str,
     "auto",
-    "auto (bf16/fp16 on CUDA, float32 on CPU), float32, bfloat16 or float16.",
+    "Weights' dtype; auto: bfloat16 on CUDA (float16 on a GPU without it), float32 on CPU.",
     MODELS,
     check_dtype_name,
     DTYPES,
@@ -108,6 +127,7 @@ THREADS = Option(
     None,
     "torch CPU threads (default: the cores idle at the start, one fewer in the chat).",
     MODELS,
+    choose_threads,
 )
 TRUST_REMOTE_CODE = Option(
     "trust_remote_code",
@@ -124,6 +144,7 @@ THRESHOLD = Option(
     DEFAULT_THRESHOLD,
     "Threshold T: divergence units for fuzzy/pure, nats per token for mixture; 0 = exact SD.",
     DECODING,
+    _checked_by(DecodingSettings, "threshold"),
 )
 DIVERGENCE = Option(
     "divergence",
@@ -153,6 +174,7 @@ DRAFT_TOKENS = Option(
     DEFAULT_DRAFT_TOKENS,
     "Draft length k (fixed), its start (heuristic) or its cap (goodput, latency).",
     DECODING,
+    _checked_by(DecodingSettings, "draft_tokens"),
 )
 DRAFT_POLICY = Option(
     "draft_policy",
@@ -191,6 +213,7 @@ TEMPERATURE = Option(
     None,
     "0 = greedy." + _MODELS_OWN.format(f"{_SAMPLING.temperature:g} (greedy)"),
     SAMPLING,
+    _checked_by(SamplingConfig, "temperature"),
 )
 TOP_P = Option(
     "top_p",
@@ -199,6 +222,7 @@ TOP_P = Option(
     None,
     "Nucleus sampling mass (1 = off)." + _MODELS_OWN.format("off"),
     SAMPLING,
+    _checked_by(SamplingConfig, "top_p"),
 )
 TOP_K = Option(
     "top_k",
@@ -207,6 +231,7 @@ TOP_K = Option(
     None,
     "Keep the k most likely tokens (0 = off)." + _MODELS_OWN.format("off"),
     SAMPLING,
+    _checked_by(SamplingConfig, "top_k"),
 )
 MIN_P = Option(
     "min_p",
@@ -216,8 +241,9 @@ MIN_P = Option(
     "Keep tokens at least min-p times as likely as the most likely one (0 = off)."
     + _MODELS_OWN.format("off"),
     SAMPLING,
+    _checked_by(SamplingConfig, "min_p"),
 )
-SEED = Option("seed", ("--seed",), int, None, "Random seed.", SAMPLING)
+SEED = Option("seed", ("--seed",), int, None, "Random seed.", SAMPLING, _checked_by(SamplingConfig, "seed"))
 MAX_NEW_TOKENS = Option(
     "max_new_tokens",
     ("--max-new-tokens",),

@@ -23,6 +23,10 @@ class Controls:
         self._settings = settings or DecodingSettings()
         self._stop = threading.Event()
         self._prefill_listener: Callable[[int, int], object] | None = None
+        self.cached_prompt_tokens = 0
+        """Prompt tokens the target's KV cache kept from the sequence before, at the start of the
+        latest reply (prefix reuse; set by `fsd_chat.decoding.reply.begin` in the decoding thread):
+        the rest of the prompt was fed to it (llama-server's `cache_n`)."""
 
     def snapshot(self) -> DecodingSettings:
         """The settings in force now (immutable)."""

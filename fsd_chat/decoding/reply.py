@@ -84,6 +84,9 @@ class Reply:
         self._tail_length = max((len(s) for s in stop_strings), default=1) - 1
         self._controls = controls
         self._detok = IncrementalDetokenizer(tokenizer)
+        self.unread = False
+        """`begin` stopped reading the prompt (a stop request between two of its chunks): the
+        reply ends at its first step, which reads nothing more and emits nothing."""
 
     @property
     def produced(self) -> int:
@@ -93,6 +96,8 @@ class Reply:
     def room(self) -> int:
         """Most draft tokens the next step may propose: each step emits at most k + 1 tokens, and
         the last emitted token must still fit in the context window and under max_new_tokens."""
+        if self.unread:
+            return 0  # no draft: the first step ends the reply (`target_step`)
         room = self.max_new_tokens - self.produced - 1
         if self.context is not None:
             room = min(room, self.context - 1 - self.length)
@@ -140,7 +145,7 @@ class Reply:
                 reason = StopReason.MAX_NEW_TOKENS
             elif self.context is not None and self.length >= self.context:
                 reason = StopReason.CONTEXT
-            elif self._controls.stop_requested:
+            elif self._controls.stop_requested or self.unread:
                 reason = StopReason.STOPPED
         tail = ""
         if reason is not None:
@@ -200,15 +205,16 @@ def begin(
     reuse_prefix: bool,
     deferred: Sequence[CachedModel] = (),
 ) -> Start:
-    """Start a reply: prefill the models' caches with all prompt tokens but the last (each step
-    feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting after each the
-    prompt tokens every model has read (`Controls.report_prefill`) when there are more than one
-    chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt
-    shares with what it holds (`CachedModel.keep_prefix`) and only the rest is fed; else the caches
-    start empty. The caches of `deferred` models (some of `models`: a draft a paused draft policy
-    will not run for a while) are kept or emptied likewise but not fed: their first forward pass
-    reads the tokens they lack at once. `time_phases`: synchronise the device at each phase so
-    that draft, target and other seconds are exact (see `PhaseClock`).
+    """Start a reply: prefill the models' caches (the target's first) with all prompt tokens but the
+    last (each step feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting
+    after each the prompt tokens every model has read (`Controls.report_prefill`) when there are
+    more than one chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt shares
+    with what it holds (`CachedModel.keep_prefix`) and only the rest is fed (the target's kept
+    tokens go to `Controls.cached_prompt_tokens`); else the caches start empty. The caches of
+    `deferred` models (some of `models`: a draft a paused draft policy will not run for a while) are
+    kept or emptied likewise but not fed: their first forward pass reads the tokens they lack at
+    once. `time_phases`: synchronise the device at each phase so that draft, target and other
+    seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -232,6 +238,7 @@ def begin(
             model.keep_prefix(reply.seq, prefix)
         else:
             model.reset()
+    controls.cached_prompt_tokens = models[0].seen
     # A long prompt is fed PREFILL_CHUNK tokens a forward pass, the models in step, its progress
     # reported between them (the causal mask makes the chunks' logits and cache those of one pass).
     fed = [model for model in models if model not in deferred]
@@ -240,6 +247,11 @@ def begin(
     if len(ends) > 1:
         controls.report_prefill(start, prefix)  # at once: the first chunk takes a while too
     for upto in ends:
+        if len(ends) > 1 and controls.stop_requested:
+            # Stopped (esc, a client gone) while the prompt is read: the reply ends within one
+            # chunk, before its first token. The caches keep what they read, for the next prompt.
+            reply.unread = True
+            break
         for model in fed:
             if model.seen < upto:
                 model.forward(reply.seq, upto, keep=1)
@@ -278,7 +290,9 @@ def target_step(
     prefill_seconds: float,
 ) -> Step:
     """One target forward pass over the last token, emitting one token of origin `target`: every
-    step of `AutoregressiveDecoder`, and a speculative step whose draft policy drafts nothing.
+    step of `AutoregressiveDecoder`, and a speculative step whose draft policy drafts nothing. A
+    reply whose prompt was not all read (`Reply.unread`) ends here instead, with no forward pass
+    and no token.
 
     The token is written into the buffer on the device; the host reads it once, with the flag of
     a non-finite law (one synchronisation, no host-to-device copy).
@@ -286,21 +300,24 @@ def target_step(
     Raises:
         NonFiniteError: the target's logits are not finite (the reply ends before this token).
     """
-    logits = target.forward(reply.seq, reply.length, keep=1)
-    probs = probabilities(logits[-1], sampling)
-    token = draw(probs, sampling, generator)
-    reply.seq[0, reply.length : reply.length + 1].copy_(token.view(1))
-    bad, token_id = torch.stack([non_finite(probs).long(), token]).tolist()
-    if bad:
-        raise non_finite_error("target")
-    reply.record([token_id])
+    ids: list[int] = []
+    if not reply.unread:
+        logits = target.forward(reply.seq, reply.length, keep=1)
+        probs = probabilities(logits[-1], sampling)
+        token = draw(probs, sampling, generator)
+        reply.seq[0, reply.length : reply.length + 1].copy_(token.view(1))
+        bad, token_id = torch.stack([non_finite(probs).long(), token]).tolist()
+        if bad:
+            raise non_finite_error("target")
+        ids = [token_id]
+        reply.record(ids)
     target_seconds = clock.lap()
     stats = StepStats(
         drafted=0,
         accepted_exact=0,
         accepted_fuzzy=0,
-        emitted=1,
-        target_forwards=1,
+        emitted=len(ids),
+        target_forwards=len(ids),
         draft_forwards=0,
         draft_seconds=0.0,
         target_seconds=target_seconds,
@@ -310,4 +327,4 @@ def target_step(
         rule=rule,
         prefill_seconds=prefill_seconds,
     )
-    return reply.commit([token_id], [Origin.TARGET], [None], [0.0], stats, clock)
+    return reply.commit(ids, [Origin.TARGET] * len(ids), [None] * len(ids), [0.0] * len(ids), stats, clock)

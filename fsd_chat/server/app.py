@@ -141,14 +141,18 @@ class _Reply:
             "total_tokens": prompt_tokens + completion,
         }
 
-    def timings(self, prompt_tokens: int) -> dict[str, float | int]:
-        """llama-server's `timings` (milliseconds; draft_n counts drafted tokens)."""
+    def timings(self, prompt_tokens: int, cached_tokens: int) -> dict[str, float | int]:
+        """llama-server's `timings` (milliseconds; draft_n counts drafted tokens): as there, prompt_n
+        counts the prompt tokens read now and cache_n those kept in the KV cache from the reply
+        before (`cached_tokens`), prompt_n + cache_n being the prompt's."""
         t = self.totals
         prompt_ms = t.prefill_seconds * 1000
+        prefilled = prompt_tokens - cached_tokens
         return {
-            "prompt_n": prompt_tokens,
+            "cache_n": cached_tokens,
+            "prompt_n": prefilled,
             "prompt_ms": prompt_ms,
-            "prompt_per_second": prompt_tokens / t.prefill_seconds if t.prefill_seconds > 0 else 0.0,
+            "prompt_per_second": prefilled / t.prefill_seconds if t.prefill_seconds > 0 else 0.0,
             "predicted_n": t.tokens,
             "predicted_ms": t.decode_seconds * 1000,
             "predicted_per_second": t.tokens_per_second,
@@ -293,7 +297,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         prepared = await prepare(body, kind)
         job, deliveries = submit(prepared, body)
         reply = _Reply(job.stop_strings, body.origins)
-        answer = _Answer(kind, options.model_id, reply, prepared)
+        answer = _Answer(kind, options.model_id, reply, prepared, job)
         if body.stream:
             return _EventStream(
                 _stream(answer, deliveries, body.include_usage), on_close=lambda: engine.cancel(job)
@@ -360,11 +364,12 @@ def _decoding_error(error: BaseException) -> APIError:
 class _Answer:
     """The response objects of one reply, chat or text completion, whole or in chunks."""
 
-    def __init__(self, kind: Kind, model: str, reply: _Reply, prepared: _Prepared) -> None:
+    def __init__(self, kind: Kind, model: str, reply: _Reply, prepared: _Prepared, job: Job) -> None:
         self.kind = kind
         self.model = model
         self.reply = reply
         self.prepared = prepared
+        self.job = job
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -380,7 +385,7 @@ class _Answer:
         n = len(self.prepared.prompt_ids)
         return {
             "usage": self.reply.usage(n),
-            "timings": self.reply.timings(n),
+            "timings": self.reply.timings(n, self.job.cached_tokens),
             "fsd": self.reply.figures(self.prepared.settings, self.prepared.sampling),
         }
 

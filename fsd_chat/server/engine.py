@@ -40,6 +40,8 @@ class Job:
         stop_strings: Texts that end it once generated.
         deliver: Called in the worker thread with each `Delivery`, None last.
         cancelled: Set by `Engine.cancel`: a queued job is skipped, a running one stopped.
+        cached_tokens: Prompt tokens the target's KV cache kept from the reply before (prefix
+            reuse; not prefilled again): set before the first step is delivered.
     """
 
     prompt_ids: list[int]
@@ -49,6 +51,7 @@ class Job:
     stop_strings: tuple[str, ...]
     deliver: Callable[[Delivery], None]
     cancelled: bool = field(default=False)
+    cached_tokens: int = 0
 
 
 class Engine:
@@ -121,12 +124,16 @@ class Engine:
                 self.controls.clear_stop()
                 self.controls.update(**asdict(job.settings))
             try:
-                for step in self.decoder.generate(
-                    job.prompt_ids,
-                    max_new_tokens=job.max_new_tokens,
-                    sampling=job.sampling,
-                    stop_strings=job.stop_strings,
+                for index, step in enumerate(
+                    self.decoder.generate(
+                        job.prompt_ids,
+                        max_new_tokens=job.max_new_tokens,
+                        sampling=job.sampling,
+                        stop_strings=job.stop_strings,
+                    )
                 ):
+                    if index == 0:  # the prompt is read: its cached tokens are this reply's
+                        job.cached_tokens = self.controls.cached_prompt_tokens
                     self.steps += 1
                     job.deliver(step)
             except Exception as exc:  # handed to the request, which answers it in OpenAI's shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.widgets import Static
@@ -53,3 +54,53 @@ async def test_a_long_prompt_shows_the_tokens_read_so_far(
         release.set()
         await wait_for(pilot, lambda: screen.streaming is None)
         assert str(stats.render()).startswith("10 tokens · ")  # the reply's statistics replace it
+
+
+@pytest.mark.slow
+async def test_escape_while_the_prompt_is_read_ends_the_reply_within_a_chunk(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reply_module, "PREFILL_CHUNK", CHUNK)
+    app = make_app(pair, tmp_path, max_new_tokens=10)
+    # The decoding thread is held after the first chunk's report (10 s at most) while esc is pressed.
+    held, release = threading.Event(), threading.Event()
+    report = app.controls.report_prefill
+
+    def report_and_hold(done: int, total: int) -> None:
+        report(done, total)
+        if done == CHUNK:
+            held.set()
+            release.wait(10)
+
+    fed: list[int] = []
+
+    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        fed.append(kwargs["input_ids"].shape[1])
+
+    monkeypatch.setattr(app.controls, "report_prefill", report_and_hold)
+    hook = pair.target.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for_chat(pilot)
+            screen = app.screen
+            assert isinstance(screen, ChatScreen)
+            fed.clear()  # the decoder checked at load that its KV cache rolls back (a forward pass)
+            screen.query_one("#prompt").insert(PROMPT)  # type: ignore[attr-defined]  # a paste
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: held.is_set())
+            await pilot.press("escape")
+            release.set()
+            await wait_for(pilot, lambda: screen.streaming is None)
+            # One chunk of the prompt's several was read; the message sent stays in the conversation.
+            assert fed == [CHUNK]
+            assert [turn.content for turn in screen.session.turns][:1] == [PROMPT.strip()]
+            reply = screen.query(ReplyView).last()
+            assert reply.record.stop_reason == "stopped" and reply.record.text == ""
+            # The prompt is usable again: the next message gets its reply.
+            fed.clear()
+            await pilot.press(*"The end", "enter")
+            await wait_for(pilot, lambda: len(screen.session.turns) == 4 and screen.streaming is None)
+            last = screen.session.turns[3].reply
+            assert last is not None and last.stop_reason == "max-new-tokens"
+    finally:
+        hook.remove()
