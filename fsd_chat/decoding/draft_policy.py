@@ -66,7 +66,9 @@ makes the step a target-only step (one target forward over one token, no draft w
   position undercounts long blocks) in
   T_k = k·c_d + V(k + 1) seconds, target-only decoding 1 token in V(1). The step drafts the k ≥ 1
   that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
-  E_k·V(1) / T_k > 1); when it does not, the policy pauses: target-only steps, then a probe (one
+  E_k·V(1) / T_k > 1); when it does not, even at an optimistic acceptance (`PAUSE_OPTIMISM`
+  standard deviations above the mean: a pause costs several steps, a drafting step that does not
+  pay one), the policy pauses: target-only steps, then a probe (one
   drafting step) after `PROBE_FIRST` of them, each later pause waiting twice as long as the one
   before (up to `PROBE_MOST`: exponential backoff) until drafting pays for `PROBE_FIRST` steps in a
   row. A draft that could not gain `MIN_CEILING` even with every token accepted
@@ -135,6 +137,14 @@ PROBE_FIRST = 8
 PROBE_MOST = 128
 """`goodput`: the longest wait between probes, in target-only steps (one probe costs one draft block,
 so at most about 1/128 of the steps are spent on a draft that never pays)."""
+
+PAUSE_OPTIMISM = 1.22
+"""`goodput`: posterior standard deviations added to the acceptance when deciding whether to pause.
+A pause costs at least PROBE_FIRST target-only steps where drafting might have paid, a drafting step
+that does not pay costs one step's difference: pausing is right only when drafting pays with a
+probability under 1 / (1 + PROBE_FIRST) ≈ 0.11, i.e. when it would not pay even at the acceptance's
+89th percentile (normal approximation of the Beta posterior: 1.22 standard deviations). The draft
+length itself is chosen at the posterior mean."""
 
 TIME_FORGET = 0.8
 """`goodput`: the weight a running time factor keeps from one step of its kind to the next (it follows
@@ -431,11 +441,16 @@ class GoodputPolicy(FixedPolicy):
         """â: the measured acceptance of a draft position given the ones before it were accepted."""
         return float((self._hits.sum() + PRIOR_STRENGTH / 2) / (self._tries.sum() + PRIOR_STRENGTH))
 
-    def acceptance(self) -> torch.Tensor:
+    def acceptance(self, optimism: float = 0.0) -> torch.Tensor:
         """â_i for positions i = 1..MAX_DRAFT_TOKENS ([MAX_DRAFT_TOKENS] float64): each position's
-        own counts, with a prior of PRIOR_STRENGTH pseudo-tokens at the pooled `estimate` (a deep
-        position, seldom reached, starts from what the block as a whole shows)."""
-        return (self._hits + PRIOR_STRENGTH * self.estimate) / (self._tries + PRIOR_STRENGTH)
+        Beta posterior mean, from its own counts and a prior of PRIOR_STRENGTH pseudo-tokens at the
+        pooled `estimate` (a deep position, seldom reached, starts from what the block as a whole
+        shows), plus `optimism` posterior standard deviations (capped at 1)."""
+        total = self._tries + PRIOR_STRENGTH
+        mean = (self._hits + PRIOR_STRENGTH * self.estimate) / total
+        if not optimism:
+            return mean
+        return (mean + optimism * (mean * (1 - mean) / (total + 1)).sqrt()).clamp(max=1.0)
 
     @property
     def drafting_price(self) -> float:
@@ -488,8 +503,9 @@ class GoodputPolicy(FixedPolicy):
         self._tries *= FORGET
         self._hits[:accepted] += 1.0
         self._tries[: min(accepted + 1, drafted)] += 1.0
-        speedup = self.best(self._cap)[1]
-        if speedup >= 1.0:
+        # A pause costs PROBE_FIRST steps or more, a drafting step that does not pay one: drafting
+        # stops only when it would not pay even at an optimistic acceptance.
+        if self._best(self.acceptance(PAUSE_OPTIMISM), self._cap)[1] / self.drafting_price >= 1.0:
             self.pause = None
             self._paying += 1
             if self._paying >= PROBE_FIRST:
@@ -504,7 +520,7 @@ class GoodputPolicy(FixedPolicy):
         if self._kind == "lookup":
             self.pause = f"lookup accepts {self.estimate:.0%}"
         else:
-            self.pause = f"{self._who()} {speedup:.2f}× target"
+            self.pause = f"{self._who()} {self.best(self._cap)[1]:.2f}× target"
 
     def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Fold the step's seconds into the time factors: a target-only step's, or a drafting
