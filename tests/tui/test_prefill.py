@@ -19,24 +19,33 @@ from tests.test_chat_prefill import CHUNK, PROMPT
 from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
 
 
-@pytest.mark.slow
-async def test_a_long_prompt_shows_the_tokens_read_so_far(
-    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def held_app(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, done: int
+) -> tuple[Any, threading.Event, threading.Event]:
+    """The app (prompts read in CHUNK-token chunks, 10-token replies) whose decoding thread is held
+    once the prefill reports `done` tokens read (10 s at most, so a failing test does not hang);
+    the event set when it is held, and the one that releases it."""
     monkeypatch.setattr(reply_module, "PREFILL_CHUNK", CHUNK)
     app = make_app(pair, tmp_path, max_new_tokens=10)
-    # The decoding thread is held after the second chunk's report (10 s at most, so a failing test
-    # does not hang), so that the screen can be read mid-prefill.
     held, release = threading.Event(), threading.Event()
     report = app.controls.report_prefill
 
-    def report_and_hold(done: int, total: int) -> None:
-        report(done, total)
-        if done == 2 * CHUNK:
+    def report_and_hold(read: int, total: int) -> None:
+        report(read, total)
+        if read == done:
             held.set()
             release.wait(10)
 
     monkeypatch.setattr(app.controls, "report_prefill", report_and_hold)
+    return app, held, release
+
+
+@pytest.mark.slow
+async def test_a_long_prompt_shows_the_tokens_read_so_far(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Held after the second chunk, so that the screen can be read mid-prefill.
+    app, held, release = held_app(pair, tmp_path, monkeypatch, 2 * CHUNK)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         screen = app.screen
@@ -60,24 +69,13 @@ async def test_a_long_prompt_shows_the_tokens_read_so_far(
 async def test_escape_while_the_prompt_is_read_ends_the_reply_within_a_chunk(
     pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(reply_module, "PREFILL_CHUNK", CHUNK)
-    app = make_app(pair, tmp_path, max_new_tokens=10)
-    # The decoding thread is held after the first chunk's report (10 s at most) while esc is pressed.
-    held, release = threading.Event(), threading.Event()
-    report = app.controls.report_prefill
-
-    def report_and_hold(done: int, total: int) -> None:
-        report(done, total)
-        if done == CHUNK:
-            held.set()
-            release.wait(10)
-
+    # Held after the first chunk while esc is pressed.
+    app, held, release = held_app(pair, tmp_path, monkeypatch, CHUNK)
     fed: list[int] = []
 
     def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         fed.append(kwargs["input_ids"].shape[1])
 
-    monkeypatch.setattr(app.controls, "report_prefill", report_and_hold)
     hook = pair.target.register_forward_pre_hook(count, with_kwargs=True)
     try:
         async with app.run_test(size=SIZE) as pilot:
