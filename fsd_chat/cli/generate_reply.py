@@ -83,7 +83,7 @@ def run_generate(
     as_json: bool,
     autoregressive: bool,
     threads: int | None = None,
-    compile_draft: bool = False,
+    compile_draft: bool | None = None,
 ) -> int:
     """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
     130 (Ctrl-C) or 143 (SIGTERM) when a signal ended the reply early, which is then written out as
@@ -178,6 +178,6 @@ def run_generate(
         )
     if decoder.compile_error:
         sys.stderr.write(
-            f"fsd-chat: --compile fell back to eager draft forward passes: {visible(decoder.compile_error)}\n"
+            f"fsd-chat: --compile fell back to eager forward passes: {visible(decoder.compile_error)}\n"
         )
     return status

@@ -167,12 +167,13 @@ DRAFT_POLICY = Option(
     DRAFT_POLICIES,
 )
 COMPILE_DRAFT = Option(
-    "compile_draft",
+    "compile_draft",  # the config.toml key from when only the draft was compiled
     ("--compile/--no-compile",),
     bool,
-    False,
-    "Compile the draft's one-token forward passes (torch.compile; CUDA graphs on a GPU) over a "
-    "static KV cache: the first reply waits for compilation, later draft steps run faster.",
+    None,
+    "Compile the target's and the draft's decoding steps (torch.compile; CUDA graphs on a GPU) over "
+    "static KV caches: the first replies wait for compilation, later steps run faster. Default: on "
+    "a CUDA device, off on the CPU; a model that cannot be compiled runs eagerly, with a one-line reason.",
     DECODING,
 )
 AUTOREGRESSIVE = Option(

@@ -71,7 +71,7 @@ def run_server(
     queue_size: int,
     threads: int | None,
     autoregressive: bool,
-    compile_draft: bool,
+    compile_draft: bool | None,
     announce: Callable[[str], None],
 ) -> None:
     """Serve the pair until interrupted (Ctrl+C, SIGTERM).
@@ -83,7 +83,7 @@ def run_server(
         queue_size: Most requests waiting while one decodes.
         threads: torch CPU threads (None: the thread policy's choice).
         autoregressive: Target-only decoding (`fsd` objects are then checked, and change nothing).
-        compile_draft: Compile the draft's one-token forward passes.
+        compile_draft: Compile the models' decoding steps (None: on a CUDA device only).
         announce: Gets one line once the server listens.
 
     Raises:
