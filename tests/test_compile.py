@@ -87,19 +87,24 @@ def test_prefix_is_reused_across_replies(pair: ModelPair) -> None:
     assert seen_before > len(first_prompt) and fed[0] == len(second_prompt) - 1 - seen_before
 
 
-def test_steps_read_the_device_once(pair: ModelPair, host_reads: collections.Counter[str]) -> None:  # noqa: F811
-    """tests/test_host_syncs.py's count, compiled: one read per step (the verdict, or a target
-    step's token), whatever the widths."""
+def test_sampled_steps_read_the_device_once(pair: ModelPair, host_reads: collections.Counter[str]) -> None:  # noqa: F811
+    """tests/test_host_syncs.py's count, compiled (the models and the acceptance rule): one read
+    per step (the verdict, or a target step's token), whatever the widths; and a seed gives the
+    eager decoder's reply (the rule's draws are made outside the compiled function, in the same
+    order)."""
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=3)
     for kind in ("target-only", "exact"):
         steps = decoder(pair, kind, True).generate(
-            pair.tokenizer(PROMPTS[1]).input_ids,
-            max_new_tokens=48,
-            sampling=SamplingConfig(temperature=0.9, seed=3),
+            pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=48, sampling=sampling
         )
-        next(steps)  # the prompt's prefill is outside the steady state
+        first = next(steps)  # the prompt's prefill is outside the steady state
         host_reads.clear()
         rest = list(steps)
         assert len(rest) >= 5 and sum(host_reads.values()) == len(rest), dict(host_reads)
+        eager = decoder(pair, kind, False).generate(
+            pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=48, sampling=sampling
+        )
+        assert collect([first, *rest]).ids == collect(eager).ids
 
 
 def test_sampling_stays_lossless(pair: ModelPair) -> None:

@@ -270,7 +270,7 @@ class CompiledModel(CachedModel):
                 logits = out.logits[0, width - keep : width]
                 self._written = self.seen + padded
             except Exception as exc:  # compilation failures come in many types; fall back to eager
-                self.compile_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                self.compile_error = compile_failure(exc)
                 self._written = -1  # a pass that failed midway may have moved some layers' positions
                 self._move_to(self.seen)
         if logits is None:
@@ -319,6 +319,12 @@ class CompiledModel(CachedModel):
         probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.model(input_ids=probe, cache=self.cache, use_cache=True, logits_to_keep=1)
         self._written = 1
+
+
+def compile_failure(exc: BaseException) -> str:
+    """A failed compilation in one line: the exception's type and its message's first line
+    (torch.compile's run to dozens of lines of context)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 _COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, Callable[..., Any]] = weakref.WeakKeyDictionary()

@@ -30,7 +30,7 @@ from functools import cache
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fsd_chat.decoding.acceptance import verify
+from fsd_chat.decoding.acceptance import CompiledDecision, Decide, decide, verify
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, time_forwards
 from fsd_chat.decoding.events import Step, StepStats
@@ -133,6 +133,10 @@ class SpeculativeDecoder:
             )
         if any(isinstance(m, CompiledModel) for m in (self.target, *self.proposer.owned_models)):
             self.context = capped
+        # The acceptance rule is compiled with the target: on the same switch, for the same device.
+        self._decision: Decide | CompiledDecision = (
+            CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
+        )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
         common = min(vocab_size, draft_vocab)
         self.timings = timings or cache(lambda: time_forwards(target, draft_model, common))
@@ -152,7 +156,8 @@ class SpeculativeDecoder:
     def compile_error(self) -> str | None:
         """Why a model asked to run compiled runs eagerly: refused (`compile_refusal`) or fallen
         back after a failed compilation; None when neither happened, or none was asked for."""
-        return self.target.compile_error or self.proposer.compile_error
+        rule_error = self._decision.compile_error if isinstance(self._decision, CompiledDecision) else None
+        return self.target.compile_error or self.proposer.compile_error or rule_error
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
@@ -278,6 +283,7 @@ class SpeculativeDecoder:
             generator=generator,
             p_full=p_full,
             q_full=proposal.q_full,
+            decision=self._decision,
         )
         n = verdict.accepted
         # From the device tensor: a Python int written into a CUDA tensor is a host-to-device copy
