@@ -368,6 +368,10 @@ def judge(
     return Judgement(accept, ~(relaxed & (costs > 0)), div, costs, candidates)
 
 
+_GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
+"""What `decide` tells `judge` of the sampling settings: greedy or not."""
+
+
 def decide(
     p: torch.Tensor,
     q: torch.Tensor | None,
@@ -378,7 +382,7 @@ def decide(
     rule: Rule,
     divergence_name: DivergenceName,
     threshold: float,
-    sampling: SamplingConfig,
+    greedy: bool,
     p_full: torch.Tensor | None = None,
     q_full: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,7 +391,10 @@ def decide(
     the non-finite flags, packed into one float64 vector for one transfer to the host.
 
     Args:
-        p, q, draft_ids, rule, divergence_name, threshold, sampling, p_full, q_full: See `judge`.
+        p, q, draft_ids, rule, divergence_name, threshold, p_full, q_full: See `judge`.
+        greedy: Argmax tests and corrections (`SamplingConfig.greedy`): the rule needs nothing
+            else of the sampling settings, whose seed changes from reply to reply (a compiled
+            function given them would be guarded on them, and compiled again).
         uniforms: The exact test's draws u_i, shape [k] (None when greedy).
         noise: The correction draw's exponential race, shape [k + 1, vocab] (None when greedy).
 
@@ -404,7 +411,7 @@ def decide(
         rule=rule,
         divergence_name=divergence_name,
         threshold=threshold,
-        sampling=sampling,
+        sampling=_GREEDY if greedy else _SAMPLED,
         generator=None,
         p_full=p_full,
         q_full=q_full,
@@ -517,7 +524,7 @@ def verify(
         rule=rule,
         divergence_name=divergence_name,
         threshold=threshold,
-        sampling=sampling,
+        greedy=sampling.greedy,
         p_full=p_full,
         q_full=q_full,
     )

@@ -1,5 +1,5 @@
 """The chat decodes as its options ask: target-only with `autoregressive`, else speculatively, with
-the draft compiled under `compile_draft` (the app's own decoder factory, `ModelPair.decoder`)."""
+the models compiled under `compile_draft` (the app's own decoder factory, `ModelPair.decoder`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 @pytest.mark.parametrize(
     ("autoregressive", "compile_draft", "decoder_type", "compiled"),
     [
-        (True, True, AutoregressiveDecoder, False),  # no draft to compile
+        (True, True, AutoregressiveDecoder, True),  # the target compiled
         (False, False, SpeculativeDecoder, False),
         (False, True, SpeculativeDecoder, True),
     ],
