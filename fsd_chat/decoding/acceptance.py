@@ -449,14 +449,16 @@ Decide = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 class CompiledDecision:
     """`decide` compiled whole (torch.compile, `fullgraph`; CUDA graphs on CUDA): the acceptance
     rule's hundred-odd small operators (divergence, tests, residual laws, the race), each a kernel
-    launch on a GPU and microseconds of dispatch on a CPU, as a few fused kernels. Measured on
-    this CPU (one thread; fuzzy js, sampled, k 5, 512-token vocabulary; 5 rounds of 300 calls):
-    `verify` takes 0.32–0.50 ms compiled against 0.59–0.92 ms eagerly. Dynamic shapes (`dynamic=True`): every draft length k shares one
-    graph, and the threshold T is an input rather than a constant, so the dial moves it without
-    recompiling (with static shapes each k and each T compiled anew, 12 s each on a CPU). A graph
-    is compiled per rule, greedy or sampled, point-mass or model proposals, and truncation (35 to
-    70 s each on one CPU core; seconds on a GPU's host). If compilation fails, `decide` runs
-    eagerly from then on and `compile_error` says why.
+    launch on a GPU and microseconds of dispatch on a CPU, as a few fused kernels. Measured on this
+    CPU (one thread; fuzzy js, sampled, k 5, 512-token vocabulary; 5 rounds of 300 calls): `verify`
+    takes 0.32–0.50 ms compiled against 0.59–0.92 ms eagerly.
+
+    Dynamic shapes (`dynamic=True`): every draft length k shares one compiled graph (CUDA graphs
+    still record one a k), and the threshold T is an input rather than a constant, so the dial
+    moves it without recompiling (with static shapes each k and each T compiled anew, 12 s each on
+    this CPU). A graph is compiled per rule, greedy or sampled, point-mass or model proposals, and
+    truncation: 35 to 70 s each on one CPU core. If compilation fails, `decide` runs eagerly from
+    then on and `compile_error` says why.
 
     Args:
         device: Where the laws live.

@@ -70,7 +70,8 @@ class SpeculativeDecoder:
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
         compile_draft: Run both models' steps compiled over static KV caches (`CompiledModel`:
-            the target's verify and target-only passes, the draft's passes; CUDA graphs on CUDA):
+            the target's verify and target-only passes, the draft's passes) and the acceptance rule
+            (`CompiledDecision`), with CUDA graphs on CUDA:
             True, False, or None (the default) for on a CUDA device only (`kv_cache.bind`). The
             context is then capped at COMPILED_CONTEXT tokens. A model that cannot be compiled
             (`compile_refusal`) runs eagerly, and `compile_error` says why.
