@@ -54,11 +54,11 @@ def main() -> None:
     settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.05, draft_tokens=5)
     decoders: dict[str, dict[str, Decoder]] = {
         "speculative": {
-            name: pair.speculative(Controls(settings), compile_draft=name == "compiled")
+            name: pair.speculative(Controls(settings), compiled=name == "compiled")
             for name in ("eager", "compiled")
         },
         "target-only": {
-            name: pair.autoregressive(Controls(), compile_draft=name == "compiled")
+            name: pair.autoregressive(Controls(), compiled=name == "compiled")
             for name in ("eager", "compiled")
         },
     }

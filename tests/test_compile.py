@@ -1,4 +1,4 @@
-"""`--compile` (`compile_draft`): the target's and the draft's decoding steps compiled with
+"""`--compile` (`compiled`): the target's and the draft's decoding steps compiled with
 torch.compile over static KV caches (`CompiledModel`), on the CPU without CUDA graphs, the path a
 GPU runs with them. Compiling takes seconds per graph on one CPU core, so the graphs are shared:
 `kv_cache.compiled_forward` keeps one compiled forward per model, and every test here reuses the
@@ -38,11 +38,11 @@ def decoder(pair: ModelPair, kind: str, compiled: bool) -> Decoder:
     """A decoder of one kind: "target-only", "exact" (k 5: the story draft is rejected now and
     then, so caches roll back) or "fuzzy" (js, T 0.1)."""
     if kind == "target-only":
-        return pair.autoregressive(Controls(), compile_draft=compiled)
+        return pair.autoregressive(Controls(), compiled=compiled)
     settings = DecodingSettings(
         rule=kind, threshold=0.0 if kind == "exact" else 0.1, draft_tokens=5, draft_policy="fixed"
     )
-    return pair.speculative(Controls(settings), compile_draft=compiled)
+    return pair.speculative(Controls(settings), compiled=compiled)
 
 
 @pytest.mark.parametrize("kind", ["target-only", "exact", "fuzzy"])
@@ -110,7 +110,7 @@ def test_sampled_steps_read_the_device_once(pair: ModelPair, host_reads: collect
 
 
 def test_sampling_stays_lossless(pair: ModelPair) -> None:
-    compiled = pair.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=4)), compile_draft=True)
+    compiled = pair.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=4)), compiled=True)
     replies, sampling = 3_000, SamplingConfig(temperature=0.9, top_p=0.95)
     vocab, eos = pair.vocab_size, pair.tokenizer.eos_token_id
     # A prompt where the draft's first-token law is far from the target's (TV 0.54): both the

@@ -171,7 +171,7 @@ def test_compiled_by_default_on_cuda(pair32: ModelPair) -> None:
     assert all(isinstance(m, CompiledModel) for m in speculative.owned_models)
     assert isinstance(speculative._decision, CompiledDecision)
     assert isinstance(pair32.autoregressive(Controls()).target, CompiledModel)
-    eager = pair32.speculative(Controls(DecodingSettings(threshold=0.0)), compile_draft=False)
+    eager = pair32.speculative(Controls(DecodingSettings(threshold=0.0)), compiled=False)
     assert not any(isinstance(m, CompiledModel) for m in eager.owned_models)
 
 
@@ -181,7 +181,7 @@ def test_graphs_greedy_float32_equals_eager(pair32: ModelPair, rule: str) -> Non
     same tokens and origins, rollbacks included (the story draft is rejected at k 5)."""
     settings = DecodingSettings(rule=rule, threshold=0.0 if rule == "exact" else 0.1, draft_tokens=5)
     graphs = pair32.speculative(Controls(settings))
-    eager = pair32.speculative(Controls(settings), compile_draft=False)
+    eager = pair32.speculative(Controls(settings), compiled=False)
     for prompt in PROMPTS:
         ids = pair32.tokenizer(prompt).input_ids
         got = collect(graphs.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))

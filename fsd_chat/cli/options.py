@@ -166,8 +166,8 @@ DRAFT_POLICY = Option(
     one_of("draft policy", DRAFT_POLICIES, FORMER_DRAFT_POLICIES),
     DRAFT_POLICIES,
 )
-COMPILE_DRAFT = Option(
-    "compile_draft",  # the config.toml key from when only the draft was compiled
+COMPILE = Option(
+    "compile",
     ("--compile/--no-compile",),
     bool,
     None,
@@ -236,7 +236,7 @@ DECODING_OPTIONS: tuple[Option[Any], ...] = (THRESHOLD, DIVERGENCE, RULE, DRAFT_
 SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED)
 REPLY_OPTIONS: tuple[Option[Any], ...] = (
     *DECODING_OPTIONS,
-    COMPILE_DRAFT,
+    COMPILE,
     AUTOREGRESSIVE,
     *SAMPLING_OPTIONS,
     MAX_NEW_TOKENS,

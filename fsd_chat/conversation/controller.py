@@ -78,7 +78,7 @@ class ChatOptions:
         keymap: Binding id -> keys (also listed by the help screen).
         user_themes_dir: Folder of the user's theme files.
         threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
-        compile_draft: Compile the models' decoding steps (`--compile`; None: on a CUDA device only).
+        compiled: Compile the models' decoding steps (`--compile`; None: on a CUDA device only).
     """
 
     target: ModelSpec
@@ -97,7 +97,7 @@ class ChatOptions:
     keymap: dict[str, str] = field(default_factory=dict)
     user_themes_dir: Path | None = None
     threads: int | None = None
-    compile_draft: bool | None = None
+    compiled: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

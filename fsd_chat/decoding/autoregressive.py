@@ -36,7 +36,7 @@ class AutoregressiveDecoder:
         vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
         time_phases: Synchronise the device at each phase (see `SpeculativeDecoder`).
         reuse_prefix: Keep the KV cache between replies (see `SpeculativeDecoder`).
-        compile_draft: Run the target's one-token forward passes compiled over a static KV cache
+        compiled: Run the target's one-token forward passes compiled over a static KV cache
             (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
     """
 
@@ -51,7 +51,7 @@ class AutoregressiveDecoder:
         vocab_size: int | None = None,
         time_phases: bool = False,
         reuse_prefix: bool = True,
-        compile_draft: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.time_phases = time_phases
@@ -62,7 +62,7 @@ class AutoregressiveDecoder:
         # decoder's (`compiled_capacity`), so that the two share the target's compiled graph.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
         self.target = bind(
-            target, vocab_size or len(tokenizer), compiled=compile_draft, capacity=compiled_capacity(capped)
+            target, vocab_size or len(tokenizer), compiled=compiled, capacity=compiled_capacity(capped)
         )
         if isinstance(self.target, CompiledModel):
             self.context = capped

@@ -69,7 +69,7 @@ class SpeculativeDecoder:
         time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
-        compile_draft: Run both models' steps compiled over static KV caches (`CompiledModel`:
+        compiled: Run both models' steps compiled over static KV caches (`CompiledModel`:
             the target's verify and target-only passes, the draft's passes) and the acceptance rule
             (`CompiledDecision`), with CUDA graphs on CUDA:
             True, False, or None (the default) for on a CUDA device only (`kv_cache.bind`). The
@@ -97,7 +97,7 @@ class SpeculativeDecoder:
         controls: Controls | None = None,
         vocab_size: int | None = None,
         time_phases: bool = False,
-        compile_draft: bool | None = None,
+        compiled: bool | None = None,
         reuse_prefix: bool = True,
         timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
@@ -116,16 +116,14 @@ class SpeculativeDecoder:
         # A compiled model's static cache is allocated whole: its capacity caps the context.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
         capacity = compiled_capacity(capped)
-        self.target = bind(target, vocab_size, compiled=compile_draft, capacity=capacity)
+        self.target = bind(target, vocab_size, compiled=compiled, capacity=capacity)
         draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.proposer: Proposer
         if draft_model is None:
             assert not isinstance(draft, PreTrainedModel)  # narrowed for mypy
             self.proposer = draft
         else:
-            model = bind(
-                draft_model, draft_vocab, compiled=compile_draft, capacity=capacity, widths=DRAFT_WIDTHS
-            )
+            model = bind(draft_model, draft_vocab, compiled=compiled, capacity=capacity, widths=DRAFT_WIDTHS)
             draft_context = capacity if isinstance(model, CompiledModel) else context_length(draft_model)
             self.proposer = (
                 ModelDraft(model)
