@@ -1,7 +1,8 @@
 """`make gpu-check`: check a CUDA setup in one command, in under 5 minutes on a fresh machine.
 
-Runs the CUDA tests (`pytest -m cuda tests/test_cuda.py`: greedy identity, bfloat16 / float16,
-8-bit and 4-bit targets, losslessness on batched verdicts, device_map="auto", host synchronisations)
+Runs the CUDA tests (`pytest -m cuda tests/test_cuda.py`: greedy identity, CUDA graphs (`--compile`,
+on by default on CUDA) against eager decoding, bfloat16 / float16, 8-bit and 4-bit targets,
+losslessness on batched verdicts, device_map="auto", host synchronisations)
 and prints their table, then a short `fsd-chat bench` of the scaled pair in bfloat16 with the target
 unquantized, 8-bit and 4-bit: tokens/s and ×AR of target-only decoding, exact, fuzzy, mixture and
 transformers' assisted generation (bench's table, and its report.json under --output).

@@ -41,7 +41,7 @@ def test_options_and_keymap(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("threshold = ", "invalid TOML"),
-        ("thresold = 0.1", "unknown setting\\(s\\) thresold; known: autoregressive, compile_draft, device"),
+        ("thresold = 0.1", "unknown setting\\(s\\) thresold; known: autoregressive, compile, device"),
         ("resume = 'abcd'", "unknown setting\\(s\\) resume"),  # per run, not a default
         ('threshold = "high"', "threshold = 'high' has the wrong type"),
         ("draft_tokens = true", "draft_tokens = True has the wrong type"),
@@ -60,6 +60,7 @@ def test_options_and_keymap(tmp_path: Path) -> None:
             "config.toml: max_new_tokens: --max-new-tokens must be in 1..10,000,000, got 0",
         ),
         ("[keymap]\nstop = 3", "\\[keymap\\] maps binding ids to key strings"),
+        ("compile_draft = true", "the setting compile_draft is now called compile"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
@@ -130,8 +131,10 @@ def chat_values(args: list[str], config: str, tmp_path: Path) -> dict[str, objec
 
 
 def test_a_flag_turns_a_config_default_off_for_one_run(tmp_path: Path) -> None:
-    config = 'raw = true\nautoregressive = true\ntrust_remote_code = true\ncompile_draft = true\ndtype = "float16"\n'
-    switches = ("raw", "autoregressive", "trust_remote_code", "compile_draft")
+    config = (
+        'raw = true\nautoregressive = true\ntrust_remote_code = true\ncompile = true\ndtype = "float16"\n'
+    )
+    switches = ("raw", "autoregressive", "trust_remote_code", "compile")
     values = chat_values([], config, tmp_path)
     assert [values[name] for name in switches] == [True] * 4 and values["dtype"] == "float16"
     off = ["--no-raw", "--no-autoregressive", "--no-trust-remote-code", "--no-compile", "--dtype", "auto"]

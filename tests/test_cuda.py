@@ -2,7 +2,8 @@
 without one.
 
 Covers what the CPU suite can only reach with torch.cuda's queries patched: float32 greedy identity
-with target-only decoding, bfloat16 and float16, an 8-bit and a 4-bit target with a bfloat16 draft,
+with target-only decoding, CUDA graphs (on by default here: `--compile`) against eager decoding and
+in bfloat16, bfloat16 and float16, an 8-bit and a 4-bit target with a bfloat16 draft,
 sampling losslessness (the CPU suite's chi-square tests on batched verdicts drawn on the GPU, and
 300 two-token replies through the decoder; α = 0.001 each), a target dispatched
 with device_map="auto" on one GPU, and the host synchronisations of a step counted by torch's own
@@ -18,6 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
+from fsd_chat.decoding.acceptance import CompiledDecision
+from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import Rule
 from fsd_chat.models.loading import load_pair
@@ -131,8 +134,9 @@ def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
 
 @pytest.mark.parametrize("kind", ["model", "lookup", "target-only"])
 def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
-    """For a draft model, prompt lookup (verified copies and target steps) and target-only decoding;
-    the mapped draft is counted on the CPU (tests/test_host_syncs.py)."""
+    """For a draft model, prompt lookup (verified copies and target steps) and target-only decoding,
+    compiled with CUDA graphs (the default on CUDA); the mapped draft is counted on the CPU
+    (tests/test_host_syncs.py). A first reply compiles and records the graphs, which synchronises."""
     controls = Controls(DecodingSettings(draft_tokens=4))
     decoder = {
         "model": lambda: pair32.speculative(controls),
@@ -141,6 +145,8 @@ def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
         ),
         "target-only": lambda: pair32.autoregressive(controls),
     }[kind]()
+    warm_up = SamplingConfig(temperature=1.0, seed=1)
+    collect(decoder.generate(pair32.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=64, sampling=warm_up))
     steps = decoder.generate(
         pair32.tokenizer(PROMPTS[0]).input_ids,
         max_new_tokens=64,
@@ -157,3 +163,40 @@ def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     # The verdict's transfer, and the phase clock's explicit synchronisations (timing), per step.
     assert len(syncs) <= count, [str(w.message) for w in syncs[:5]]
+
+
+def test_compiled_by_default_on_cuda(pair32: ModelPair) -> None:
+    """CUDA graphs on by default: both models over static caches, the acceptance rule compiled."""
+    speculative = pair32.speculative(Controls(DecodingSettings(threshold=0.0)))
+    assert all(isinstance(m, CompiledModel) for m in speculative.owned_models)
+    assert isinstance(speculative._decision, CompiledDecision)
+    assert isinstance(pair32.autoregressive(Controls()).target, CompiledModel)
+    eager = pair32.speculative(Controls(DecodingSettings(threshold=0.0)), compiled=False)
+    assert not any(isinstance(m, CompiledModel) for m in eager.owned_models)
+
+
+@pytest.mark.parametrize("rule", ["exact", "fuzzy"])
+def test_graphs_greedy_float32_equals_eager(pair32: ModelPair, rule: str) -> None:
+    """CUDA graphs (compiled target widths, draft steps, rule) against eager decoding, greedy: the
+    same tokens and origins, rollbacks included (the story draft is rejected at k 5)."""
+    settings = DecodingSettings(rule=rule, threshold=0.0 if rule == "exact" else 0.1, draft_tokens=5)
+    graphs = pair32.speculative(Controls(settings))
+    eager = pair32.speculative(Controls(settings), compiled=False)
+    for prompt in PROMPTS:
+        ids = pair32.tokenizer(prompt).input_ids
+        got = collect(graphs.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))
+        want = collect(eager.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))
+        assert (got.ids, got.origins) == (want.ids, want.origins)
+    assert graphs.compile_error is None
+
+
+def test_graphs_greedy_bfloat16_equals_target_only() -> None:
+    """Exact speculative decoding with CUDA graphs in bfloat16 is the target's greedy text: the
+    graphs' target-only decoding. (Verify widths and one-token steps round differently in
+    bfloat16; a near-tie in the story pair's greedy text would show here as a mismatch.)"""
+    pair = cuda_pair("bfloat16")
+    speculative = pair.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=5)))
+    target_only = pair.autoregressive(Controls())
+    for prompt in PROMPTS:
+        assert greedy_ids(speculative, pair, prompt, 60) == greedy_ids(target_only, pair, prompt, 60)
+    assert speculative.compile_error is None and target_only.compile_error is None

@@ -44,10 +44,10 @@ def test_prompt_longer_than_the_context_is_refused(pair) -> None:
 def test_decoder_is_the_one_asked_for_with_its_options(pair: ModelPair) -> None:
     prompt = pair.tokenizer("Once upon a time").input_ids
     controls = Controls(DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=3))
-    target_only = pair.decoder(controls, autoregressive=True, time_phases=True, compile_draft=True)
+    target_only = pair.decoder(controls, autoregressive=True, time_phases=True, compiled=False)
     assert isinstance(target_only, AutoregressiveDecoder) and isinstance(target_only, Decoder)
     assert target_only.controls is controls and target_only.time_phases
-    assert target_only.compile_error is None  # no draft: compile_draft has nothing to compile
+    assert target_only.compile_error is None and not isinstance(target_only.target, CompiledModel)
     run = collect(target_only.generate(prompt, max_new_tokens=8))
     assert {s.stats.rule for s in run.steps} == {"autoregressive"} and run.stats.drafted == 0
 
@@ -59,7 +59,7 @@ def test_decoder_is_the_one_asked_for_with_its_options(pair: ModelPair) -> None:
     run = collect(speculative.generate(prompt, max_new_tokens=8))
     assert {s.stats.rule for s in run.steps} == {"fuzzy"} and run.stats.drafted > 0
 
-    compiled = pair.decoder(controls, compile_draft=True)
+    compiled = pair.decoder(controls, compiled=True)
     assert isinstance(compiled, SpeculativeDecoder) and isinstance(compiled.cached_models[-1], CompiledModel)
     assert not compiled.time_phases
 

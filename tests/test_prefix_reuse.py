@@ -56,7 +56,7 @@ def decoders(pair: ModelPair, kind: str) -> tuple[Decoder, Decoder]:
         controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4))
         if kind == "autoregressive":
             return pair.autoregressive(controls)
-        return pair.speculative(controls, compile_draft=kind == "compiled")
+        return pair.speculative(controls, compiled=kind == "compiled")
 
     reusing, fresh = make(), make()
     fresh.reuse_prefix = False  # type: ignore[attr-defined]

@@ -138,7 +138,7 @@ def chat(
         keymap=config.keymap,
         user_themes_dir=user_themes_dir(),
         threads=o.THREADS.get(v),
-        compile_draft=o.COMPILE_DRAFT.of(v),
+        compiled=o.COMPILE.of(v),
     )
     app = FsdChatApp(options)
     app.run()

@@ -41,7 +41,7 @@ def generate(
         as_json=JSON.of(values),
         autoregressive=o.AUTOREGRESSIVE.of(values),
         threads=o.THREADS.get(values),
-        compile_draft=o.COMPILE_DRAFT.of(values),
+        compiled=o.COMPILE.of(values),
     )
     if status:
         raise typer.Exit(status)

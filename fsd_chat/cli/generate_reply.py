@@ -83,7 +83,7 @@ def run_generate(
     as_json: bool,
     autoregressive: bool,
     threads: int | None = None,
-    compile_draft: bool = False,
+    compiled: bool | None = None,
 ) -> int:
     """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
     130 (Ctrl-C) or 143 (SIGTERM) when a signal ended the reply early, which is then written out as
@@ -104,7 +104,7 @@ def run_generate(
     if pair.device.type == "cpu":
         apply_threads(threads)
     controls = Controls(settings)
-    decoder = pair.decoder(controls, autoregressive=autoregressive, compile_draft=compile_draft)
+    decoder = pair.decoder(controls, autoregressive=autoregressive, compiled=compiled)
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw, vocab_size=pair.vocab_size)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()
@@ -178,6 +178,6 @@ def run_generate(
         )
     if decoder.compile_error:
         sys.stderr.write(
-            f"fsd-chat: --compile fell back to eager draft forward passes: {visible(decoder.compile_error)}\n"
+            f"fsd-chat: --compile fell back to eager forward passes: {visible(decoder.compile_error)}\n"
         )
     return status

@@ -156,6 +156,11 @@ def one_of(kind: str, choices: tuple[S, ...], renamed: Mapping[str, S] | None = 
     return check
 
 
+FORMER_SETTINGS = {"compile_draft": "compile"}
+"""config.toml settings renamed, and their new names: refused in one line naming the new one
+(`compile_draft` became `compile` when the target's steps were compiled too)."""
+
+
 def config_values(config: UserConfig, options: Iterable[Option[Any]]) -> dict[str, object]:
     """config.toml's settings, checked against the options it may set (those of the chat command).
 
@@ -164,6 +169,9 @@ def config_values(config: UserConfig, options: Iterable[Option[Any]]) -> dict[st
     """
     known = {option.name: option for option in options}
     where = str(config.path)
+    former = sorted(set(config.options) & FORMER_SETTINGS.keys())
+    if former:
+        raise ConfigError(f"{where}: the setting {former[0]} is now called {FORMER_SETTINGS[former[0]]}")
     unknown = sorted(set(config.options) - set(known))
     if unknown:
         raise ConfigError(f"{where}: unknown setting(s) {some(unknown)}; known: {', '.join(sorted(known))}")

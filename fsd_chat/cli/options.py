@@ -188,13 +188,14 @@ DRAFT_POLICY = Option(
     one_of("draft policy", DRAFT_POLICIES, FORMER_DRAFT_POLICIES),
     DRAFT_POLICIES,
 )
-COMPILE_DRAFT = Option(
-    "compile_draft",
+COMPILE = Option(
+    "compile",
     ("--compile/--no-compile",),
     bool,
-    False,
-    "Compile the draft's one-token forward passes (torch.compile; CUDA graphs on a GPU) over a "
-    "static KV cache: the first reply waits for compilation, later draft steps run faster.",
+    None,
+    "Compile the target's and the draft's decoding steps (torch.compile; CUDA graphs on a GPU) over "
+    "static KV caches: the first replies wait for compilation, later steps run faster. Default: on "
+    "a CUDA device, off on the CPU; a model that cannot be compiled runs eagerly, with a one-line reason.",
     DECODING,
 )
 AUTOREGRESSIVE = Option(
@@ -261,7 +262,7 @@ DECODING_OPTIONS: tuple[Option[Any], ...] = (THRESHOLD, DIVERGENCE, RULE, DRAFT_
 SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED)
 REPLY_OPTIONS: tuple[Option[Any], ...] = (
     *DECODING_OPTIONS,
-    COMPILE_DRAFT,
+    COMPILE,
     AUTOREGRESSIVE,
     *SAMPLING_OPTIONS,
     MAX_NEW_TOKENS,

@@ -116,7 +116,7 @@ def serve(ctx: typer.Context, **values: Any) -> None:
         queue_size=QUEUE_SIZE.of(v),
         threads=o.THREADS.get(v),
         autoregressive=o.AUTOREGRESSIVE.of(v),
-        compile_draft=o.COMPILE_DRAFT.of(v),
+        compiled=o.COMPILE.of(v),
         announce=lambda line: print(
             f"fsd-chat: {one_line(line)} (Ctrl+C stops it)", file=sys.stderr, flush=True
         ),

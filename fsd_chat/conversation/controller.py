@@ -78,7 +78,7 @@ class ChatOptions:
         keymap: Binding id -> keys (also listed by the help screen).
         user_themes_dir: Folder of the user's theme files.
         threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
-        compile_draft: Compile the draft's one-token forward passes (`--compile`).
+        compiled: Compile the models' decoding steps (`--compile`; None: on a CUDA device only).
     """
 
     target: ModelSpec
@@ -97,7 +97,7 @@ class ChatOptions:
     keymap: dict[str, str] = field(default_factory=dict)
     user_themes_dir: Path | None = None
     threads: int | None = None
-    compile_draft: bool = False
+    compiled: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +163,7 @@ class Finished:
         stored: False when its prompt was never built: the message is withdrawn, nothing is
             stored, and its text goes back to the prompt.
         retry: The reply failed before producing any text: the message may be sent again.
-        notice: Something to say once (the draft runs eagerly because `--compile` failed).
+        notice: Something to say once (a model runs eagerly: `--compile` was refused or failed).
     """
 
     sent: Sent
@@ -400,9 +400,7 @@ class ChatController:
         compile_error = self.decoder.compile_error
         if compile_error and not self._compile_error_shown:
             self._compile_error_shown = True
-            notice = Notice(
-                f"running the draft eagerly: {compile_error}", title="--compile failed", severity="warning"
-            )
+            notice = Notice(f"running eagerly: {compile_error}", title="--compile failed", severity="warning")
         return Finished(sent, stored=True, retry=error is not None and not sent.reply.content, notice=notice)
 
     def generation_failed(self, error: BaseException) -> Notice:

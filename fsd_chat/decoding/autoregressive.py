@@ -12,7 +12,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.kv_cache import CachedModel, context_length
+from fsd_chat.decoding.kv_cache import (
+    COMPILED_CONTEXT,
+    CachedModel,
+    CompiledModel,
+    bind,
+    compiled_capacity,
+    context_length,
+)
 from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.reply import begin, eos_token_ids, target_step
 from fsd_chat.decoding.settings import SamplingConfig, StepRule
@@ -29,6 +36,8 @@ class AutoregressiveDecoder:
         vocab_size: Size of the vocabulary to sample from (default: len(tokenizer)).
         time_phases: Synchronise the device at each phase (see `SpeculativeDecoder`).
         reuse_prefix: Keep the KV cache between replies (see `SpeculativeDecoder`).
+        compiled: Run the target's one-token forward passes compiled over a static KV cache
+            (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
     """
 
     rule: ClassVar[StepRule] = "autoregressive"
@@ -42,13 +51,21 @@ class AutoregressiveDecoder:
         vocab_size: int | None = None,
         time_phases: bool = False,
         reuse_prefix: bool = True,
+        compiled: bool | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.time_phases = time_phases
         self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
-        self.target = CachedModel(target, vocab_size or len(tokenizer))
         self.context = context_length(target)
+        # A static cache is allocated whole: its capacity caps the context. Sized as a speculative
+        # decoder's (`compiled_capacity`), so that the two share the target's compiled graph.
+        capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+        self.target = bind(
+            target, vocab_size or len(tokenizer), compiled=compiled, capacity=compiled_capacity(capped)
+        )
+        if isinstance(self.target, CompiledModel):
+            self.context = capped
         self.eos_token_ids = eos_token_ids(tokenizer, target)
 
     @property
@@ -63,8 +80,8 @@ class AutoregressiveDecoder:
 
     @property
     def compile_error(self) -> str | None:
-        """Always None: target-only decoding compiles nothing (see `Decoder.compile_error`)."""
-        return None
+        """See `Decoder.compile_error`: the target's."""
+        return self.target.compile_error
 
     @frees_memory_on_oom
     def generate(

@@ -19,14 +19,30 @@ full-attention ones, exact at any length, at the memory of a full cache for thos
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch._dynamo
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.support.errors import UnsupportedCacheError
 
-COMPILED_TOKENS = 2
-"""Longest forward pass `CompiledModel` compiles: one token per draft step, two for a catch-up."""
+DRAFT_WIDTHS = (1, 2)
+"""The forward passes a compiled draft runs compiled, in tokens: one per draft step, two for a
+catch-up after a fully accepted block (`CompiledModel`)."""
+VERIFY_WIDTHS = (1, 2, 4, 8, 16, MAX_DRAFT_TOKENS + 1)
+"""The widths a compiled target's forward passes are padded to, in tokens: 1 for a target-only
+step, k + 1 for a verify (`CompiledModel`)."""
+COMPILED_CONTEXT = 8192
+"""Most tokens a compiled model's static KV cache holds besides the padding (it is allocated whole,
+up front); a decoder's context is capped to it."""
+RECOMPILE_LIMIT = 64
+"""torch.compile's graphs per forward function (`torch._dynamo.config.recompile_limit`, 8 by
+default): a target and a draft of one class share `forward`'s code, each with a graph a width."""
 
 
 def context_length(model: PreTrainedModel) -> int | None:
@@ -168,81 +184,128 @@ class CachedModel:
 
 
 class CompiledModel(CachedModel):
-    """A model whose one-token forward passes are compiled (`torch.compile`) over a static KV cache.
+    """A model whose short forward passes are compiled (`torch.compile`, whole graph) over a static
+    KV cache: the target's verify and target-only steps, the draft's steps.
 
-    A draft model's forward pass over one token is mostly framework overhead on a CPU and kernel
-    launches on a GPU; compiling it (on CUDA with CUDA graphs, mode "reduce-overhead") removes most
-    of both. The static cache (transformers' `StaticCache`) keeps tensor shapes and addresses fixed:
-    rolling back only moves each layer's write position, and the slots beyond it are masked out
-    until they are overwritten. A 2-token forward pass (the draft's catch-up after a fully accepted
-    block) is compiled too, as a second graph; longer ones (the prompt) run eagerly over the same
-    cache.
+    A small model's forward pass is mostly framework overhead on a CPU and kernel launches on a
+    GPU; compiling it (on CUDA with CUDA graphs, mode "reduce-overhead", as gpt-fast does for both
+    its models and transformers' `generate` does over a `StaticCache`) removes most of both. The
+    static cache (transformers' `StaticCache`) keeps tensor shapes and addresses fixed: rolling back
+    only moves each layer's write position, and the slots beyond it are masked out until they are
+    overwritten.
 
-    If compilation fails (no C++ compiler, an unsupported operator), the model runs eagerly from
-    then on and `compile_error` says why.
+    **Widths.** A forward pass of w tokens, w ≤ max(widths), is padded to the smallest of `widths`
+    that holds it, and each of those widths is one compiled graph. Padding is exact: the padded
+    positions come after the real ones, so the causal mask hides them from every real position;
+    their cache slots lie beyond the real end, where the write position goes back before the next
+    pass (transformers' `StaticLayer` writes at its `cumulative_length`), and they are overwritten
+    before any query can see them. Widths of powers of two bound the graphs to a few (1, 2, 4, 8,
+    16, 33 for a target verifying up to MAX_DRAFT_TOKENS): one graph per width would compile anew,
+    seconds each on a GPU and tens of seconds on a CPU, whenever the draft policy picks a new draft
+    length k, while padding costs only the positions it adds: nothing measurable on a GPU, where a
+    small model's forward pass costs the same at any of these widths, and under 2× the pass's
+    arithmetic on a CPU (where compilation is off by default). Longer passes (the prompt's
+    prefill) run eagerly over the same cache.
+
+    If compilation fails (no C++ compiler, an operator torch.compile cannot trace), the model runs
+    eagerly from then on and `compile_error` says why.
 
     Args:
-        model: A causal LM whose cache layers are all full-attention (no sliding window).
+        model: A causal LM that `compile_refusal` admits (full-attention layers only).
         vocab_size: See `CachedModel`.
-        capacity: Tokens the static cache holds (the decoder's context is capped to it).
+        capacity: Tokens the static cache holds (the decoder's context is capped to it); at least
+            max(widths) more than the longest sequence fed, for the padding.
+        widths: The compiled widths in tokens, increasing (default: up to MAX_DRAFT_TOKENS + 1).
 
     Raises:
         UnsupportedCacheError: the model has sliding-window or recurrent layers.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
+    _written: int
+    """The layers' write position (`cumulative_length`), which `_move_to` brings back to `seen`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        vocab_size: int,
+        capacity: int,
+        widths: tuple[int, ...] = VERIFY_WIDTHS,
+    ) -> None:
         self.capacity = capacity
+        self.widths = widths
         super().__init__(model, vocab_size)
-        cuda = self.device.type == "cuda"
-        self._compiled = torch.compile(model.forward, mode="reduce-overhead" if cuda else None, dynamic=False)
+        self._compiled = compiled_forward(model)
+        # The padded inputs: the tokens beyond a pass's own are stale, but valid ids.
+        self._ids = torch.zeros((1, widths[-1]), dtype=torch.long, device=self.device)
+        # One graph a width for each compiled model, and models of one class share one forward's code.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
     def reset(self) -> None:
-        """Start a new sequence: the write position goes back to 0 (the cache is reused)."""
-        self._move_to(0)
+        """Start a new sequence: the write position goes back to 0 before the next pass (the cache
+        is reused)."""
+        self.seen = 0
 
     def _new_cache(self) -> StaticCache:
         return StaticCache(config=self.model.config, max_cache_len=self.capacity)
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        """See `CachedModel.forward`; `upto` must not exceed `capacity`."""
-        kwargs = {
-            # A view whose strides do not depend on the buffer's length: the compiled function is
-            # guarded on strides, and each reply's buffer has its own length.
-            "input_ids": seq[0, self.seen : upto].unsqueeze(0),
-            "cache": self.cache,
-            # Given explicitly: the model would otherwise read the write position back from the device.
-            "cache_position": torch.arange(self.seen, upto, device=self.device),
-            "use_cache": True,
-            "logits_to_keep": keep,
-        }
-        out = None
-        if upto - self.seen <= COMPILED_TOKENS and self.compile_error is None:
+        """See `CachedModel.forward`; `upto` + max(widths) must not exceed `capacity`."""
+        width = upto - self.seen
+        padded = next((w for w in self.widths if w >= width), None)
+        self._move_to(self.seen)
+        logits = None
+        if padded is not None and self.compile_error is None:
+            self._ids[0, :width].copy_(seq[0, self.seen : upto])
             try:
-                out = self._compiled(**kwargs)
+                out = self._compiled(
+                    # A view of a buffer of its own: the compiled function is guarded on strides,
+                    # and each reply's buffer has its own length.
+                    input_ids=self._ids[:, :padded],
+                    cache=self.cache,
+                    # Given explicitly: the model would otherwise read the write position back from the device.
+                    cache_position=torch.arange(self.seen, self.seen + padded, device=self.device),
+                    use_cache=True,
+                )
+                logits = out.logits[0, width - keep : width]
+                self._written = self.seen + padded
             except Exception as exc:  # compilation failures come in many types; fall back to eager
-                self.compile_error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-        if out is None:
-            out = self.model(**kwargs)
+                self.compile_error = compile_failure(exc)
+                self._written = -1  # a pass that failed midway may have moved some layers' positions
+                self._move_to(self.seen)
+        if logits is None:
+            out = self.model(
+                input_ids=seq[:, self.seen : upto],
+                cache=self.cache,
+                cache_position=torch.arange(self.seen, upto, device=self.device),
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+            logits = out.logits[0, -keep:]
+            self._written = upto
         self.seen = upto
         self.fed = seq
-        return out.logits[0, -keep:, : self.vocab_size].float()
+        return logits[:, : self.vocab_size].float()
 
     def rollback(self, length: int) -> None:
-        """Move the write position back to `length` (no-op when the cache holds fewer)."""
-        if length < self.seen:
-            self._move_to(length)
+        """Go back to `length` tokens (no-op when the cache holds fewer): the write position moves
+        before the next pass."""
+        self.seen = min(self.seen, length)
 
     def _move_to(self, length: int) -> None:
+        """Put every layer's write position at `length`, where it is not already."""
+        if self._written == length:
+            return
         for layer in self._layers:
             if layer.is_initialized:
                 # In place: CUDA graphs captured the tensor's address.
                 layer.cumulative_length.fill_(length)
-        self.seen = length
+        self._written = length
 
     def _prefix_reusable(self) -> bool:
         return True  # rolling back only moves the write position
 
+    @torch.inference_mode()
     def _check_rollback(self) -> None:
         # Exactly StaticLayer: the sliding-window static layers subclass it.
         self._layers = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
@@ -251,3 +314,95 @@ class CompiledModel(CachedModel):
             raise UnsupportedCacheError(
                 f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
             )
+        # One eager pass allocates the layers (`StaticLayer.lazy_initialization`), outside any
+        # compiled graph: their addresses are then marked static, which CUDA graphs need.
+        probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.model(input_ids=probe, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self._written = 1
+
+
+def compile_failure(exc: BaseException) -> str:
+    """A failed compilation in one line: the exception's type and its message's first line
+    (torch.compile's run to dozens of lines of context)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+_COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(model: PreTrainedModel) -> Callable[..., Any]:
+    """`model.forward` compiled whole (`fullgraph`: a graph break is a failure, not a slow
+    half-compiled pass), with CUDA graphs on CUDA ("reduce-overhead"), one graph a shape
+    (`dynamic=False`): transformers' `CompileConfig` defaults. One per model, shared by its
+    decoders (a benchmark makes one a reply), so that each width compiles once."""
+    compiled = _COMPILED.get(model)
+    if compiled is None:
+        mode = "reduce-overhead" if input_device(model).type == "cuda" else None
+        compiled = _COMPILED[model] = torch.compile(model.forward, mode=mode, fullgraph=True, dynamic=False)
+    return compiled
+
+
+def compile_refusal(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot run compiled over a static KV cache, in one line (None: it can).
+
+    The criteria of transformers' `GenerationMixin._valid_auto_compile_criteria` (a quantization
+    that cannot be compiled; layers offloaded to the CPU or the disk), and `CompiledModel`'s own:
+    every cache layer a full-attention `StaticLayer` (sliding-window layers trim a static cache to
+    the window, and recurrent state has no static cache to roll back).
+    """
+    name = type(model).__name__
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        return (
+            f"{name}'s {type(quantizer).__name__.removesuffix('HfQuantizer')} quantization cannot be compiled"
+        )
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+        return f"{name} has layers offloaded to the CPU or the disk, which cannot be compiled"
+    try:
+        layers = StaticCache(config=model.config, max_cache_len=1).layers
+    except Exception as exc:  # a model whose config a static cache cannot read
+        return f"{name} has no static KV cache ({type(exc).__name__})"
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
+    if kinds:
+        return f"{name} has {', '.join(kinds)} layers; compiling needs full-attention layers only"
+    return None
+
+
+def compiled_capacity(context: int) -> int:
+    """The static KV cache's tokens for a context of `context` tokens: a speculative step's block
+    (up to MAX_DRAFT_TOKENS + 1 tokens) and the widest pass's padding fit beyond it. The same for
+    every decoder of a model, so that they share its compiled graphs (the cache's shape is in them)."""
+    return context + MAX_DRAFT_TOKENS + 1
+
+
+def bind(
+    model: PreTrainedModel,
+    vocab_size: int,
+    *,
+    compiled: bool | None,
+    capacity: int,
+    widths: tuple[int, ...] = VERIFY_WIDTHS,
+) -> CachedModel:
+    """`model` bound to its KV cache: a `CompiledModel` when `compiled` asks for it (None: on a
+    CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
+    takes long and gains little) and `compile_refusal` admits it, else a `CachedModel` whose
+    `compile_error` says why compiling was refused (None when it was not asked for).
+
+    Args:
+        model: A causal LM.
+        vocab_size: See `CachedModel`.
+        compiled: Compile (True), do not (False), or on a CUDA device only (None).
+        capacity, widths: See `CompiledModel`.
+
+    Raises:
+        UnsupportedCacheError: see `CachedModel`.
+    """
+    if compiled is None:
+        compiled = input_device(model).type == "cuda"
+    reason = compile_refusal(model) if compiled else None
+    if compiled and reason is None:
+        return CompiledModel(model, vocab_size, capacity, widths)
+    bound = CachedModel(model, vocab_size)
+    bound.compile_error = reason
+    return bound

@@ -25,8 +25,9 @@ class Decoder(Protocol):
 
     @property
     def compile_error(self) -> str | None:
-        """Why compiled draft forward passes fell back to eager ones; None when they did not, or
-        when nothing is compiled. Set during a reply: read it after one."""
+        """Why a model asked to run compiled runs eagerly, in one line: compiling it was refused
+        (set when the decoder is made) or failed (set during a reply: read it after one); None
+        when neither happened, or when nothing was asked to compile."""
         ...
 
     def generate(

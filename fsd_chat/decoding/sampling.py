@@ -53,7 +53,12 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def draw(probs: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
+def draw(
+    probs: torch.Tensor,
+    config: SamplingConfig,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One token per row: argmax when greedy, else a draw. [..., vocab] -> [...] int64.
 
     The draw is an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) independent, which picks
@@ -63,13 +68,20 @@ def draw(probs: torch.Tensor, config: SamplingConfig, generator: torch.Generator
     index instead of a device-side assert that leaves the CUDA context unusable (the decoders
     detect such rows with `non_finite` and end the reply). The noise is clamped away from 0, so a
     token with p_i = 0 never wins (0 / 0 would be NaN, which argmax picks).
+
+    `noise`: the E_i, shape of `probs` (`exponential_noise`), drawn beforehand by a caller that
+    runs this inside a compiled function, where a generator cannot go; default drawn here.
     """
     if config.greedy:
         return probs.argmax(-1)
-    noise = (
-        torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    )
+    if noise is None:
+        noise = exponential_noise(probs, generator)
     return (probs / noise).argmax(-1)
+
+
+def exponential_noise(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Independent Exp(1) draws clamped away from 0, shape and device of `probs`: `draw`'s race."""
+    return torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
 
 
 def non_finite(law: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,19 @@ from functools import cache
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fsd_chat.decoding.acceptance import verify
+from fsd_chat.decoding.acceptance import CompiledDecision, Decide, decide, verify
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, time_forwards
 from fsd_chat.decoding.events import Step, StepStats
-from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, context_length
+from fsd_chat.decoding.kv_cache import (
+    COMPILED_CONTEXT,
+    DRAFT_WIDTHS,
+    CachedModel,
+    CompiledModel,
+    bind,
+    compiled_capacity,
+    context_length,
+)
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
@@ -43,9 +51,6 @@ from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.vocab_map import VocabularyMap
-
-COMPILED_CONTEXT = 8192
-"""Most tokens a compiled draft's static KV cache holds (it is allocated whole, up front)."""
 
 
 class SpeculativeDecoder:
@@ -64,9 +69,12 @@ class SpeculativeDecoder:
         time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
-        compile_draft: Run the draft's one-token forward passes compiled over a static KV cache
-            (`CompiledModel`); the context is then capped at COMPILED_CONTEXT tokens. Only for a
-            draft model.
+        compiled: Run both models' steps compiled over static KV caches (`CompiledModel`:
+            the target's verify and target-only passes, the draft's passes) and the acceptance rule
+            (`CompiledDecision`), with CUDA graphs on CUDA:
+            True, False, or None (the default) for on a CUDA device only (`kv_cache.bind`). The
+            context is then capped at COMPILED_CONTEXT tokens. A model that cannot be compiled
+            (`compile_refusal`) runs eagerly, and `compile_error` says why.
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
             share with the last sequence (see `begin`; a mapped draft compares its own spelling,
             see `MappedDraft.begin`).
@@ -77,8 +85,7 @@ class SpeculativeDecoder:
             tokenizer (`MappedProposer`; None: one shared vocabulary).
 
     Raises:
-        UnsupportedCacheError: a model's cache cannot be rolled back (or, with compile_draft, the
-            draft has other than full-attention layers).
+        UnsupportedCacheError: a model's cache cannot be rolled back.
     """
 
     def __init__(
@@ -90,7 +97,7 @@ class SpeculativeDecoder:
         controls: Controls | None = None,
         vocab_size: int | None = None,
         time_phases: bool = False,
-        compile_draft: bool = False,
+        compiled: bool | None = None,
         reuse_prefix: bool = True,
         timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
@@ -100,33 +107,35 @@ class SpeculativeDecoder:
         self.time_phases = time_phases
         self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
-        self.target = CachedModel(target, vocab_size)
         draft_model = draft if isinstance(draft, PreTrainedModel) else None
         # Models that read the target's ids: a mapped draft counts its context (and its EOS ids)
         # in its own tokens, which bound its drafting, not the reply.
         shared = [m for m in (target, draft_model) if m is not None and (m is target or vocab_map is None)]
         contexts = [c for c in map(context_length, shared) if c is not None]
         self.context = min(contexts) if contexts else None
+        # A compiled model's static cache is allocated whole: its capacity caps the context.
+        capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+        capacity = compiled_capacity(capped)
+        self.target = bind(target, vocab_size, compiled=compiled, capacity=capacity)
         draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.proposer: Proposer
         if draft_model is None:
             assert not isinstance(draft, PreTrainedModel)  # narrowed for mypy
             self.proposer = draft
         else:
-            draft_context = context_length(draft_model)
-            model: CachedModel
-            if compile_draft:
-                # The static cache is allocated whole: cap it, and the context with it.
-                self.context = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-                draft_context = self.context + MAX_DRAFT_TOKENS + 1
-                model = CompiledModel(draft_model, draft_vocab, draft_context)
-            else:
-                model = CachedModel(draft_model, draft_vocab)
+            model = bind(draft_model, draft_vocab, compiled=compiled, capacity=capacity, widths=DRAFT_WIDTHS)
+            draft_context = capacity if isinstance(model, CompiledModel) else context_length(draft_model)
             self.proposer = (
                 ModelDraft(model)
                 if vocab_map is None
                 else MappedProposer(MappedDraft(model, vocab_map, draft_context))
             )
+        if any(isinstance(m, CompiledModel) for m in (self.target, *self.proposer.owned_models)):
+            self.context = capped
+        # The acceptance rule is compiled with the target: on the same switch, for the same device.
+        self._decision: Decide | CompiledDecision = (
+            CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
+        )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
         common = min(vocab_size, draft_vocab)
         self.timings = timings or cache(lambda: time_forwards(target, draft_model, common))
@@ -144,9 +153,10 @@ class SpeculativeDecoder:
 
     @property
     def compile_error(self) -> str | None:
-        """Why the compiled draft fell back to eager forward passes (None: it did not, or no
-        compilation was asked for)."""
-        return self.proposer.compile_error
+        """Why a model asked to run compiled runs eagerly: refused (`compile_refusal`) or fallen
+        back after a failed compilation; None when neither happened, or none was asked for."""
+        rule_error = self._decision.compile_error if isinstance(self._decision, CompiledDecision) else None
+        return self.target.compile_error or self.proposer.compile_error or rule_error
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
@@ -275,6 +285,7 @@ class SpeculativeDecoder:
             generator=generator,
             p_full=p_full,
             q_full=proposal.q_full,
+            decision=self._decision,
         )
         n = verdict.accepted
         # From the device tensor: a Python int written into a CUDA tensor is a host-to-device copy

@@ -95,7 +95,7 @@ class ModelPair:
         *,
         autoregressive: bool = False,
         time_phases: bool = False,
-        compile_draft: bool = False,
+        compiled: bool | None = None,
     ) -> Decoder:
         """The decoder a command asked for over this pair, driven by `controls`.
 
@@ -105,21 +105,21 @@ class ModelPair:
                 decoding (`SpeculativeDecoder`).
             time_phases: Synchronise the device at each phase, for exact phase times (benchmarks;
                 see `SpeculativeDecoder`).
-            compile_draft: Compile the draft's one-token forward passes (see `SpeculativeDecoder`);
-                target-only decoding and prompt lookup run no draft model, and ignore it.
+            compiled: Compile the models' steps over static KV caches (see
+                `SpeculativeDecoder`): True, False, or None for on a CUDA device only.
 
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
         """
         if autoregressive:
-            return self.autoregressive(controls, time_phases=time_phases)
-        return self.speculative(controls, time_phases=time_phases, compile_draft=compile_draft)
+            return self.autoregressive(controls, time_phases=time_phases, compiled=compiled)
+        return self.speculative(controls, time_phases=time_phases, compiled=compiled)
 
     def speculative(
-        self, controls: Controls, *, time_phases: bool = False, compile_draft: bool = False
+        self, controls: Controls, *, time_phases: bool = False, compiled: bool | None = None
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compile_draft`: see `SpeculativeDecoder`); without a draft model, over prompt lookup."""
+        `compiled`: see `SpeculativeDecoder`); without a draft model, over prompt lookup."""
         return SpeculativeDecoder(
             self.target,
             PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
@@ -127,7 +127,7 @@ class ModelPair:
             controls=controls,
             vocab_size=self.vocab_size,
             time_phases=time_phases,
-            compile_draft=compile_draft,
+            compiled=compiled,
             timings=self.device_timings,
             vocab_map=self.vocab_map,
         )
@@ -140,12 +140,15 @@ class ModelPair:
             self.timings = time_forwards(self.target, self.draft, min(self.vocab_size, draft_vocab))
         return self.timings
 
-    def autoregressive(self, controls: Controls, *, time_phases: bool = False) -> AutoregressiveDecoder:
-        """A target-only decoder over this pair's target."""
+    def autoregressive(
+        self, controls: Controls, *, time_phases: bool = False, compiled: bool | None = None
+    ) -> AutoregressiveDecoder:
+        """A target-only decoder over this pair's target (`compiled`: see `AutoregressiveDecoder`)."""
         return AutoregressiveDecoder(
             self.target,
             self.tokenizer,
             controls=controls,
             vocab_size=self.vocab_size,
             time_phases=time_phases,
+            compiled=compiled,
         )

@@ -71,7 +71,7 @@ def run_server(
     queue_size: int,
     threads: int | None,
     autoregressive: bool,
-    compile_draft: bool,
+    compiled: bool | None,
     announce: Callable[[str], None],
 ) -> None:
     """Serve the pair until interrupted (Ctrl+C, SIGTERM).
@@ -83,7 +83,7 @@ def run_server(
         queue_size: Most requests waiting while one decodes.
         threads: torch CPU threads (None: the thread policy's choice).
         autoregressive: Target-only decoding (`fsd` objects are then checked, and change nothing).
-        compile_draft: Compile the draft's one-token forward passes.
+        compiled: Compile the models' decoding steps (None: on a CUDA device only).
         announce: Gets one line once the server listens.
 
     Raises:
@@ -98,7 +98,7 @@ def run_server(
         if pair.device.type == "cpu":
             apply_threads(threads)
         controls = Controls(options.settings)
-        decoder = pair.decoder(controls, autoregressive=autoregressive, compile_draft=compile_draft)
+        decoder = pair.decoder(controls, autoregressive=autoregressive, compiled=compiled)
         engine = Engine(decoder, controls, queue_size)
         try:
             app = create_app(pair, engine, options)

@@ -47,7 +47,7 @@ class FsdChatApp(App[None]):
         options: The command line's choices.
         loader: Loads the model pair, reporting progress (default: `load_pair` with the options).
         decoder_factory: Builds the decoder over the loaded pair (default: `ModelPair.decoder`, with
-            the options' `autoregressive` and `compile_draft`).
+            the options' `autoregressive` and `compiled`).
     """
 
     CSS_PATH = "app.tcss"
@@ -103,7 +103,7 @@ class FsdChatApp(App[None]):
 
     def _decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
         o = self.options
-        return pair.decoder(controls, autoregressive=o.autoregressive, compile_draft=o.compile_draft)
+        return pair.decoder(controls, autoregressive=o.autoregressive, compiled=o.compiled)
 
     def _load_pair(self, progress: Progress) -> ModelPair:
         from fsd_chat.models.loading import load_pair

@@ -1,5 +1,5 @@
 """The chat decodes as its options ask: target-only with `autoregressive`, else speculatively, with
-the draft compiled under `compile_draft` (the app's own decoder factory, `ModelPair.decoder`)."""
+the models compiled under `compiled` (the app's own decoder factory, `ModelPair.decoder`)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
 
 @pytest.mark.parametrize(
-    ("autoregressive", "compile_draft", "decoder_type", "compiled"),
+    ("autoregressive", "compile", "decoder_type", "compiled"),
     [
-        (True, True, AutoregressiveDecoder, False),  # no draft to compile
+        (True, True, AutoregressiveDecoder, True),  # the target compiled
         (False, False, SpeculativeDecoder, False),
         (False, True, SpeculativeDecoder, True),
     ],
@@ -37,7 +37,7 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
     pair: ModelPair,
     tmp_path: Path,
     autoregressive: bool,
-    compile_draft: bool,
+    compile: bool,
     decoder_type: type,
     compiled: bool,
 ) -> None:
@@ -46,7 +46,7 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
         draft=pair.draft_spec,
         store=SessionStore(tmp_path / "sessions.sqlite3"),
         autoregressive=autoregressive,
-        compile_draft=compile_draft,
+        compiled=compile,
     )
     app = FsdChatApp(options, loader=lambda progress: pair)
     async with app.run_test(size=SIZE) as pilot:
@@ -99,7 +99,7 @@ async def test_a_failed_compilation_is_told_once_and_the_chat_goes_on(
         target=pair.target_spec,
         draft=pair.draft_spec,
         store=SessionStore(tmp_path / "sessions.sqlite3"),
-        compile_draft=True,
+        compiled=True,
         max_new_tokens=20,
     )
     app = FsdChatApp(options, loader=lambda progress: pair)
