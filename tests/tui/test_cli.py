@@ -59,8 +59,12 @@ def test_config_fills_in_and_flags_override(
         f'target = "{target_dir}"\ndraft = "{tmp_path / "gone"}"\nthreshold = -1.0\n'
     )
     code, _, err = run([], capsys)  # target, draft and threshold all from the config
-    assert code == 2 and "threshold must be a finite number ≥ 0" in err
-    code, _, err = run(["--threshold", "0.2"], capsys)  # the flag wins; the draft is still the config's
+    assert code == 2 and "config.toml: threshold: threshold must be a finite number ≥ 0" in err
+    # config.toml is checked whole when it is read: a flag does not hide a bad setting.
+    code, _, err = run(["--threshold", "0.2"], capsys)
+    assert code == 2 and "config.toml: threshold: " in err
+    (config_dir() / "config.toml").write_text(f'target = "{target_dir}"\ndraft = "{tmp_path / "gone"}"\n')
+    code, _, err = run(["--threshold", "0.2"], capsys)  # the draft is the config's
     assert code == 2 and err == f"fsd-chat: error: model path not found: {tmp_path / 'gone'}\n"
     (config_dir() / "config.toml").write_text('[keymap]\nstopp = "x"\n')
     code, _, err = run(["--target", str(target_dir), "--draft", str(target_dir)], capsys)
@@ -105,4 +109,5 @@ def test_a_bad_config_value_fails_like_the_flag(
     config_dir().mkdir(parents=True)
     (config_dir() / "config.toml").write_text(setting + "\n")
     code, _, err = run(pair, capsys)  # before the screen opens: run() would not return otherwise
-    assert code == 2 and err == f"fsd-chat: error: {config_dir() / 'config.toml'}: {message}\n"
+    key = setting.split(" = ")[0]
+    assert code == 2 and err == f"fsd-chat: error: {config_dir() / 'config.toml'}: {key}: {message}\n"
