@@ -34,7 +34,7 @@ from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import default_path, render_markdown, write_atomic
 from fsd_chat.conversation.writer import SessionWriter
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.events import Step, StopReason
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -292,6 +292,25 @@ class ChatController:
         return self.decoder.generate(
             prompt_ids, max_new_tokens=self.options.max_new_tokens, sampling=self.sampling
         )
+
+    def read_ahead(self, steps: list[Step], cancelled: Callable[[], bool]) -> None:
+        """Feed the target's KV cache the conversation as the next prompt will start, the reply of
+        `steps` (those just decoded) included, while the user types the next message: that prompt
+        then prefills only the new message, however the model tokenised its reply (blocking;
+        called by the worker under `decoder_lock` when a reply ends). Nothing after a reply the
+        user stopped (esc, ctrl+n, quit: the machine is wanted back), and nothing when the template
+        cannot render the conversation (the next prompt says why).
+
+        Raises:
+            DeviceMemoryError: see `Decoder.read_ahead`.
+        """
+        if not steps or steps[-1].stop_reason == StopReason.STOPPED:
+            return
+        try:
+            ids = self.prompts.history(Message("assistant", "".join(s.text for s in steps)), cancelled)
+        except FsdChatError:
+            return
+        self.decoder.read_ahead(ids)
 
     def check_template(self) -> Notice | None:
         """Render the chat template once over a short conversation (the system prompt, if any, and

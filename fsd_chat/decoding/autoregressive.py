@@ -20,8 +20,8 @@ from fsd_chat.decoding.kv_cache import (
     compiled_capacity,
     context_length,
 )
-from fsd_chat.decoding.memory import frees_memory_on_oom
-from fsd_chat.decoding.reply import begin, eos_token_ids, target_step
+from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
+from fsd_chat.decoding.reply import begin, eos_token_ids, read_ahead, target_step
 from fsd_chat.decoding.settings import SamplingConfig, StepRule
 
 
@@ -82,6 +82,12 @@ class AutoregressiveDecoder:
     def compile_error(self) -> str | None:
         """See `Decoder.compile_error`: the target's."""
         return self.target.compile_error
+
+    def read_ahead(self, prompt_ids: list[int]) -> None:
+        """See `Decoder.read_ahead`."""
+        if self.reuse_prefix:
+            with frees_memory(self, "reading the conversation ahead"):
+                read_ahead(self.target, prompt_ids, self.controls, self.context)
 
     @frees_memory_on_oom
     def generate(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
@@ -43,18 +44,26 @@ def frees_memory_on_oom(
 
     @functools.wraps(generate)
     def guarded(decoder: D, *args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
-        try:
+        with frees_memory(decoder, "during the reply"):
             yield from generate(decoder, *args, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            models = decoder.owned_models
-            context = max((model.seen for model in models), default=0)
-            for model in models:
-                model.reset()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            detail = (str(exc).strip().splitlines() or ["out of memory"])[0]
-            raise DeviceMemoryError(
-                f"out of GPU memory during the reply, with {context} tokens in the KV cache ({detail}): {ADVICE}"
-            ) from None
 
     return guarded
+
+
+@contextlib.contextmanager
+def frees_memory(decoder: HasModels, doing: str) -> Iterator[None]:
+    """Within it, torch's out-of-memory error becomes a `DeviceMemoryError` (see
+    `frees_memory_on_oom`), its message saying what the decoder was `doing`."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        models = decoder.owned_models
+        context = max((model.seen for model in models), default=0)
+        for model in models:
+            model.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        detail = (str(exc).strip().splitlines() or ["out of memory"])[0]
+        raise DeviceMemoryError(
+            f"out of GPU memory {doing}, with {context} tokens in the KV cache ({detail}): {ADVICE}"
+        ) from None

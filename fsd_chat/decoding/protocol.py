@@ -53,3 +53,17 @@ class Decoder(Protocol):
             DeviceMemoryError: the device ran out of memory (the KV caches are freed).
         """
         ...
+
+    def read_ahead(self, prompt_ids: list[int]) -> None:
+        """Feed the target's KV cache `prompt_ids` now, so that a prompt starting with them
+        prefills only the rest: the chat calls it when a reply ends, with the conversation as the
+        next prompt will begin, while the user types. Nothing when the caches are not kept between
+        replies (`reuse_prefix` off).
+
+        Args:
+            prompt_ids: The tokens a later prompt will start with.
+
+        Raises:
+            UnsupportedCacheError, DeviceMemoryError: as `generate`.
+        """
+        ...

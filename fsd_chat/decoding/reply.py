@@ -206,14 +206,10 @@ def begin(
     deferred: Sequence[CachedModel] = (),
 ) -> Start:
     """Start a reply: prefill the models' caches (the target's first) with all prompt tokens but the
-    last (each step feeds the last token itself), `PREFILL_CHUNK` tokens a forward pass, reporting
-    after each the prompt tokens every model has read (`Controls.report_prefill`) when there are
-    more than one chunk's worth. With `reuse_prefix`, each cache keeps the tokens the prompt shares
-    with what it holds (`CachedModel.keep_prefix`) and only the rest is fed (the target's kept
-    tokens go to `Controls.cached_prompt_tokens`); else the caches start empty. The caches of
-    `deferred` models (some of `models`: a draft a paused draft policy will not run for a while) are
-    kept or emptied likewise but not fed: their first forward pass reads the tokens they lack at
-    once. `time_phases`: synchronise the device at each phase so that draft, target and other
+    last (each step feeds the last token itself) through `read_prompt`; a stop requested while a
+    long prompt is read marks the reply unread. The caches of `deferred` models (some of `models`: a
+    draft a paused draft policy will not run for a while) are kept or emptied but not fed: their
+    first forward pass reads the tokens they lack at once. `time_phases`: synchronise the device at each phase so that draft, target and other
     seconds are exact (see `PhaseClock`).
 
     Raises:
@@ -233,9 +229,40 @@ def begin(
     )
     clock = PhaseClock(device, synchronize=time_phases)
     prefix = reply.length - 1
+    reply.unread = not read_prompt(
+        models, reply.seq, prefix, controls, reuse_prefix=reuse_prefix, deferred=deferred
+    )
+    return Start(reply, seeded_generator(sampling, device), clock, clock.lap())
+
+
+def read_prompt(
+    models: Sequence[CachedModel],
+    seq: torch.Tensor,
+    prefix: int,
+    controls: Controls,
+    *,
+    reuse_prefix: bool,
+    deferred: Sequence[CachedModel] = (),
+) -> bool:
+    """Bring each model's KV cache to the tokens seq[0, :prefix]: keep the cached tokens they start
+    with (`CachedModel.keep_prefix`; none without `reuse_prefix`) and feed the rest, `PREFILL_CHUNK`
+    tokens a forward pass, the models in step, reporting the progress between chunks
+    (`Controls.report_prefill`) when there is more than one. `deferred` models are kept or emptied
+    likewise but not fed. The target's kept tokens go to `Controls.cached_prompt_tokens`.
+
+    Args:
+        models: The models, the target's first.
+        seq: Token buffer, shape [1, ≥ prefix] int64 on the models' device.
+        prefix: Tokens to bring the caches to.
+        controls: Progress listener and stop requests.
+
+    Returns:
+        Whether every chunk was read: False when a stop was requested (esc, a client gone) between
+        two chunks; the caches then keep what they read, for the next prompt.
+    """
     for model in models:
         if reuse_prefix:
-            model.keep_prefix(reply.seq, prefix)
+            model.keep_prefix(seq, prefix)
         else:
             model.reset()
     controls.cached_prompt_tokens = models[0].seen
@@ -244,25 +271,42 @@ def begin(
     fed = [model for model in models if model not in deferred]
     start = min(model.seen for model in fed)
     ends = [*range(start + PREFILL_CHUNK, prefix, PREFILL_CHUNK), prefix]
-    if len(ends) > 1:
+    chunked = len(ends) > 1
+    if chunked:
         controls.report_prefill(start, prefix)  # at once: the first chunk takes a while too
+    read = True
     for upto in ends:
-        if len(ends) > 1 and controls.stop_requested:
-            # Stopped (esc, a client gone) while the prompt is read: the reply ends within one
-            # chunk, before its first token. The caches keep what they read, for the next prompt.
-            reply.unread = True
+        if chunked and controls.stop_requested:
+            read = False
             break
         for model in fed:
             if model.seen < upto:
-                model.forward(reply.seq, upto, keep=1)
-        if len(ends) > 1:
+                model.forward(seq, upto, keep=1)
+        if chunked:
             controls.report_prefill(upto, prefix)
-    if len(ends) > 1:
+    if chunked:
         for model in fed:
             # Sliding-window layers record their past from the first forward pass on: cut it back
             # to the window, as one pass would have left it (`CachedModel.forward`).
             model.rollback(model.seen)
-    return Start(reply, seeded_generator(sampling, device), clock, clock.lap())
+    return read
+
+
+def read_ahead(model: CachedModel, prompt_ids: list[int], controls: Controls, context: int | None) -> None:
+    """Bring the model's KV cache to `prompt_ids` now (see `read_prompt`), so that a later prompt that
+    starts with them prefills only the rest (`Decoder.read_ahead`). Ids that would leave the context
+    window no room for a reply are not read.
+
+    Args:
+        model: The target, reusing its cache from reply to reply.
+        prompt_ids: The tokens a later prompt will start with.
+        controls: Stop requests (a long read ends between two chunks when one comes).
+        context: The context window in tokens, or None.
+    """
+    if not prompt_ids or (context is not None and len(prompt_ids) >= context):
+        return
+    seq = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    read_prompt([model], seq, len(prompt_ids), controls, reuse_prefix=True)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:

@@ -44,9 +44,9 @@ from fsd_chat.decoding.kv_cache import (
     context_length,
 )
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
-from fsd_chat.decoding.memory import frees_memory_on_oom
+from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
-from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, target_step
+from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, read_ahead, target_step
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
@@ -167,6 +167,13 @@ class SpeculativeDecoder:
     def owned_models(self) -> tuple[CachedModel, ...]:
         """Every model whose KV cache this decoder holds (freed on out-of-memory)."""
         return (self.target, *self.proposer.owned_models)
+
+    def read_ahead(self, prompt_ids: list[int]) -> None:
+        """See `Decoder.read_ahead`: the target's cache only (a draft reads what it lacks when it
+        next drafts)."""
+        if self.reuse_prefix:
+            with frees_memory(self, "reading the conversation ahead"):
+                read_ahead(self.target, prompt_ids, self.controls, self.context)
 
     @frees_memory_on_oom
     def generate(

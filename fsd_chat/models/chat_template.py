@@ -228,6 +228,7 @@ def prompt_ids(
     raw: bool = False,
     vocab_size: int | None = None,
     limits: RenderLimits | None = None,
+    generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of the prompt that asks for the next assistant turn.
 
@@ -241,6 +242,8 @@ def prompt_ids(
         vocab_size: The models' shared vocabulary (`ModelPair.vocab_size`): a prompt holding a
             token id at or beyond it is refused (an embedding lookup would fail mid-reply).
         limits: Render the chat template under these limits first (see `check_template`).
+        generation_prompt: End with the template's opening of an assistant turn; False: the
+            conversation alone (what the prompt after the next user turn starts with).
 
     Raises:
         TextError: a turn holds text that is not valid UTF-8.
@@ -259,7 +262,7 @@ def prompt_ids(
                 check_template(tokenizer, conversation, limits)
             rendered = tokenizer.apply_chat_template(
                 conversation,
-                add_generation_prompt=True,
+                add_generation_prompt=generation_prompt,
                 tokenize=True,
                 return_dict=False,
                 sanitize_control_tokens=True,
@@ -392,6 +395,8 @@ class PromptBuilder:
         self._counts: dict[str, int] = {}
         self._first: tuple[int, Message] | None = None
         """Index (among the turns) and message of the last prompt's first kept turn."""
+        self._kept: list[Message] = []
+        """The messages the last prompt was built from (the system prompt and the kept turns)."""
 
     def _count(self, text: str) -> int:
         count = self._counts.get(text)
@@ -457,4 +462,23 @@ class PromptBuilder:
         )
         first = len(messages) - len(kept) + len(head)
         self._first = (first - len(head), messages[first]) if first < len(messages) - 1 else None
+        self._kept = kept
         return len(messages) - len(kept), ids
+
+    def history(self, reply: Message, cancelled: Callable[[], bool] = lambda: False) -> list[int]:
+        """The token ids the next prompt will start with while the conversation fits: the last
+        prompt's messages and its `reply`, without the template's opening of an assistant turn
+        (see `Decoder.read_ahead`). The reply is tokenised as the next prompt will tokenise it,
+        which need not be how the model emitted it.
+
+        Raises:
+            ChatTemplateError, TemplateLimitError, UnknownTokenError, TextError: see `prompt_ids`.
+        """
+        return prompt_ids(
+            self.tokenizer,
+            [*self._kept, reply],
+            raw=self.raw,
+            vocab_size=self.vocab_size,
+            limits=RenderLimits(self.seconds, self.size, cancelled),
+            generation_prompt=False,
+        )

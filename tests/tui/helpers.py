@@ -48,6 +48,9 @@ class WrappedDecoder:
             )
         )
 
+    def read_ahead(self, prompt_ids: list[int]) -> None:
+        self.inner.read_ahead(prompt_ids)
+
     def wrap(self, steps: Iterator[Step]) -> Iterator[Step]:
         """The steps this decoder yields, given the inner decoder's (unchanged here)."""
         return steps

@@ -39,6 +39,7 @@ from fsd_chat.conversation.controller import (
 from fsd_chat.conversation.session import Session, Turn
 from fsd_chat.conversation.store import BUSY_TIMEOUT
 from fsd_chat.decoding.controls import Controls
+from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
@@ -230,15 +231,18 @@ class ChatScreen(Screen[None]):
             self.controls.listen_prefill(
                 lambda done, total: self.post_message(PrefillProgress(generation, done, total))
             )
+            decoded: list[Step] = []
             try:
                 for step in self.chat.steps(ids):
+                    decoded.append(step)
                     if buffer.add(step):
                         self.post_message(StepsReady(generation))
                     if worker.is_cancelled:
                         return
             finally:
                 self.controls.listen_prefill(None)
-        self.post_message(StepsReady(generation, ended=True))
+            self.post_message(StepsReady(generation, ended=True))
+            self.chat.read_ahead(decoded, lambda: worker.is_cancelled)
 
     def on_prompt_ready(self, message: PromptReady) -> None:
         """The prompt is built: the message and its reply join the session (stored by the controller)."""
