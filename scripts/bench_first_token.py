@@ -4,8 +4,9 @@ JSON.
 
 First tokens: one conversation (messages of the same length, replies capped) driven until it has
 filled the context window and lost its oldest exchanges; every reply is decoded by two decoders
-over the same pair, one reusing its KV caches (`reuse_prefix`), one starting each reply from empty
-caches, in alternating order. Both reply the same text (greedy); the conversation goes on with it.
+over the same pair, one reusing its KV caches (`reuse_prefix`) and reading the conversation ahead
+when a reply ends (`Decoder.read_ahead`, as the chat does while the user types), one starting each
+reply from empty caches, in alternating order. Both reply the same text (greedy); the conversation goes on with it.
 
 UI block: the real chat (Textual, headless) resumes a stored 600-turn session; a ticker in the UI's
 event loop records how late it runs (the longest stall) from Enter until the message is stored.
@@ -90,6 +91,7 @@ def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[
             seconds[name], texts[name] = stats.first_token_seconds, "".join(text)
         assert texts["reuse"] == texts["fresh"], "prefix reuse changed a greedy reply"
         messages.append(Message("assistant", texts["reuse"]))
+        reusing.read_ahead(builder.history(messages[-1]))  # as the chat does while the user types
         rows.append(
             {
                 "reply": turn + 1,

@@ -17,6 +17,7 @@ from fsd_chat.models.chat_template import Message, PromptBuilder, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
 from tests.decoding_helpers import collect
+from tests.test_draft_policy import CAPPED, slow_decoder, tokens_fed
 from tests.test_prefix_reuse import QUESTIONS, count_fed
 from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
 
@@ -24,7 +25,8 @@ MAX_NEW_TOKENS = 24
 
 
 def make(pair: ModelPair, kind: str) -> Decoder:
-    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4))
+    # A fixed draft length: the draft drafts every step, so its cache is read ahead too.
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed"))
     return pair.autoregressive(controls) if kind == "autoregressive" else pair.speculative(controls)
 
 
@@ -59,6 +61,7 @@ def test_after_reading_ahead_a_reply_prefills_only_the_new_message(pair: ModelPa
         # and the conversation part (its end of turn, and the reply where its text tokenises
         # otherwise), and the reply's last token, which no forward pass has fed yet.
         assert 0 < sum(fed) <= len(history) - common_prefix(ids + got.ids, history) + 1
+        assert all(model.seen == len(history) for model in reusing.cached_models)  # type: ignore[attr-defined]
 
 
 def test_reading_ahead_replaces_a_reply_the_text_tokenises_otherwise(pair: ModelPair) -> None:
@@ -121,3 +124,16 @@ async def test_the_chat_reads_the_conversation_ahead_between_replies(pair: Model
     second = prompt_ids(pair.tokenizer, turns[:3])
     assert second[: len(history)] == history
     assert fed[0] == len(second) - 1 - len(history)
+
+
+def test_a_paused_draft_is_not_read_ahead(pair: ModelPair) -> None:
+    """A draft its policy has paused (here: one that cannot pay under the CAPPED timings) reads
+    nothing ahead, as it reads no prompt at a reply's start; the target does."""
+    decoder = slow_decoder(pair, pair.draft, CAPPED)
+    prompt = pair.tokenizer(QUESTIONS[0]).input_ids
+    run = collect(decoder.generate(prompt, max_new_tokens=40))
+    assert run.steps[-1].stats.paused is not None
+    draft_fed = tokens_fed(decoder)
+    history = [*prompt, *run.ids, 13]
+    decoder.read_ahead(history)
+    assert decoder.target.seen == len(history) and draft_fed == []

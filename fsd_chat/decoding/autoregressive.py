@@ -87,7 +87,7 @@ class AutoregressiveDecoder:
         """See `Decoder.read_ahead`."""
         if self.reuse_prefix:
             with frees_memory(self, "reading the conversation ahead"):
-                read_ahead(self.target, prompt_ids, self.controls, self.context)
+                read_ahead([self.target], prompt_ids, self.controls, self.context)
 
     @frees_memory_on_oom
     def generate(

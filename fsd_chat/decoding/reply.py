@@ -292,21 +292,28 @@ def read_prompt(
     return read
 
 
-def read_ahead(model: CachedModel, prompt_ids: list[int], controls: Controls, context: int | None) -> None:
-    """Bring the model's KV cache to `prompt_ids` now (see `read_prompt`), so that a later prompt that
-    starts with them prefills only the rest (`Decoder.read_ahead`). Ids that would leave the context
-    window no room for a reply are not read.
+def read_ahead(
+    models: Sequence[CachedModel],
+    prompt_ids: list[int],
+    controls: Controls,
+    context: int | None,
+    deferred: Sequence[CachedModel] = (),
+) -> None:
+    """Bring the models' KV caches to `prompt_ids` now (`read_prompt`, reusing what they hold), so
+    that a later prompt that starts with them prefills only the rest (`Decoder.read_ahead`). Ids
+    that would leave the context window no room for a reply are not read.
 
     Args:
-        model: The target, reusing its cache from reply to reply.
+        models: The models, the target's first.
         prompt_ids: The tokens a later prompt will start with.
         controls: Stop requests (a long read ends between two chunks when one comes).
         context: The context window in tokens, or None.
+        deferred: Models kept as far as they agree, but not fed (see `begin`).
     """
     if not prompt_ids or (context is not None and len(prompt_ids) >= context):
         return
-    seq = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
-    read_prompt([model], seq, len(prompt_ids), controls, reuse_prefix=True)
+    seq = torch.tensor([prompt_ids], dtype=torch.long, device=models[0].device)
+    read_prompt(models, seq, len(prompt_ids), controls, reuse_prefix=True, deferred=deferred)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:

@@ -169,11 +169,14 @@ class SpeculativeDecoder:
         return (self.target, *self.proposer.owned_models)
 
     def read_ahead(self, prompt_ids: list[int]) -> None:
-        """See `Decoder.read_ahead`: the target's cache only (a draft reads what it lacks when it
-        next drafts)."""
+        """See `Decoder.read_ahead`: the models `begin` feeds, but a draft whose policy is paused
+        (its first probe reads what it lacks)."""
         if self.reuse_prefix:
+            kept = self._kept_policy
+            paused = kept is not None and kept[1].pause is not None
+            deferred = self.proposer.cached_models if paused else ()
             with frees_memory(self, "reading the conversation ahead"):
-                read_ahead(self.target, prompt_ids, self.controls, self.context)
+                read_ahead(self.cached_models, prompt_ids, self.controls, self.context, deferred)
 
     @frees_memory_on_oom
     def generate(
