@@ -6,7 +6,9 @@ First tokens: one conversation (messages of the same length, replies capped) dri
 filled the context window and lost its oldest exchanges; every reply is decoded by two decoders
 over the same pair, one reusing its KV caches (`reuse_prefix`) and reading the conversation ahead
 when a reply ends (`Decoder.read_ahead`, as the chat does while the user types), one starting each
-reply from empty caches, in alternating order. Both reply the same text (greedy); the conversation goes on with it.
+reply from empty caches, in alternating order. Both reply the same text (greedy); the conversation
+goes on with it. The conversation is driven `--repeats` times with new decoders; each reply's
+figure is the median over them.
 
 UI block: the real chat (Textual, headless) resumes a stored 600-turn session; a ticker in the UI's
 event loop records how late it runs (the longest stall) from Enter until the message is stored.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -114,6 +117,12 @@ def first_tokens(pair: ModelPair, turns: int, max_new_tokens: int) -> list[dict[
     return rows
 
 
+def median_row(rows: list[dict[str, float | int]]) -> dict[str, float | int]:
+    """One reply's figures over the conversations: the median of each (the counts are the same
+    in every run: greedy replies)."""
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+
+
 def long_session(turns: int) -> Session:
     """A stored-looking session of `turns` turns (user and assistant alternating)."""
     session = Session(new_session_id(), now(), {}, {})
@@ -181,13 +190,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--session-turns", type=int, default=600)
     parser.add_argument("--sends", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Conversations (each figure is the replies' median)."
+    )
     parser.add_argument("--output", type=Path, default=Path("bench-first-token.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     pair = load_pair(
         ModelSpec(args.target), ModelSpec(args.draft), LoadOptions(device="cpu", dtype="float32")
     )
-    rows = first_tokens(pair, args.turns, args.max_new_tokens)
+    runs = [first_tokens(pair, args.turns, args.max_new_tokens) for _ in range(args.repeats)]
+    rows = [median_row([run[i] for run in runs]) for i in range(args.turns)]
     second = rows[1]["first_token_seconds_reuse"]
     before_trim = [r for r in rows[1:] if not r["dropped_messages"]]
     worst_before_trim = max(r["first_token_seconds_reuse"] for r in before_trim) / second
@@ -198,7 +211,9 @@ def main() -> None:
         "draft": args.draft,
         "threads": 1,
         "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
         "replies": rows,
+        "runs": runs,
         "worst_reuse_over_second_before_trim": worst_before_trim,
         "session_turns": args.session_turns,
         "ui_stall_seconds_per_send": stalls,
