@@ -7,7 +7,6 @@ reply from an empty cache."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,9 +16,8 @@ from fsd_chat.models.chat_template import Message, PromptBuilder, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
 from tests.decoding_helpers import collect
-from tests.test_draft_policy import CAPPED, slow_decoder, tokens_fed
 from tests.test_prefix_reuse import QUESTIONS, count_fed
-from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
+from tests.tui.helpers import SIZE, make_app, tokens_read, wait_for, wait_for_chat
 
 MAX_NEW_TOKENS = 24
 
@@ -99,13 +97,7 @@ def test_reading_ahead_past_the_context_window_reads_nothing(pair: ModelPair) ->
 async def test_the_chat_reads_the_conversation_ahead_between_replies(pair: ModelPair, tmp_path: Path) -> None:
     """The real app: the second message's prefill feeds its own tokens only."""
     app = make_app(pair, tmp_path, max_new_tokens=12)
-    fed: list[int] = []
-
-    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        fed.append(kwargs["input_ids"].shape[1])
-
-    hook = pair.target.register_forward_pre_hook(count, with_kwargs=True)
-    try:
+    with tokens_read(pair.target) as fed:
         async with app.run_test(size=SIZE) as pilot:
             await wait_for_chat(pilot)
             screen = app.screen
@@ -117,23 +109,8 @@ async def test_the_chat_reads_the_conversation_ahead_between_replies(pair: Model
                 await wait_for(pilot, lambda: screen.streaming is None and len(fed) > 0)
             await wait_for(pilot, lambda: not app.workers)
             turns = [Message(t.role, t.content) for t in screen.session.turns]
-    finally:
-        hook.remove()
     assert [t.role for t in turns] == ["user", "assistant", "user", "assistant"]
     history = prompt_ids(pair.tokenizer, turns[:2], generation_prompt=False)
     second = prompt_ids(pair.tokenizer, turns[:3])
     assert second[: len(history)] == history
     assert fed[0] == len(second) - 1 - len(history)
-
-
-def test_a_paused_draft_is_not_read_ahead(pair: ModelPair) -> None:
-    """A draft its policy has paused (here: one that cannot pay under the CAPPED timings) reads
-    nothing ahead, as it reads no prompt at a reply's start; the target does."""
-    decoder = slow_decoder(pair, pair.draft, CAPPED)
-    prompt = pair.tokenizer(QUESTIONS[0]).input_ids
-    run = collect(decoder.generate(prompt, max_new_tokens=40))
-    assert run.steps[-1].stats.paused is not None
-    draft_fed = tokens_fed(decoder)
-    history = [*prompt, *run.ids, 13]
-    decoder.read_ahead(history)
-    assert decoder.target.seen == len(history) and draft_fed == []

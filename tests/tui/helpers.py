@@ -6,8 +6,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from textual.pilot import Pilot
 
@@ -145,3 +147,18 @@ async def wait_for_chat(pilot: Pilot) -> None:
     app = pilot.app
     await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, PromptInput))
     await pilot.pause()
+
+
+@contextmanager
+def tokens_read(model: Any) -> Iterator[list[int]]:
+    """Within it, a list of the tokens each forward pass of `model` (a transformers model) reads."""
+    fed: list[int] = []
+
+    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        fed.append(kwargs["input_ids"].shape[1])
+
+    hook = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        yield fed
+    finally:
+        hook.remove()

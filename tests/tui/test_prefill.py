@@ -16,7 +16,7 @@ from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.conversation import ReplyView
 from tests.test_chat_prefill import CHUNK, PROMPT
-from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
+from tests.tui.helpers import SIZE, make_app, tokens_read, wait_for, wait_for_chat
 
 
 def held_app(
@@ -71,13 +71,7 @@ async def test_escape_while_the_prompt_is_read_ends_the_reply_within_a_chunk(
 ) -> None:
     # Held after the first chunk while esc is pressed.
     app, held, release = held_app(pair, tmp_path, monkeypatch, CHUNK)
-    fed: list[int] = []
-
-    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        fed.append(kwargs["input_ids"].shape[1])
-
-    hook = pair.target.register_forward_pre_hook(count, with_kwargs=True)
-    try:
+    with tokens_read(pair.target) as fed:
         async with app.run_test(size=SIZE) as pilot:
             await wait_for_chat(pilot)
             screen = app.screen
@@ -100,5 +94,3 @@ async def test_escape_while_the_prompt_is_read_ends_the_reply_within_a_chunk(
             await wait_for(pilot, lambda: len(screen.session.turns) == 4 and screen.streaming is None)
             last = screen.session.turns[3].reply
             assert last is not None and last.stop_reason == "max-new-tokens"
-    finally:
-        hook.remove()
