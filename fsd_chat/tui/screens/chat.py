@@ -197,9 +197,10 @@ class ChatScreen(Screen[None]):
 
     # --- sending and streaming -------------------------------------------------------------
 
-    def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
-        """Send the prompt's text, unless a reply is streaming. The prompt is built in the worker;
-        the message is stored once it is (`on_prompt_ready`), or given back (`on_prompt_failed`)."""
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        """Send the prompt's text, unless a reply is streaming. The prompt is built in the worker,
+        started once the message and its reply are on screen; the message is stored once the
+        prompt is built (`on_prompt_ready`), or given back (`on_prompt_failed`)."""
         sent = self.chat.send(event.text)
         if sent is None:
             return
@@ -212,8 +213,17 @@ class ChatScreen(Screen[None]):
         self.streaming = reply
         self._buffer = StepBuffer()
         self._pacer = BatchPacer()
-        self.query_one("#conversation", VerticalScroll).mount_all(self._sent_widgets)
-        self._generate(sent, self._buffer)
+        # Mounting the two widgets, laying out and drawing the screen is the reply's heaviest UI
+        # work: done while the first steps decode, it holds the interpreter lock they need and
+        # slows the start of every reply (most of its UI time, in a short fast one). Done first,
+        # it delays the first token by about as much as it would have cost the decoder.
+        await self.query_one("#conversation", VerticalScroll).mount_all(self._sent_widgets)
+        self.call_after_refresh(self._start_generation, sent, self._buffer)
+
+    def _start_generation(self, sent: Sent, buffer: StepBuffer) -> None:
+        """Start decoding `sent`, unless it was withdrawn meanwhile (a new chat, the chat closing)."""
+        if self.chat.is_current(sent.generation):
+            self._generate(sent, buffer)
 
     @work(thread=True, exclusive=True, group=GROUP, exit_on_error=False)
     def _generate(self, sent: Sent, buffer: StepBuffer) -> None:

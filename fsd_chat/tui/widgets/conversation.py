@@ -18,6 +18,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
 from textual.css.styles import RulesMap
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widgets import Markdown, Static
 
 from fsd_chat.conversation.session import (
@@ -71,7 +73,17 @@ def update_in_place(widget: Static, content: Content) -> None:
     widget.update(content, layout=not same)
 
 
-class UserMessage(Static):
+class TurnText(Static):
+    """Text of a turn, whose change of size does not lay the screen out a second time."""
+
+    # Textual's `virtual_size` asks for a layout of the whole screen when it changes, which it does
+    # in every layout that changes a widget's size: each update that grows the streaming reply
+    # (most of them, at speed) was laid out twice. The widgets of a turn do not scroll, so their
+    # virtual size is their size, which the first layout has just placed: the second changed nothing.
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+
+class UserMessage(TurnText):
     """A user turn."""
 
     def __init__(self, text: str) -> None:
@@ -84,6 +96,9 @@ class ReplyView(Vertical):
     Args:
         record: A finished reply to show (a resumed session), or None to stream a new one.
     """
+
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+    """Not a second layout when its size changes (see `TurnText`)."""
 
     def __init__(self, record: ReplyRecord | None = None) -> None:
         super().__init__(classes="reply turn")
@@ -106,11 +121,11 @@ class ReplyView(Vertical):
     def compose(self) -> ComposeResult:
         """The frozen lines (while streaming), the coloured text (the live tail while streaming)
         and the statistics line."""
-        frozen = Static(classes="provenance-frozen")
+        frozen = TurnText(classes="provenance-frozen")
         frozen.display = False
         yield frozen
-        yield Static(classes="provenance")
-        yield Static("", classes="reply-stats")
+        yield TurnText(classes="provenance")
+        yield TurnText("", classes="reply-stats")
 
     def on_mount(self) -> None:
         """A finished record is shown complete (as Markdown too when the chat shows Markdown)."""
