@@ -1,7 +1,8 @@
-"""GGUF files the tests write: a Llama model folder (the offline stories260K pair) converted to one
-GGUF file with the `gguf` package's writer, as llama.cpp's convert_hf_to_gguf.py does for a Llama
-with a SentencePiece-style BPE tokenizer (tensor names from `gguf.get_tensor_name_map`, the Q and K
-rows permuted for llama.cpp's rotary layout, the tokenizer in the metadata)."""
+"""GGUF files the tests write: a Llama model folder (the offline stories260K pair), or a Gemma 3 one
+with sliding-window layers, converted to one GGUF file with the `gguf` package's writer, as
+llama.cpp's convert_hf_to_gguf.py does for them with a SentencePiece-style BPE tokenizer (tensor
+names from `gguf.get_tensor_name_map`; a Llama's Q and K rows permuted for llama.cpp's rotary
+layout, a Gemma's norm weights stored plus one; the tokenizer in the metadata)."""
 
 from __future__ import annotations
 
@@ -69,14 +70,15 @@ def write_gguf(
     architecture: str = "llama",
     rename: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write the Llama model in `folder` (config.json, model.safetensors, tokenizer.json) as the
-    GGUF file `path`, its weights in float32, with CHATML as its chat template.
+    """Write the Llama or Gemma 3 model in `folder` (config.json, model.safetensors, tokenizer.json)
+    as the GGUF file `path`, its weights in float32, with CHATML as its chat template.
 
     Args:
         folder: A local Llama model folder.
         path: The file to write.
         sampling: general.sampling.* keys to write, by name ("temp", "top_k", "top_p", "min_p").
-        architecture: general.architecture (another name writes a file transformers cannot load).
+        architecture: general.architecture of a Llama (another name writes a file transformers
+            cannot load); a Gemma 3 is written as "gemma3".
         rename: Tokens to write under another string (a draft whose vocabulary maps less of the target's).
 
     Returns:
@@ -84,7 +86,8 @@ def write_gguf(
     """
     config = AutoConfig.from_pretrained(folder)
     state = load_file(folder / "model.safetensors")
-    writer = gguf.GGUFWriter(path, architecture)
+    gemma = config.model_type == "gemma3_text"
+    writer = gguf.GGUFWriter(path, "gemma3" if gemma else architecture)
     writer.add_name(folder.name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -93,10 +96,19 @@ def write_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(config.head_dim)
+    # Gemma 3's file holds the full layers' rotary base (its sliding layers' is transformers' default).
+    rope = config.rope_parameters["full_attention"] if gemma else config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if gemma:
+        # llama.cpp's Gemma3Model: the head size as key and value lengths, and the window (the
+        # layers' pattern is not written: llama.cpp and transformers both take one full layer in six).
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
+    else:
+        writer.add_rope_dimension_count(config.head_dim)
     tokens, types, scores, merges = _vocabulary(folder, rename or {})
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -110,13 +122,17 @@ def write_gguf(
     writer.add_chat_template(CHATML)
     for key, value in (sampling or {}).items():
         (writer.add_int32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.GEMMA3 if gemma else gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers
+    )
     for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if name.endswith("q_proj.weight"):
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1  # Gemma's RMSNorm scales by 1 + weight; llama.cpp's by the weight
+        elif not gemma and name.endswith("q_proj.weight"):
             tensor = _permute(tensor, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif not gemma and name.endswith("k_proj.weight"):
             tensor = _permute(tensor, config.num_key_value_heads)
         base = names.get_name(name.removesuffix(".weight"))
         assert base is not None, name

@@ -122,7 +122,18 @@ def test_keep_prefix_rolls_back_to_the_common_prefix(pair: ModelPair, upto: int)
     assert model.cache.get_seq_length() == 0
 
 
-def _save_gemma3(directory: Path, tokenizer_dir: Path, *, noise: float = 0.0) -> Path:
+def save_gemma3(
+    directory: Path,
+    tokenizer_dir: Path,
+    *,
+    noise: float = 0.0,
+    layer_types: tuple[str, ...] = (
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ),
+) -> Path:
     """A tiny random Gemma 3 with sliding-window layers (window 8 tokens) and full ones; with
     `noise`, its weights perturbed by that fraction of their spread (a draft that agrees often)."""
     torch.manual_seed(0)
@@ -130,13 +141,13 @@ def _save_gemma3(directory: Path, tokenizer_dir: Path, *, noise: float = 0.0) ->
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=len(layer_types),
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=1024,
         sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        layer_types=list(layer_types),
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -159,8 +170,8 @@ SLIDING_WINDOW = 8
 def gemma3(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> ModelPair:
     """A tiny Gemma 3 target and a perturbed copy as its draft (some drafts accepted, some rolled back)."""
     root = tmp_path_factory.mktemp("gemma3")
-    target = _save_gemma3(root / "target", target_dir)
-    draft = _save_gemma3(root / "draft", target_dir, noise=0.3)
+    target = save_gemma3(root / "target", target_dir)
+    draft = save_gemma3(root / "draft", target_dir, noise=0.3)
     return load_pair(
         ModelSpec(str(target)), ModelSpec(str(draft)), LoadOptions(device="cpu", dtype="float32")
     )
