@@ -209,8 +209,8 @@ def begin(
     last (each step feeds the last token itself) through `read_prompt`; a stop requested while a
     long prompt is read marks the reply unread. The caches of `deferred` models (some of `models`: a
     draft a paused draft policy will not run for a while) are kept or emptied but not fed: their
-    first forward pass reads the tokens they lack at once. `time_phases`: synchronise the device at each phase so that draft, target and other
-    seconds are exact (see `PhaseClock`).
+    first forward pass reads the tokens they lack at once. `time_phases`: synchronise the device at
+    each phase so that draft, target and other seconds are exact (see `PhaseClock`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
