@@ -1,11 +1,15 @@
-"""Small helpers for decoding tests: run a decoder to the end and collect what it emitted."""
+"""Small helpers for decoding tests: run a decoder to the end and collect what it emitted; count the
+tokens a model is fed per forward pass."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from fsd_chat.decoding import GenerationStats, Step
+from fsd_chat.decoding.kv_cache import CachedModel
 
 # How far a float32 recomputation of a log-probability may stray. log p(x) = logit(x) − log Σ exp(logits)
 # sums the V = 512 terms of the vocabulary, and recursive float32 summation of n terms is off by at
@@ -47,3 +51,16 @@ def collect(steps: Iterable[Step], prompt_ids: list[int] | None = None) -> Colle
         run.steps.append(step)
         run.stats.add(step)
     return run
+
+
+def count_fed(model: CachedModel) -> list[int]:
+    """Count the tokens fed to `model` per forward pass (a wrapper around the real forward)."""
+    fed: list[int] = []
+    forward = model.forward
+
+    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        fed.append(upto - model.seen)
+        return forward(seq, upto, keep)
+
+    model.forward = counting  # type: ignore[method-assign]
+    return fed

@@ -1,20 +1,27 @@
-"""GGUF files the tests write: a Llama model folder (the offline stories260K pair), or a Gemma 3 one
-with sliding-window layers, converted to one GGUF file with the `gguf` package's writer, as
-llama.cpp's convert_hf_to_gguf.py does for them with a SentencePiece-style BPE tokenizer (tensor
-names from `gguf.get_tensor_name_map`; a Llama's Q and K rows permuted for llama.cpp's rotary
-layout, a Gemma's norm weights stored plus one; the tokenizer in the metadata)."""
+"""GGUF files the tests write: a model folder converted to one GGUF file with the `gguf` package's
+writer, as llama.cpp's convert_hf_to_gguf.py does (tensor names from `gguf.get_tensor_name_map`, the
+tokenizer in the metadata), for two architectures:
+
+- a Llama (the offline stories260K pair) with a SentencePiece-style BPE tokenizer: the Q and K rows
+  permuted for llama.cpp's rotary layout, the merges written;
+- a Gemma 3 text model (`tests.tiny_models.save_gemma3`), as its class Gemma3Model writes it: the
+  RMSNorm weights stored +1 (llama.cpp's norm multiplies by the weight, Gemma 3's by 1 + weight),
+  key and value lengths, the sliding window, and a SentencePiece tokenizer ("llama") without merges
+  or a space prefix. No key says which layers slide: llama.cpp and transformers both assume Gemma
+  3's pattern (five sliding layers, then a full one), so a folder with other layer types is refused."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, Gemma3TextConfig, PretrainedConfig
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -62,32 +69,91 @@ def _vocabulary(
     return tokens, types, scores, merges
 
 
+def _llama_keys(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    writer.add_rope_dimension_count(config.head_dim)
+
+
+def _llama_tensor(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    if name.endswith("q_proj.weight"):
+        return _permute(tensor, config.num_attention_heads)
+    if name.endswith("k_proj.weight"):
+        return _permute(tensor, config.num_key_value_heads)
+    return tensor
+
+
+def _gemma3_keys(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    """Gemma 3's keys. Neither the layer types nor the attention scale (query_pre_attn_scalar) has
+    one: transformers' reader takes Gemma3TextConfig's defaults (llama.cpp assumes the same layer
+    pattern), so a folder with others is refused. The sliding layers' rope theta has no key either
+    (both readers assume 10 000)."""
+    implied = Gemma3TextConfig(num_hidden_layers=config.num_hidden_layers)
+    for name in ("layer_types", "query_pre_attn_scalar"):
+        if getattr(config, name) != getattr(implied, name):
+            raise ValueError(
+                f"a Gemma 3 GGUF file implies {name} {getattr(implied, name)}, not {getattr(config, name)}"
+            )
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_add_space_prefix(False)
+    writer.add_pad_token_id(config.pad_token_id)
+
+
+def _gemma3_tensor(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    return tensor + 1 if name.endswith("norm.weight") else tensor
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What llama.cpp's converter writes differently for one architecture."""
+
+    arch: gguf.MODEL_ARCH
+    keys: Callable[[gguf.GGUFWriter, PretrainedConfig], None]
+    """Writes the architecture's own metadata keys."""
+    tensor: Callable[[str, torch.Tensor, PretrainedConfig], torch.Tensor]
+    """A folder's tensor (by its name there) as the file stores it."""
+    merges: bool
+    """Whether the file lists the BPE merges (Gemma's leaves them to be rebuilt from the token order)."""
+
+
+_LAYOUTS = {
+    "llama": _Layout(gguf.MODEL_ARCH.LLAMA, _llama_keys, _llama_tensor, merges=True),
+    "gemma3_text": _Layout(gguf.MODEL_ARCH.GEMMA3, _gemma3_keys, _gemma3_tensor, merges=False),
+}
+
+
 def write_gguf(
     folder: Path,
     path: Path,
     *,
     sampling: Mapping[str, float | int] | None = None,
-    architecture: str = "llama",
+    architecture: str | None = None,
     rename: Mapping[str, str] | None = None,
 ) -> Path:
     """Write the Llama or Gemma 3 model in `folder` (config.json, model.safetensors, tokenizer.json)
     as the GGUF file `path`, its weights in float32, with CHATML as its chat template.
 
     Args:
-        folder: A local Llama model folder.
+        folder: A local Llama or Gemma 3 (text) model folder.
         path: The file to write.
         sampling: general.sampling.* keys to write, by name ("temp", "top_k", "top_p", "min_p").
-        architecture: general.architecture of a Llama (another name writes a file transformers
-            cannot load); a Gemma 3 is written as "gemma3".
+        architecture: general.architecture, if not the folder's (another name writes a file
+            transformers cannot load).
         rename: Tokens to write under another string (a draft whose vocabulary maps less of the target's).
 
     Returns:
         `path`.
+
+    Raises:
+        ValueError: a Gemma 3 folder whose layer types or attention scale are not those a GGUF
+            file implies.
     """
     config = AutoConfig.from_pretrained(folder)
+    layout = _LAYOUTS[config.model_type]
     state = load_file(folder / "model.safetensors")
-    gemma = config.model_type == "gemma3_text"
-    writer = gguf.GGUFWriter(path, "gemma3" if gemma else architecture)
+    writer = gguf.GGUFWriter(path, architecture or gguf.MODEL_ARCH_NAMES[layout.arch])
     writer.add_name(folder.name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -96,47 +162,33 @@ def write_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    # Gemma 3's file holds the full layers' rotary base (its sliding layers' is transformers' default).
-    rope = config.rope_parameters["full_attention"] if gemma else config.rope_parameters
-    writer.add_rope_freq_base(rope["rope_theta"])
+    rope = config.rope_parameters  # Gemma 3's has one entry per layer type: the file holds the full layers'
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if gemma:
-        # llama.cpp's Gemma3Model: the head size as key and value lengths, and the window (the
-        # layers' pattern is not written: llama.cpp and transformers both take one full layer in six).
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_sliding_window(config.sliding_window)
-    else:
-        writer.add_rope_dimension_count(config.head_dim)
     tokens, types, scores, merges = _vocabulary(folder, rename or {})
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_scores(scores)
-    writer.add_token_merges(merges)
+    if layout.merges:
+        writer.add_token_merges(merges)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHATML)
+    layout.keys(writer, config)
     for key, value in (sampling or {}).items():
         (writer.add_int32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
-    names = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH.GEMMA3 if gemma else gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers
-    )
+    names = gguf.get_tensor_name_map(layout.arch, config.num_hidden_layers)
     for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if gemma and name.endswith("norm.weight"):
-            tensor = tensor + 1  # Gemma's RMSNorm scales by 1 + weight; llama.cpp's by the weight
-        elif not gemma and name.endswith("q_proj.weight"):
-            tensor = _permute(tensor, config.num_attention_heads)
-        elif not gemma and name.endswith("k_proj.weight"):
-            tensor = _permute(tensor, config.num_key_value_heads)
         base = names.get_name(name.removesuffix(".weight"))
         assert base is not None, name
-        writer.add_tensor(f"{base}.weight", np.ascontiguousarray(tensor.float().numpy()))
+        stored = layout.tensor(name, tensor.float(), config)
+        writer.add_tensor(f"{base}.weight", np.ascontiguousarray(stored.numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -31,7 +31,7 @@ from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, count_fed
 from tests.test_sampling_lossless import ALPHA, SAMPLING, chi_square_p_value, exact_first_two
 
 PROMPTS = ["Once upon a time", "The little bird was sad because"]
@@ -376,16 +376,7 @@ def slow_decoder(pair: ModelPair, draft: object, curve: ForwardTimings) -> Specu
 def tokens_fed(decoder: SpeculativeDecoder) -> list[int]:
     """A list that records, for each forward pass of the decoder's draft model from now on, the
     tokens it reads."""
-    draft = decoder.proposer.cached_models[0]
-    fed: list[int] = []
-    forward = draft.forward
-
-    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        fed.append(upto - draft.seen)
-        return forward(seq, upto, keep)
-
-    draft.forward = counting  # type: ignore[method-assign]
-    return fed
+    return count_fed(decoder.proposer.cached_models[0])
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.kv_cache import CachedModel
@@ -19,7 +18,8 @@ from fsd_chat.models.chat_template import Message, PromptBuilder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, count_fed
+from tests.tiny_models import GEMMA3_WINDOW, save_gemma3
 
 QUESTIONS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -32,19 +32,6 @@ QUESTIONS = [
     "They all went home and had a nap.",
 ]
 MAX_NEW_TOKENS = 60
-
-
-def count_fed(model: CachedModel) -> list[int]:
-    """Count the tokens fed to `model` per forward pass (a wrapper around the real forward)."""
-    fed: list[int] = []
-    forward = model.forward
-
-    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        fed.append(upto - model.seen)
-        return forward(seq, upto, keep)
-
-    model.forward = counting  # type: ignore[method-assign]
-    return fed
 
 
 def decoders(pair: ModelPair, kind: str) -> tuple[Decoder, Decoder]:
@@ -122,56 +109,21 @@ def test_keep_prefix_rolls_back_to_the_common_prefix(pair: ModelPair, upto: int)
     assert model.cache.get_seq_length() == 0
 
 
-def save_gemma3(
-    directory: Path,
-    tokenizer_dir: Path,
-    *,
-    noise: float = 0.0,
-    layer_types: tuple[str, ...] = (
-        "sliding_attention",
-        "sliding_attention",
-        "full_attention",
-        "sliding_attention",
-    ),
-) -> Path:
-    """A tiny random Gemma 3 with sliding-window layers (window 8 tokens) and full ones; with
-    `noise`, its weights perturbed by that fraction of their spread (a draft that agrees often)."""
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        sliding_window=SLIDING_WINDOW,
-        layer_types=list(layer_types),
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    config.tie_word_embeddings = False  # tied random embeddings make a model repeat its input
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():  # sharp logits: greedy choices that rounding cannot flip
-        model.get_output_embeddings().weight.mul_(8.0)
-        for param in model.parameters():
-            param.add_(noise * torch.randn_like(param) * param.std())
-    model.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
-    return directory
-
-
-SLIDING_WINDOW = 8
+SLIDING_WINDOW = GEMMA3_WINDOW
+LAYER_TYPES = [  # a full layer between sliding ones, not Gemma 3's own pattern
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+]
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> ModelPair:
     """A tiny Gemma 3 target and a perturbed copy as its draft (some drafts accepted, some rolled back)."""
     root = tmp_path_factory.mktemp("gemma3")
-    target = save_gemma3(root / "target", target_dir)
-    draft = save_gemma3(root / "draft", target_dir, noise=0.3)
+    target = save_gemma3(root / "target", target_dir, layers=4, layer_types=LAYER_TYPES)
+    draft = save_gemma3(root / "draft", target_dir, noise=0.3, layers=4, layer_types=LAYER_TYPES)
     return load_pair(
         ModelSpec(str(target)), ModelSpec(str(draft)), LoadOptions(device="cpu", dtype="float32")
     )

@@ -15,8 +15,9 @@ from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.chat_template import Message, PromptBuilder, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
-from tests.decoding_helpers import collect
-from tests.test_prefix_reuse import QUESTIONS, count_fed
+from tests.decoding_helpers import collect, count_fed
+from tests.test_draft_policy import CAPPED, slow_decoder, tokens_fed
+from tests.test_prefix_reuse import QUESTIONS
 from tests.tui.helpers import SIZE, make_app, tokens_read, wait_for, wait_for_chat
 
 MAX_NEW_TOKENS = 24
@@ -114,3 +115,16 @@ async def test_the_chat_reads_the_conversation_ahead_between_replies(pair: Model
     second = prompt_ids(pair.tokenizer, turns[:3])
     assert second[: len(history)] == history
     assert fed[0] == len(second) - 1 - len(history)
+
+
+def test_a_paused_draft_is_not_read_ahead(pair: ModelPair) -> None:
+    """A draft its policy has paused (here: one that cannot pay under the CAPPED timings) reads
+    nothing ahead, as it reads no prompt at a reply's start; the target does."""
+    decoder = slow_decoder(pair, pair.draft, CAPPED)
+    prompt = pair.tokenizer(QUESTIONS[0]).input_ids
+    run = collect(decoder.generate(prompt, max_new_tokens=40))
+    assert run.steps[-1].stats.paused is not None
+    draft_fed = tokens_fed(decoder)
+    history = [*prompt, *run.ids, 13]
+    decoder.read_ahead(history)
+    assert decoder.target.seen == len(history) and draft_fed == []

@@ -14,6 +14,8 @@ from transformers import (
     AutoTokenizer,
     FalconH1Config,
     Gemma2Config,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Gemma4TextConfig,
     GPT2Config,
     LlamaConfig,
@@ -80,6 +82,57 @@ def save_tiny_model(
     # Sharpen the random logits so greedy choices are not near-ties that rounding could flip.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
+    return directory
+
+
+GEMMA3_WINDOW = 8
+"""The sliding window of `save_gemma3`'s models, in tokens: far shorter than a reply."""
+
+
+def save_gemma3(
+    directory: Path,
+    tokenizer_dir: Path,
+    *,
+    noise: float = 0.0,
+    norm_spread: float = 0.0,
+    layers: int = 6,
+    layer_types: list[str] | None = None,
+) -> Path:
+    """A tiny random Gemma 3 with sliding-window layers (window GEMMA3_WINDOW) and full ones, saved
+    with the tokenizer from `tokenizer_dir`. Without `layer_types`, Gemma 3's own pattern: five
+    sliding layers, then a full one (the pattern a GGUF file implies, as it names no layer types).
+
+    Args:
+        noise: Perturb the weights by this fraction of their spread (a draft that agrees often).
+        norm_spread: Draw the RMSNorm weights (scales of 1 + weight) with this spread about 0, as
+            a trained model's are, where a new model's are all 0.
+    """
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_window=GEMMA3_WINDOW,
+        layer_types=layer_types,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config.tie_word_embeddings = False  # tied random embeddings make a model repeat its input
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # sharp logits: greedy choices that rounding cannot flip
+        model.get_output_embeddings().weight.mul_(8.0)
+        for name, param in model.named_parameters():
+            if norm_spread and name.endswith("norm.weight"):
+                param.normal_(0.0, norm_spread)
+            param.add_(noise * torch.randn_like(param) * param.std())
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
     return directory
