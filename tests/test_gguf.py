@@ -16,6 +16,7 @@ from textual.widgets import Static
 from fsd_chat.cli import main
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
+from fsd_chat.decoding import Controls, StopReason
 from fsd_chat.decoding.settings import LOOKUP, SamplingRequest
 from fsd_chat.models.default_model import fetch_default_model
 from fsd_chat.models.gguf_files import converted_dir
@@ -25,6 +26,7 @@ from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError, ModelLoadError
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.loading import LoadingScreen
+from tests.decoding_helpers import collect
 from tests.gguf_models import CHATML, write_gguf
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
@@ -83,6 +85,25 @@ def test_a_file_without_sampling_keys_or_at_temperature_0_decodes_greedily(
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
         "<|im_start|>user\nhi<|im_end|>\n"
     )
+
+
+def test_a_reply_ends_at_the_token_that_ends_a_turn(
+    tmp_path: Path, target_dir: Path, pair: ModelPair
+) -> None:
+    """A GGUF file names one end-of-sequence token; a chat model's turn may end with another
+    (gemma-3-270m-it's file names `<eos>`, its replies end with `<end_of_turn>`). Written here under
+    that name: the token stories260K emits first after TEXT, so that a reply ends at once."""
+    ids = pair.tokenizer(TEXT).input_ids
+    with torch.inference_mode():
+        first = int(pair.target(torch.tensor([ids])).logits[0, -1].argmax())
+    name = pair.tokenizer.convert_ids_to_tokens(first)
+    turned = write_gguf(target_dir, tmp_path / "turns.gguf", rename={name: "<end_of_turn>"})
+    loaded = load(turned)
+    assert loaded.target.generation_config.eos_token_id == sorted({pair.tokenizer.eos_token_id, first})
+    run = collect(loaded.autoregressive(Controls()).generate(ids, max_new_tokens=8))
+    assert run.ids == [] and run.steps[-1].stop_reason == StopReason.EOS
+    # The folder, whose vocabulary spells it as text, writes it.
+    assert collect(pair.autoregressive(Controls()).generate(ids, max_new_tokens=8)).ids[0] == first
 
 
 def test_a_changed_file_is_converted_again(tmp_path: Path, stories_gguf: Path) -> None:

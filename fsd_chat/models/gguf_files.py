@@ -50,8 +50,9 @@ _HEAD_BYTES = 1 << 20
 a rewritten model changes; size and mtime_ns catch the rest)."""
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
 """general.sampling.* keys (llama.cpp's gguf constants) -> the generation_config fields they set."""
-CONVERSION_FORMAT = 1
-"""Bumped when the converted copy's contents change, so older copies are converted again."""
+CONVERSION_FORMAT = 2
+"""Bumped when the converted copy's contents change, so older copies are converted again (2: the
+end-of-turn tokens among the generation config's end-of-sequence ids)."""
 
 
 def gguf_file(source: str, progress: Progress) -> Path | None:
@@ -145,7 +146,13 @@ def converted_model(path: Path, progress: Progress) -> Path:
     try:
         model, tokenizer = _convert(path)
         try:
-            _save(model, tokenizer, _generation_config(model.generation_config, metadata), path, staging)
+            _save(
+                model,
+                tokenizer,
+                _generation_config(model.generation_config, metadata, tokenizer),
+                path,
+                staging,
+            )
             staging.rename(folder)
         except OSError as exc:
             if not (folder / "config.json").is_file():  # not a conversion that finished first
@@ -229,9 +236,12 @@ def loadable_architectures() -> set[str]:
     return (set(GGUF_ARCHS) | set(GGUF_SUPPORTED_ARCHITECTURES)) - {"general", "tokenizer"}
 
 
-def _generation_config(base: GenerationConfig, metadata: Mapping[str, object]) -> GenerationConfig:
-    """`base` (transformers' from the file's token ids) with the file's general.sampling.* keys: they
-    turn sampling on; a file without them, or with temp <= 0, decodes greedily."""
+def _generation_config(
+    base: GenerationConfig, metadata: Mapping[str, object], tokenizer: PreTrainedTokenizerBase
+) -> GenerationConfig:
+    """`base` (transformers' from the file's token ids) with the file's general.sampling.* keys,
+    which turn sampling on (a file without them, or with temp <= 0, decodes greedily), and with the
+    tokens that end a turn among its end-of-sequence ids (`end_of_turn_ids`)."""
     sampling = {
         field: metadata[f"general.sampling.{key}"]
         for key, field in SAMPLING_KEYS.items()
@@ -239,7 +249,47 @@ def _generation_config(base: GenerationConfig, metadata: Mapping[str, object]) -
     }
     if float(sampling.get("temperature", 1.0)) <= 0:  # type: ignore[arg-type]
         sampling = {}  # llama.cpp samples greedily at temperature <= 0
-    return GenerationConfig.from_dict({**base.to_dict(), **sampling, "do_sample": bool(sampling)})
+    ends = end_of_turn_ids(base.eos_token_id, metadata, tokenizer)
+    return GenerationConfig.from_dict(
+        {**base.to_dict(), **sampling, "do_sample": bool(sampling), "eos_token_id": ends}
+    )
+
+
+END_OF_TURN_TOKENS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+)
+"""Tokens that end a turn wherever a vocabulary holds them: llama.cpp's list (llama-vocab.cpp, its
+end-of-generation tokens found by text). A GGUF file names one end-of-sequence token, often not the
+one its chat template ends a turn with: gemma-3-270m-it's names `<eos>`, while its replies end
+with `<end_of_turn>` (its generation_config.json lists both; the file cannot)."""
+
+
+def end_of_turn_ids(
+    eos: int | list[int] | None, metadata: Mapping[str, object], tokenizer: PreTrainedTokenizerBase
+) -> int | list[int] | None:
+    """The ids that end a reply of a GGUF model, as llama.cpp ends one: `eos` (the file's
+    end-of-sequence id, as transformers read it), the file's end-of-turn and end-of-message ids
+    (tokenizer.ggml.eot_token_id, eom_token_id), and every `END_OF_TURN_TOKENS` token its
+    vocabulary holds. One id stays an int (as transformers writes it); None when there are none."""
+    ids = {eos} if isinstance(eos, int) else set(eos or ())
+    ids |= {
+        v for key in ("eot", "eom") if isinstance(v := metadata.get(f"tokenizer.ggml.{key}_token_id"), int)
+    }
+    vocabulary = tokenizer.get_vocab()
+    ids |= {vocabulary[token] for token in END_OF_TURN_TOKENS if token in vocabulary}
+    ordered = sorted(ids)
+    return None if not ordered else ordered[0] if len(ordered) == 1 else ordered
 
 
 def local_model(source: str, progress: Progress | None) -> str | None:
