@@ -131,26 +131,26 @@ def test_smoke_models_and_one_reply(served: Served) -> None:
 def test_timings_count_the_cached_prompt_tokens_apart(served: Served) -> None:
     # As llama-server's: prompt_n counts the prompt tokens read now, cache_n those the KV cache kept
     # from the reply before. A text completion, then the same text with its reply and more re-sent:
-    # the decoder keeps what the new prompt shares with the last sequence (prompt and reply ids).
+    # while the client was away the engine read the prompt and the reply ahead, as one text.
     client = served.client()
     tokenizer = served.pair.tokenizer
-    first = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"fsd": {"origins": True}}
-    )
-    reply_ids = [t["id"] for t in extra(first.choices[0], "fsd_tokens")["content"]]
-    # What the target's KV cache holds: the reply's last token was drawn, never fed.
-    before = tokenizer(PROMPT).input_ids + reply_ids[:-1]
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
+    assert served.engine.wait_idle(30)  # a client's next request comes later than the engine reads
+    read_ahead = tokenizer(PROMPT + first.choices[0].text).input_ids
     text = PROMPT + first.choices[0].text + " The end."
     second = client.completions.create(model=MODEL, prompt=text, max_tokens=4)
     prompt = tokenizer(text).input_ids
-    shared = next((i for i, (a, b) in enumerate(zip(before, prompt, strict=False)) if a != b), len(before))
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(read_ahead, prompt, strict=False)) if a != b), len(read_ahead)
+    )
     # Every prompt token but the last is prefilled; the last is fed by the first step.
     expected_cache = min(shared, len(prompt) - 1)
     timings = extra(second, "timings")
-    assert expected_cache > len(tokenizer(PROMPT).input_ids)  # the reply's tokens were kept too
+    assert expected_cache >= len(read_ahead) - 1  # the reply's tokens were kept too
     assert timings["cache_n"] == expected_cache, timings
     assert timings["prompt_n"] == len(prompt) - expected_cache, timings
     # The same prompt again: everything but its last token is kept.
+    assert served.engine.wait_idle(30)
     again = client.completions.create(model=MODEL, prompt=text, max_tokens=4)
     assert extra(again, "timings")["cache_n"] == len(prompt) - 1
     assert extra(again, "timings")["prompt_n"] == 1
@@ -301,8 +301,9 @@ def test_a_client_giving_up_on_a_whole_reply_stops_the_decoder(served: Served) -
 
 @pytest.mark.slow
 def test_a_resent_history_prefills_only_what_is_new(served: Served) -> None:
-    """A multi-turn client re-sends the conversation: the decoder's KV cache keeps the shared start,
-    so the target's prefill feeds only the tokens after it (counted by a forward hook)."""
+    """A multi-turn client re-sends the conversation: when a reply ends the engine feeds the KV
+    caches the conversation as the next request will start (the reply as an assistant turn, as the
+    chat does), so that request's prefill feeds only its new message (counted by a forward hook)."""
     client = served.client()
     fed: list[int] = []
 
@@ -310,26 +311,29 @@ def test_a_resent_history_prefills_only_what_is_new(served: Served) -> None:
         fed.append(kwargs["input_ids"].shape[1])
 
     def prefilled(messages: list[dict[str, str]]) -> tuple[int, str]:
+        assert served.engine.wait_idle(30)  # the user types for longer than the engine reads ahead
         fed.clear()
         reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)  # type: ignore[arg-type]
         return fed[0], reply.choices[0].message.content or ""
 
-    tokenizer = served.pair.tokenizer
+    def ids(messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+        turns = [Message(m["role"], m["content"]) for m in messages]  # type: ignore[arg-type]
+        return prompt_ids(served.pair.tokenizer, turns, generation_prompt=generation_prompt)
+
     hook = served.pair.target.register_forward_pre_hook(count, with_kwargs=True)
     try:
         first = [{"role": "user", "content": "Tom had a red ball"}]
         fresh, answer = prefilled(first)
-        first_ids = prompt_ids(tokenizer, [Message("user", first[0]["content"])])
         # Nothing but the start-of-text token is shared with the previous request's sequence.
-        assert fresh >= len(first_ids) - 2
-        second = [
-            *first,
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": "He was happy"},
-        ]
+        assert fresh >= len(ids(first)) - 2
+        history = [*first, {"role": "assistant", "content": answer}]
+        second = [*history, {"role": "user", "content": "He was happy"}]
         again, _ = prefilled(second)
-        second_ids = prompt_ids(tokenizer, [Message(m["role"], m["content"]) for m in second])  # type: ignore[arg-type]
-        assert again <= len(second_ids) - len(first_ids)
+        read, new = ids(history, generation_prompt=False), ids(second)
+        shared = next((i for i, (a, b) in enumerate(zip(read, new, strict=False)) if a != b), len(read))
+        assert shared >= len(read) - 1  # the history's tokens start the new prompt (one may merge)
+        # Every token after what was read ahead, but the last (fed by the first step).
+        assert again == len(new) - 1 - shared
     finally:
         hook.remove()
 

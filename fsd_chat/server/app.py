@@ -30,7 +30,7 @@ from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, Samplin
 from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.server import errors
-from fsd_chat.server.engine import Delivery, Engine, Job, QueueFullError
+from fsd_chat.server.engine import Delivery, Engine, Job, QueueFullError, stop_index
 from fsd_chat.server.errors import APIError
 from fsd_chat.server.schema import ChatCompletionRequest, CompletionFields, CompletionRequest
 from fsd_chat.support.errors import ContextLengthError, FsdChatError, SettingsError
@@ -116,7 +116,7 @@ class _Reply:
         if self._stopped:
             return "", tokens
         self._pending += step.text
-        cut = min((i for s in self.stop_strings if (i := self._pending.find(s)) >= 0), default=-1)
+        cut = stop_index(self._pending, self.stop_strings)
         if cut >= 0:
             ready, self._pending, self._stopped = self._pending[:cut], "", True
         elif step.stop_reason is not None:
@@ -210,19 +210,37 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 code="model_not_found",
             )
 
-    def prompt_of(body: CompletionFields) -> list[int]:
+    def conversation(body: CompletionFields) -> tuple[list[Message], bool]:
+        """The request's turns, and whether they are joined as plain text (no chat template)."""
         if isinstance(body, ChatCompletionRequest):
             messages = [
                 Message("system" if m.role == "developer" else m.role, m.text()) for m in body.messages
             ]
-            raw = options.raw
-        else:
-            assert isinstance(body, CompletionRequest)
-            messages, raw = [Message("user", body.text())], True
+            return messages, options.raw
+        assert isinstance(body, CompletionRequest)
+        return [Message("user", body.text())], True
+
+    def render(messages: list[Message], raw: bool, generation_prompt: bool = True) -> list[int]:
         with tokenizer_lock:
             return prompt_ids(
-                pair.tokenizer, messages, raw=raw, vocab_size=pair.vocab_size, limits=RenderLimits()
+                pair.tokenizer,
+                messages,
+                raw=raw,
+                vocab_size=pair.vocab_size,
+                limits=RenderLimits(),
+                generation_prompt=generation_prompt,
             )
+
+    def prompt_of(body: CompletionFields) -> list[int]:
+        return render(*conversation(body))
+
+    def history(body: CompletionFields) -> Callable[[str], list[int]]:
+        """What a follow-up request re-sends, given the reply (`Job.history`): the messages and the
+        reply as an assistant turn, or, for a text completion, the prompt and the reply as one text."""
+        messages, raw = conversation(body)
+        if isinstance(body, CompletionRequest):
+            return lambda reply: render([Message("user", messages[0].content + reply)], raw)
+        return lambda reply: render([*messages, Message("assistant", reply)], raw, generation_prompt=False)
 
     async def prepare(body: CompletionFields, kind: Kind) -> _Prepared:
         check_model(body.model)
@@ -281,6 +299,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
             prepared.max_new_tokens,
             body.stop_strings(),
             deliver,
+            history=history(body),
         )
         try:
             engine.submit(job)

@@ -5,19 +5,30 @@ is new); the other requests wait first in, first out, in a bounded queue.
 A reply's steps are handed to whoever asked for it through `Job.deliver`, called in the worker
 thread. Cancelling the reply being decoded asks the decoder to stop through its `Controls`: the
 reply ends after the step in progress.
+
+When a reply ends and no other request waits, the worker reads the conversation ahead, as the chat
+does while its user types (`Decoder.read_ahead`): the KV caches are fed what a client's next request
+re-sends (`Job.history`: the messages and the reply as the client received it), so that request
+prefills only its new message, however the model tokenised its reply. A request that arrives
+meanwhile stops the reading between two chunks of the prefill.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.events import Step, StopReason
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig
+from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.log import log_exception
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(Exception):
@@ -42,6 +53,10 @@ class Job:
         cancelled: Set by `Engine.cancel`: a queued job is skipped, a running one stopped.
         cached_tokens: Prompt tokens the target's KV cache kept from the reply before (prefix
             reuse; not prefilled again): set before the first step is delivered.
+        history: The token ids a follow-up request would start with, given this reply's text as
+            the client received it (cut at a stop string); called in the worker thread after the
+            reply ends (None: nothing is read ahead). May raise `FsdChatError` (a template that
+            cannot render the conversation): nothing is read then.
     """
 
     prompt_ids: list[int]
@@ -52,6 +67,12 @@ class Job:
     deliver: Callable[[Delivery], None]
     cancelled: bool = field(default=False)
     cached_tokens: int = 0
+    history: Callable[[str], list[int]] | None = None
+
+
+def stop_index(text: str, stop_strings: tuple[str, ...]) -> int:
+    """Where the first stop string in `text` starts (-1: none): the client receives `text` up to it."""
+    return min((i for s in stop_strings if (i := text.find(s)) >= 0), default=-1)
 
 
 class Engine:
@@ -74,6 +95,11 @@ class Engine:
         """Guards `_current` and the stop flag: a cancel and the switch to the next job exclude
         each other, so a late cancel never stops the next reply."""
         self._current: Job | None = None
+        self._reading_ahead = False
+        """The worker is reading a conversation ahead (guarded by `_lock`): a new job stops it."""
+        self._idle = threading.Event()
+        """Set while no job is queued, decoded or read ahead."""
+        self._idle.set()
         self.steps = 0
         """Decoding steps run since the start (read by tests and the load script's checks)."""
         self._thread = threading.Thread(target=self._run, name="fsd-chat-serve-decoder", daemon=True)
@@ -85,10 +111,19 @@ class Engine:
         Raises:
             QueueFullError: the queue is full.
         """
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFullError from None
+        with self._lock:
+            try:
+                self._jobs.put_nowait(job)
+            except queue.Full:
+                raise QueueFullError from None
+            self._idle.clear()
+            if self._reading_ahead:  # the job waits for nothing that is only an optimisation
+                self.controls.request_stop()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no job is queued, decoded or read ahead (or `timeout` seconds pass); returns
+        whether it is so."""
+        return self._idle.wait(timeout)
 
     def cancel(self, job: Job) -> None:
         """Give up `job` (its client left): skipped if it is still queued, stopped after the step in
@@ -110,12 +145,18 @@ class Engine:
         with self._lock:
             if self._current is not None:
                 self._current.cancelled = True
+            if self._current is not None or self._reading_ahead:
                 self.controls.request_stop()
         self._jobs.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            with self._lock:
+                if self._jobs.empty():
+                    self._idle.set()
+            if (job := self._jobs.get()) is None:
+                return
             with self._lock:
                 if job.cancelled:
                     continue
@@ -123,6 +164,8 @@ class Engine:
                 # A stop requested for the previous reply after its last step is not this one's.
                 self.controls.clear_stop()
                 self.controls.update(**asdict(job.settings))
+            text: list[str] = []
+            ended: StopReason | None = None
             try:
                 for index, step in enumerate(
                     self.decoder.generate(
@@ -135,10 +178,39 @@ class Engine:
                     if index == 0:  # the prompt is read: its cached tokens are this reply's
                         job.cached_tokens = self.controls.cached_prompt_tokens
                     self.steps += 1
+                    text.append(step.text)
+                    ended = step.stop_reason
                     job.deliver(step)
             except Exception as exc:  # handed to the request, which answers it in OpenAI's shape
+                ended = None
                 job.deliver(exc)
             finally:
                 with self._lock:
                     self._current = None
+                    # Taken before the last delivery: the request marks its job cancelled once answered.
+                    kept = not job.cancelled and ended not in (None, StopReason.STOPPED)
                 job.deliver(None)
+            if kept and job.history is not None:
+                self._read_ahead(job.history, "".join(text), job.stop_strings)
+
+    def _read_ahead(
+        self, history: Callable[[str], list[int]], text: str, stop_strings: tuple[str, ...]
+    ) -> None:
+        """Read the conversation of a reply that ended (its `text`) ahead, unless a job waits."""
+        if (cut := stop_index(text, stop_strings)) >= 0:
+            text = text[:cut]
+        with self._lock:
+            if not self._jobs.empty():
+                return
+            self._reading_ahead = True
+            self.controls.clear_stop()
+        try:
+            self.decoder.read_ahead(history(text))
+        except FsdChatError as exc:  # a template that cannot render it, or out of memory: the next
+            # request prefills what it needs, and says why if it cannot
+            log.info("not read ahead: %s", exc)
+        except Exception as exc:  # a bug: logged, and the worker goes on serving
+            log_exception(exc, "reading a conversation ahead")
+        finally:
+            with self._lock:
+                self._reading_ahead = False
