@@ -278,7 +278,7 @@ async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: P
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         assert "converting stories.gguf (first start only)" in seen
-        assert "target stories.gguf (none)" in str(app.screen.query_one("#header", Static).content)
+        assert "target stories.gguf · " in str(app.screen.query_one("#header", Static).content)
         await pilot.press("f1")
         sampling = str(app.screen.query_one("#help-sampling", Static).content)
         assert "stories.gguf's generation_config: temperature 0.7, top-k 40" in sampling

@@ -299,8 +299,8 @@ def test_generate_json_and_the_transcript_name_the_mapped_draft(
     assert code == 0
     assert json.loads(out.splitlines()[-1])["draft"] == {"kind": "mapped", "coverage": pytest.approx(1.0)}
     mapped = replace(transcript_session(), models={**transcript_session().models, "draft_kind": "mapped"})
-    assert "| Draft | `/m/draft` (none) · vocabulary mapped onto the target's |" in render_markdown(mapped)
-    assert "| Draft | `/m/draft` (none) |" in render_markdown(transcript_session())
+    assert "| Draft | `/m/draft` · vocabulary mapped onto the target's |" in render_markdown(mapped)
+    assert "| Draft | `/m/draft` |" in render_markdown(transcript_session())
 
 
 def test_the_legend_names_the_mapped_draft() -> None:

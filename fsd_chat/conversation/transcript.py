@@ -29,6 +29,7 @@ from typing import Any
 from fsd_chat.conversation.session import ReplyRecord, Session, Setting, describe_setting, final_dial
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.models.options import quantization_note
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import visible
 
@@ -194,7 +195,7 @@ def _draft_cell(models: dict[str, Any], settings: dict[str, Any]) -> str:
         return "prompt lookup (no draft model)"
     # Sessions saved before mapped drafts have no kind: their drafts shared the target's tokenizer.
     mapped = " · vocabulary mapped onto the target's" if models.get("draft_kind") == "mapped" else ""
-    return f"{_code_cell(draft)} ({models.get('quantize_draft', 'none')}){mapped}"
+    return f"{_code_cell(draft)}{quantization_note(str(models.get('quantize_draft', 'none')))}{mapped}"
 
 
 def render_markdown(session: Session) -> str:
@@ -206,7 +207,7 @@ def render_markdown(session: Session) -> str:
         "| | |",
         "|---|---|",
         f"| Date | {session.created} |",
-        f"| Target | {_code_cell(str(m.get('target', '')))} ({m.get('quantize_target', 'none')}) |",
+        f"| Target | {_code_cell(str(m.get('target', '')))}{quantization_note(str(m.get('quantize_target', 'none')))} |",
         f"| Draft | {_draft_cell(m, session.settings)} |",
         f"| Device | {m.get('device', '')} {m.get('dtype', '')} |",
         f"| Decoding | {_decoding_cell(session.settings)} |",

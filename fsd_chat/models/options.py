@@ -12,6 +12,14 @@ from fsd_chat.support.errors import ModelLoadError
 
 Quantization = Literal["none", "8bit", "4bit"]
 QUANTIZATIONS: tuple[Quantization, ...] = ("none", "8bit", "4bit")
+
+
+def quantization_note(quantization: str) -> str:
+    """What follows a model's name to say how bitsandbytes quantized it: " (8bit)", " (4bit)", or
+    nothing for an unquantized model (its dtype is said with the device)."""
+    return "" if quantization == "none" else f" ({quantization})"
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 

@@ -21,7 +21,7 @@ from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.vocab_map import VocabularyMap
-from fsd_chat.models.options import ModelSpec
+from fsd_chat.models.options import ModelSpec, quantization_note
 
 
 @dataclass(slots=True)
@@ -84,10 +84,11 @@ class ModelPair:
         elif self.draft is None:
             draft = f"draft: {self.draft_label}, no draft model"
         else:
-            draft = f"draft {self.draft_spec.name} ({self.draft_spec.quantization})"
+            draft = f"draft {self.draft_spec.name}{quantization_note(self.draft_spec.quantization)}"
             if self.coverage is not None:
                 draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
-        return f"target {self.target_spec.name} ({self.target_spec.quantization}) · {draft} · {self.device} {dtype}"
+        target = f"target {self.target_spec.name}{quantization_note(self.target_spec.quantization)}"
+        return f"{target} · {draft} · {self.device} {dtype}"
 
     def decoder(
         self,

@@ -218,7 +218,7 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
     reply = screen.session.turns[1].reply
     assert reply is not None
     assert f"# fsd-chat session {screen.session.id}" in text
-    assert "| Target | `" in text and "stories260K` (none) |" in text
+    assert "| Target | `" in text and "stories260K` |" in text
     assert "| Device | cpu float32 |" in text
     assert "| Decoding | fuzzy · js · T 0.100 · k 4 |" in text
     assert "## System\n\n```text\nTell a story.\n```\n" in text

@@ -74,7 +74,7 @@ async def test_the_real_loader_reports_progress_then_opens_the_chat(
         await wait_for_chat(pilot)
         assert seen[-1] == "ready" and any("loading target model stories260K" in s for s in seen)
         header = str(app.screen.query_one("#header", Static).content)
-        assert "target stories260K (none) · draft stories260K-draft (none) · cpu float32" in header
+        assert "target stories260K · draft stories260K-draft · cpu float32" in header
         # The sampling in force: the offline target's generation_config asks for none, so greedy.
         assert header.endswith(" · greedy")
         await pilot.press("f1")
