@@ -83,9 +83,12 @@ gpu-check: $(if $(call GIVEN,GPU_PYTHON),,setup)
 		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")
 
 # What this workplace's GPU machines lack for gpu-check (docs/development.md): the locked wheels their
-# image has not, or not at the locked version (python 3.12, manylinux x86_64: about 57 MB, mostly
-# bitsandbytes), into .whl/; the offline pair, the tinystories prompts and the builder into shared/.
-GPU_WHEELS = transformers|bitsandbytes|platformdirs|typer|rich
+# image has not, or not at the locked version (python 3.12, manylinux x86_64: about 60 MB, mostly
+# bitsandbytes), into .whl/; the offline pair, the start of the tinystories prompts and the builder
+# into shared/.
+# typer needs pydantic, which the image has not (and pydantic a newer typing-extensions). Of the
+# stories, the first 256 KiB: the check's prompts are the first few, and a device call carries 64 MiB.
+GPU_WHEELS = transformers|bitsandbytes|platformdirs|typer|rich|pydantic|pydantic-core|annotated-types|typing-inspection|typing-extensions
 GPU_PLATFORMS = manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1
 
 gpu-carry: | $(BIN)/python
@@ -94,5 +97,6 @@ gpu-carry: | $(BIN)/python
 		$$(grep -E '^($(GPU_WHEELS))==' requirements.lock)
 	mkdir -p shared/data shared/tools
 	cp -r --no-preserve=mode "$(MODELS)" shared/
-	cp -r --no-preserve=mode "$(SHARED)/data/tinystories" shared/data/
+	mkdir -p shared/data/tinystories
+	for f in "$(SHARED)"/data/tinystories/*.txt; do head -c 262144 "$$f" > "shared/data/tinystories/$$(basename "$$f")"; done
 	cp --no-preserve=mode "$(SHARED)/tools/build_scaled_target.py" shared/tools/
