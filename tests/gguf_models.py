@@ -8,11 +8,17 @@ tokenizer in the metadata), for two architectures:
   RMSNorm weights stored +1 (llama.cpp's norm multiplies by the weight, Gemma 3's by 1 + weight),
   key and value lengths, the sliding window, and a SentencePiece tokenizer ("llama") without merges
   or a space prefix. No key says which layers slide: llama.cpp and transformers both assume Gemma
-  3's pattern (five sliding layers, then a full one), so a folder with other layer types is refused."""
+  3's pattern (five sliding layers, then a full one), so a folder with other layer types is refused.
+
+Both write the folder's RoPE scaling as llama.cpp's converter does: linear and YaRN as
+`{arch}.rope.scaling.*` keys (conversion/base.py TextModel.set_gguf_parameters, from the
+full-attention layers' parameters), Llama 3's as the tensor `rope_freqs.weight` (conversion/llama.py
+LlamaModel.generate_extra_tensors)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +75,57 @@ def _vocabulary(
     return tokens, types, scores, merges
 
 
+def _rope_scaling_keys(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    """The scaling keys llama.cpp writes for any architecture (TextModel.set_gguf_parameters): for
+    linear and YaRN scaling of the full-attention layers; Llama 3's goes into a tensor instead."""
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)
+    kind = rope["rope_type"]
+    if kind in ("default", "llama3"):
+        return
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"llama.cpp's converter writes no {kind} RoPE scaling")
+    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for field, add in (
+            ("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+            ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+            ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+        ):
+            if rope.get(field) is not None:
+                add(rope[field])
+
+
 def _llama_keys(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     writer.add_rope_dimension_count(config.head_dim)
+
+
+def llama3_rope_freqs(config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """`rope_freqs.weight` for Llama 3's RoPE scaling, as llama.cpp computes it
+    (LlamaModel.generate_extra_tensors, with its defaults): each base frequency's divisor, 1 for
+    short wavelengths, `factor` for long ones, smoothly in between."""
+    rope = config.rope_parameters
+    if rope["rope_type"] != "llama3":
+        return {}
+    base, dim = rope["rope_theta"], config.head_dim
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return {f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight": torch.tensor(factors)}
 
 
 def _llama_tensor(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
@@ -84,14 +139,17 @@ def _llama_tensor(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> 
 def _gemma3_keys(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     """Gemma 3's keys. Neither the layer types nor the attention scale (query_pre_attn_scalar) has
     one: transformers' reader takes Gemma3TextConfig's defaults (llama.cpp assumes the same layer
-    pattern), so a folder with others is refused. The sliding layers' rope theta has no key either
-    (both readers assume 10 000)."""
+    pattern), so a folder with others is refused. The sliding layers' RoPE has no key either (both
+    readers assume a base of 10 000, unscaled)."""
     implied = Gemma3TextConfig(num_hidden_layers=config.num_hidden_layers)
     for name in ("layer_types", "query_pre_attn_scalar"):
         if getattr(config, name) != getattr(implied, name):
             raise ValueError(
                 f"a Gemma 3 GGUF file implies {name} {getattr(implied, name)}, not {getattr(config, name)}"
             )
+    sliding, implied_sliding = (c.rope_parameters["sliding_attention"] for c in (config, implied))
+    if sliding != implied_sliding:
+        raise ValueError(f"a Gemma 3 GGUF file implies sliding layers' RoPE {implied_sliding}, not {sliding}")
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_sliding_window(config.sliding_window)
@@ -116,10 +174,12 @@ class _Layout:
     """A folder's tensor (by its name there) as the file stores it."""
     merges: bool
     """Whether the file lists the BPE merges (Gemma's leaves them to be rebuilt from the token order)."""
+    extra_tensors: Callable[[PretrainedConfig], dict[str, torch.Tensor]] = lambda config: {}
+    """Tensors the converter computes from the config (by their names in the file)."""
 
 
 _LAYOUTS = {
-    "llama": _Layout(gguf.MODEL_ARCH.LLAMA, _llama_keys, _llama_tensor, merges=True),
+    "llama": _Layout(gguf.MODEL_ARCH.LLAMA, _llama_keys, _llama_tensor, True, llama3_rope_freqs),
     "gemma3_text": _Layout(gguf.MODEL_ARCH.GEMMA3, _gemma3_keys, _gemma3_tensor, merges=False),
 }
 
@@ -131,6 +191,8 @@ def write_gguf(
     sampling: Mapping[str, float | int] | None = None,
     architecture: str | None = None,
     rename: Mapping[str, str] | None = None,
+    keys: Mapping[str, str | float] | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the Llama or Gemma 3 model in `folder` (config.json, model.safetensors, tokenizer.json)
     as the GGUF file `path`, its weights in float32, with CHATML as its chat template.
@@ -142,13 +204,16 @@ def write_gguf(
         architecture: general.architecture, if not the folder's (another name writes a file
             transformers cannot load).
         rename: Tokens to write under another string (a draft whose vocabulary maps less of the target's).
+        keys: More metadata keys, by their full names (strings, or numbers as float32), e.g. a file
+            whose RoPE scaling has no transformers form.
+        tensors: More tensors, by their names in the file, written in float32.
 
     Returns:
         `path`.
 
     Raises:
-        ValueError: a Gemma 3 folder whose layer types or attention scale are not those a GGUF
-            file implies.
+        ValueError: a Gemma 3 folder whose layer types, attention scale or sliding layers' RoPE are
+            not those a GGUF file implies, or a RoPE scaling llama.cpp's converter does not write.
     """
     config = AutoConfig.from_pretrained(folder)
     layout = _LAYOUTS[config.model_type]
@@ -179,8 +244,11 @@ def write_gguf(
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHATML)
     layout.keys(writer, config)
+    _rope_scaling_keys(writer, config)
     for key, value in (sampling or {}).items():
         (writer.add_int32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
+    for key, value in (keys or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
     names = gguf.get_tensor_name_map(layout.arch, config.num_hidden_layers)
     for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -189,6 +257,8 @@ def write_gguf(
         assert base is not None, name
         stored = layout.tensor(name, tensor.float(), config)
         writer.add_tensor(f"{base}.weight", np.ascontiguousarray(stored.numpy()))
+    for name, tensor in {**layout.extra_tensors(config), **(tensors or {})}.items():
+        writer.add_tensor(name, np.ascontiguousarray(tensor.float().numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

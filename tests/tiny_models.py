@@ -7,6 +7,7 @@ quality or acceptance figures.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -26,9 +27,12 @@ from transformers import (
 VOCAB = 512
 
 
-def config_for(arch: str, *, vocab_size: int = VOCAB, layers: int = 2) -> PretrainedConfig:
+def config_for(
+    arch: str, *, vocab_size: int = VOCAB, layers: int = 2, rope_parameters: dict[str, Any] | None = None
+) -> PretrainedConfig:
     """A small config of the given architecture ("llama", "qwen2", "gpt2", "gemma2", "gemma4": the
-    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2)."""
+    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2),
+    with `rope_parameters` (transformers' RoPE base and scaling) where given, else the class's."""
     tokens = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if arch == "gpt2":
         return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=512, **tokens)
@@ -40,6 +44,7 @@ def config_for(arch: str, *, vocab_size: int = VOCAB, layers: int = 2) -> Pretra
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
         **tokens,
+        **({"rope_parameters": rope_parameters} if rope_parameters else {}),
     }
     if arch == "llama":
         return LlamaConfig(**llama_like)
@@ -70,11 +75,19 @@ def config_for(arch: str, *, vocab_size: int = VOCAB, layers: int = 2) -> Pretra
 
 
 def save_tiny_model(
-    directory: Path, arch: str, *, seed: int, tokenizer_dir: Path, vocab_size: int = VOCAB, layers: int = 2
+    directory: Path,
+    arch: str,
+    *,
+    seed: int,
+    tokenizer_dir: Path,
+    vocab_size: int = VOCAB,
+    layers: int = 2,
+    rope_parameters: dict[str, Any] | None = None,
 ) -> Path:
-    """Build a random model, save it with the tokenizer from `tokenizer_dir`; return its directory."""
+    """Build a random model (`config_for`'s), save it with the tokenizer from `tokenizer_dir`; return
+    its directory."""
     torch.manual_seed(seed)
-    config = config_for(arch, vocab_size=vocab_size, layers=layers)
+    config = config_for(arch, vocab_size=vocab_size, layers=layers, rope_parameters=rope_parameters)
     # Untied: with tied random embeddings the residual stream makes every model repeat its input
     # token, so any two models would agree. (Set after construction: some configs ignore the kwarg.)
     config.tie_word_embeddings = False
@@ -99,6 +112,7 @@ def save_gemma3(
     norm_spread: float = 0.0,
     layers: int = 6,
     layer_types: list[str] | None = None,
+    rope_parameters: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """A tiny random Gemma 3 with sliding-window layers (window GEMMA3_WINDOW) and full ones, saved
     with the tokenizer from `tokenizer_dir`. Without `layer_types`, Gemma 3's own pattern: five
@@ -108,6 +122,8 @@ def save_gemma3(
         noise: Perturb the weights by this fraction of their spread (a draft that agrees often).
         norm_spread: Draw the RMSNorm weights (scales of 1 + weight) with this spread about 0, as
             a trained model's are, where a new model's are all 0.
+        rope_parameters: RoPE base and scaling by layer type ("full_attention", "sliding_attention"),
+            where not Gemma3TextConfig's.
     """
     torch.manual_seed(0)
     config = Gemma3TextConfig(
@@ -121,6 +137,7 @@ def save_gemma3(
         max_position_embeddings=1024,
         sliding_window=GEMMA3_WINDOW,
         layer_types=layer_types,
+        rope_parameters=rope_parameters,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
@@ -35,6 +36,7 @@ from transformers import (
 from transformers.integrations.gguf import GGUF_ARCHS, GgufHeader, read_gguf_metadata
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
+from fsd_chat.models.gguf_rope import scaled_rope_parameters
 from fsd_chat.models.load_errors import first_line
 from fsd_chat.support.config import ENV_CACHE_DIR, cache_dir
 from fsd_chat.support.errors import ModelLoadError
@@ -50,9 +52,10 @@ _HEAD_BYTES = 1 << 20
 a rewritten model changes; size and mtime_ns catch the rest)."""
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
 """general.sampling.* keys (llama.cpp's gguf constants) -> the generation_config fields they set."""
-CONVERSION_FORMAT = 2
+CONVERSION_FORMAT = 3
 """Bumped when the converted copy's contents change, so older copies are converted again (2: the
-end-of-turn tokens among the generation config's end-of-sequence ids)."""
+end-of-turn tokens among the generation config's end-of-sequence ids; 3: the file's RoPE scaling in
+the config's rope_parameters)."""
 
 
 def gguf_file(source: str, progress: Progress) -> Path | None:
@@ -130,13 +133,14 @@ def converted_model(path: Path, progress: Progress) -> Path:
         and generation_config.json (sampling from the file's general.sampling.* keys, else greedy).
 
     Raises:
-        ModelLoadError: the file is damaged or truncated, or holds an architecture transformers
-            cannot load.
+        ModelLoadError: the file is damaged or truncated, holds an architecture transformers
+            cannot load, or scales its rotary embedding in a way transformers cannot represent
+            (`scaled_rope_parameters`).
     """
     folder = converted_dir(path)
     if (folder / "config.json").is_file():
         return folder
-    metadata = _checked_metadata(path)
+    metadata, header = _checked_metadata(path)
     progress(f"converting {path.name} (first start only)")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +148,7 @@ def converted_model(path: Path, progress: Progress) -> Path:
     except OSError as exc:
         raise _unwritable(path, folder, exc) from None
     try:
-        model, tokenizer = _convert(path)
+        model, tokenizer = _convert(path, metadata, header)
         try:
             _save(
                 model,
@@ -169,8 +173,8 @@ def _unwritable(path: Path, folder: Path, exc: OSError) -> ModelLoadError:
     )
 
 
-def _checked_metadata(path: Path) -> dict[str, object]:
-    """The file's metadata, once its header and tensor table are read and its data is all there."""
+def _checked_metadata(path: Path) -> tuple[dict[str, object], GgufHeader]:
+    """The file's metadata and tensor table, once both are read and its data is all there."""
     try:
         metadata, _ = read_gguf_metadata(str(path))
         header = GgufHeader.from_file(str(path))
@@ -184,16 +188,27 @@ def _checked_metadata(path: Path) -> dict[str, object]:
             f"{path} is truncated: it holds {size} of the {needed} bytes its tensor table needs "
             "(an interrupted download? fetch it again)"
         )
-    return metadata
+    return metadata, header
 
 
-def _convert(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The GGUF file's model (dequantized, float32) and tokenizer, through transformers."""
+def _convert(
+    path: Path, metadata: Mapping[str, object], header: GgufHeader
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The GGUF file's model (dequantized, float32) and tokenizer, through transformers; the model's
+    config carries the file's RoPE scaling, which transformers' reader drops (`scaled_rope_parameters`)."""
     where, name = str(path.parent), path.name
     try:
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
+        rope = scaled_rope_parameters(header, metadata, config)  # before the slow parts: it may refuse
+        if rope is not None:
+            config.rope_parameters = rope
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(
-            where, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+            where,
+            gguf_file=name,
+            config=config,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
         )
     except ValueError as exc:
         unsupported = _UNSUPPORTED.search(str(exc))
