@@ -179,6 +179,8 @@ class _Prepared:
     settings: DecodingSettings
     sampling: SamplingConfig
     max_new_tokens: int
+    history: Callable[[str], list[int]]
+    """What a follow-up request re-sends, given the reply (`Job.history`)."""
 
 
 def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAPI:
@@ -231,13 +233,10 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 generation_prompt=generation_prompt,
             )
 
-    def prompt_of(body: CompletionFields) -> list[int]:
-        return render(*conversation(body))
-
-    def history(body: CompletionFields) -> Callable[[str], list[int]]:
-        """What a follow-up request re-sends, given the reply (`Job.history`): the messages and the
-        reply as an assistant turn, or, for a text completion, the prompt and the reply as one text."""
-        messages, raw = conversation(body)
+    def history(body: CompletionFields, messages: list[Message], raw: bool) -> Callable[[str], list[int]]:
+        """What a follow-up request re-sends, given the reply (`Job.history`): the request's
+        `messages` and the reply as an assistant turn, or, for a text completion, the prompt and the
+        reply as one text."""
         if isinstance(body, CompletionRequest):
             return lambda reply: render([Message("user", messages[0].content + reply)], raw)
         return lambda reply: render([*messages, Message("assistant", reply)], raw, generation_prompt=False)
@@ -266,8 +265,9 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 raise APIError(400, str(exc), param=name) from None
         request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
         sampling = request.resolve(pair.target.generation_config, options.model_id).config
+        messages, raw = conversation(body)
         try:
-            ids = await run_in_threadpool(prompt_of, body)
+            ids = await run_in_threadpool(render, messages, raw)
         except FsdChatError as exc:
             param = "messages" if kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from None
@@ -282,7 +282,8 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
-        return _Prepared(ids, settings, sampling, body.token_cap() or options.max_new_tokens)
+        cap = body.token_cap() or options.max_new_tokens
+        return _Prepared(ids, settings, sampling, cap, history(body, messages, raw))
 
     def submit(prepared: _Prepared, body: CompletionFields) -> tuple[Job, asyncio.Queue[Delivery]]:
         loop = asyncio.get_running_loop()
@@ -299,7 +300,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
             prepared.max_new_tokens,
             body.stop_strings(),
             deliver,
-            history=history(body),
+            history=prepared.history,
         )
         try:
             engine.submit(job)
