@@ -291,6 +291,24 @@ def set_tensor_type(path: Path, name: str, type_id: int) -> None:
     path.write_bytes(data)
 
 
+def _lfm2_keys(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    writer.add_shortconv_l_cache(config.conv_L_cache)
+
+
+def _lfm2_tensor(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    # llama.cpp's converter (conversion/lfm2.py) squeezes the short convolution's kernel to 2-D.
+    return tensor.squeeze(1) if name.endswith("conv.conv.weight") else tensor
+
+
+def _lfm2_untensor(name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    return tensor.unsqueeze(1) if name.endswith("conv.conv.weight") else tensor
+
+
+def _lfm2_kv_heads(config: PretrainedConfig) -> int | list[int]:
+    """LFM2's key/value heads by layer, 0 for a convolution layer: how llama.cpp tells them apart."""
+    return [config.num_key_value_heads if kind == "full_attention" else 0 for kind in config.layer_types]
+
+
 @dataclass(frozen=True)
 class _Layout:
     """What llama.cpp's converter writes differently for one architecture."""
@@ -306,11 +324,16 @@ class _Layout:
     """Whether the file lists the BPE merges (Gemma's leaves them to be rebuilt from the token order)."""
     extra_tensors: Callable[[PretrainedConfig], dict[str, torch.Tensor]] = lambda config: {}
     """Tensors the converter computes from the config (by their names in the file)."""
+    kv_heads: Callable[[PretrainedConfig], int | list[int]] = lambda config: config.num_key_value_heads
+    """`{arch}.attention.head_count_kv`: one count, or one a layer."""
 
 
 _LAYOUTS = {
     "llama": _Layout(
         gguf.MODEL_ARCH.LLAMA, _llama_keys, _llama_tensor, _llama_untensor, True, llama3_rope_freqs
+    ),
+    "lfm2": _Layout(
+        gguf.MODEL_ARCH.LFM2, _lfm2_keys, _lfm2_tensor, _lfm2_untensor, merges=True, kv_heads=_lfm2_kv_heads
     ),
     "gemma3_text": _Layout(
         gguf.MODEL_ARCH.GEMMA3, _gemma3_keys, _gemma3_tensor, _gemma3_untensor, merges=False
@@ -393,8 +416,8 @@ def write_gguf(
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_head_count_kv(layout.kv_heads(config))
+    writer.add_layer_norm_rms_eps(getattr(config, "rms_norm_eps", None) or config.norm_eps)  # LFM2: norm_eps
     rope = config.rope_parameters  # Gemma 3's has one entry per layer type: the file holds the full layers'
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_vocab_size(config.vocab_size)

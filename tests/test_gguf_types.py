@@ -44,14 +44,18 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> dict[str, Path]:
-    """A tiny Llama and a tiny Gemma 3 whose MLPs are 256 wide: their down projections' rows fit a
-    K-quant block, their other rows (64 wide) do not, as in a small real model."""
+    """A tiny Llama, Gemma 3 and LFM2 whose MLPs are 256 wide: their down projections' rows fit a
+    K-quant block, their other rows (64 wide) do not, as in a small real model. transformers reads
+    the first two through its older GGUF loader, LFM2 through its newer one."""
     root = tmp_path_factory.mktemp("typed-folders")
     return {
         "llama": save_tiny_model(
             root / "llama", "llama", seed=0, tokenizer_dir=target_dir, intermediate_size=256
         ),
         "gemma3": save_gemma3(root / "gemma3", target_dir, norm_spread=0.5, intermediate_size=256),
+        "lfm2": save_tiny_model(
+            root / "lfm2", "lfm2", seed=0, tokenizer_dir=target_dir, layers=4, intermediate_size=256
+        ),
     }
 
 
@@ -95,7 +99,7 @@ def assert_dequantized_exactly(folder: Path, path: Path, loaded: ModelPair) -> N
         assert torch.equal(loaded.target(ids).logits, reference(ids).logits)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2"])
 def test_a_q4_k_m_mix_loads_as_gguf_dequantizes_it(
     tmp_path: Path, folders: dict[str, Path], arch: str, cache: Path
 ) -> None:

@@ -19,6 +19,7 @@ from transformers import (
     Gemma3TextConfig,
     Gemma4TextConfig,
     GPT2Config,
+    Lfm2Config,
     LlamaConfig,
     PretrainedConfig,
     Qwen2Config,
@@ -36,7 +37,8 @@ def config_for(
     intermediate_size: int = 128,
 ) -> PretrainedConfig:
     """A small config of the given architecture ("llama", "qwen2", "gpt2", "gemma2", "gemma4": the
-    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2),
+    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2,
+    "lfm2": short-convolution layers, each followed by an attention layer),
     with `rope_parameters` (transformers' RoPE base and scaling) where given, else the class's, and
     an MLP `intermediate_size` wide (256 gives the MLP's down projection rows a K-quant block)."""
     tokens = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -67,6 +69,10 @@ def config_for(
             **{**llama_like, "num_hidden_layers": 4},
             layer_types=["sliding_attention", "full_attention"] * 2,
         )
+    if arch == "lfm2":
+        # The MLP exactly intermediate_size wide (LFM2 otherwise shrinks it, as its GGUF files do not).
+        layer_types = ["conv", "full_attention"] * (layers // 2)
+        return Lfm2Config(**llama_like, layer_types=layer_types, block_auto_adjust_ff_dim=False)
     if arch == "falcon-h1":
         return FalconH1Config(
             mamba_d_ssm=64,

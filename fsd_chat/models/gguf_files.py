@@ -285,8 +285,8 @@ def _save(
     model.generation_config = generation
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    stat = path.stat()
-    source = {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    # The first file converted into it: a copy elsewhere, of the same content, shares the folder.
+    source = {"gguf": str(path.resolve()), "size": path.stat().st_size}
     (folder / "gguf-source.json").write_text(json.dumps(source, indent=2))
 
 
