@@ -302,6 +302,13 @@ async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: P
         await pilot.press("f1")
         sampling = str(app.screen.query_one("#help-sampling", Static).content)
         assert "stories.gguf's generation_config: temperature 0.7, top-k 40" in sampling
+    # The next start tells the loading screen that it loads the converted copy.
+    seen.clear()
+    again = FsdChatApp(options, loader=loader)
+    async with again.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+    assert "loading the converted copy of stories.gguf (converted on an earlier start)" in seen
+    assert not any("converting" in text for text in seen)
 
 
 def test_no_target_says_how_to_get_the_default_model(

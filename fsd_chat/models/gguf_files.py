@@ -165,7 +165,7 @@ def converted_dir(path: Path, table: TensorTable | None = None) -> Path:
     """
     key = identity(table or readable_table(path), f"fsd-chat gguf conversion {CONVERSION_FORMAT}")
     root = cache_dir() / "gguf"
-    found = [folder for folder in root.glob(f"*-{key}") if (folder / "config.json").is_file()]
+    found = sorted(folder for folder in root.glob(f"*-{key}") if (folder / "config.json").is_file())
     return found[0] if found else root / f"{path.stem}-{key}"
 
 

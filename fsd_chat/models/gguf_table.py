@@ -277,5 +277,5 @@ def with_values(table: TensorTable, type_ids: frozenset[int], path: Path) -> Pat
         for original, entry, offset in zip(table.tensors, stored, offsets, strict=True):
             out.write(b"\0" * (data_start + offset - out.tell()))
             data = table.values(original) if entry is not original else table.raw(original)
-            out.write(np.ascontiguousarray(data).tobytes())
+            out.write(np.ascontiguousarray(data).data)  # its buffer: no second copy of a large tensor
     return path
