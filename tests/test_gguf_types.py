@@ -114,17 +114,19 @@ def test_a_q4_k_m_mix_loads_as_gguf_dequantizes_it(
     assert f"converting {path.name} (first start only)" in seen
 
 
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
 @pytest.mark.parametrize("qtype", WRITTEN, ids=lambda t: t.name)
 def test_each_type_alone_loads_as_gguf_dequantizes_it(
-    tmp_path: Path, folders: dict[str, Path], qtype: T
+    tmp_path: Path, folders: dict[str, Path], qtype: T, arch: str
 ) -> None:
     """Each type wherever its block fits the rows (K-quants and ternary types: the MLP's down
-    projection only), the rest float32."""
-    folder = folders["llama"]
+    projection only), the rest float32; through transformers' older loader (llama) and its newer
+    one (lfm2), which dequantizes the types it has with its own code."""
+    folder = folders[arch]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     types = typed(folder, lambda name, width: qtype if width % block == 0 else None)
     assert types
-    path = write_gguf(folder, tmp_path / f"llama-{qtype.name}.gguf", tensor_types=types)
+    path = write_gguf(folder, tmp_path / f"{arch}-{qtype.name}.gguf", tensor_types=types)
     assert_dequantized_exactly(folder, path, load(path))
 
 
@@ -157,7 +159,7 @@ def test_a_type_no_dequantizer_reads_is_refused_by_name(
         "(blk.0.attn_q.weight, blk.1.attn_q.weight) (fsd-chat reads F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
     )
     assert "damaged" not in str(error.value) and "\n" not in str(error.value)
-    assert not cache.exists() or not any((cache / "gguf").iterdir())
+    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())  # nothing converted
 
 
 def test_a_copy_for_transformers_newer_loader_holds_gguf_values(
