@@ -21,8 +21,8 @@ from fsd_chat.decoding.divergence import kl, tv
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import DIFFERENCE_ROUNDING, collect
-from tests.test_cli_generate import pair_args, run_cli
 from tests.test_acceptance import TEXT
+from tests.test_cli_generate import pair_args, run_cli
 from tests.test_sampling_lossless import chi_square_p_value, emitted
 
 SAMPLING = SamplingConfig(temperature=1.0)
