@@ -41,7 +41,7 @@ class QueueFullError(Exception):
     """Every place in the queue is taken: the request is refused (HTTP 429).
 
     Attributes:
-        retry_after: Whole seconds until a place is expected to free up (≥ 1): Retry-After.
+        retry_after: Whole seconds until the queue is expected to be empty (≥ 1): Retry-After.
     """
 
     def __init__(self, retry_after: int) -> None:
@@ -152,18 +152,19 @@ class Engine:
             try:
                 self._jobs.put_nowait(job)
             except queue.Full:
-                raise QueueFullError(self._place_frees_in()) from None
+                raise QueueFullError(self._expected_wait()) from None
             self._idle.clear()
             if self._reading_ahead:  # the job waits for nothing that is only an optimisation
                 self.controls.request_stop()
 
-    def _place_frees_in(self) -> int:
-        """Whole seconds until the reply decoding now is expected to end, freeing a place in the
-        queue (≥ 1): what is left of the average reply's time (guarded by `_lock`)."""
-        left = self._reply_seconds
+    def _expected_wait(self) -> int:
+        """Whole seconds until the queue is expected to be empty (≥ 1): what is left of the reply
+        decoding now, and an average reply's time for each one waiting (guarded by `_lock`). Not
+        just until one place frees: the clients refused together would all come back for it."""
+        left = 0.0
         if self._current is not None:
-            left -= time.monotonic() - self._started_at
-        return max(1, math.ceil(left))
+            left = max(self._reply_seconds - (time.monotonic() - self._started_at), 0.0)
+        return max(1, math.ceil(left + self._jobs.qsize() * self._reply_seconds))
 
     @property
     def closing(self) -> bool:

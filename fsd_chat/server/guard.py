@@ -142,6 +142,8 @@ class Guard:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_body:
+                if message.get("more_body", False):
+                    await _drain(receive)
                 raise HTTPException(413, self.too_large(f"passed {self.max_body:,} bytes").message)
             return message
 
