@@ -11,6 +11,7 @@ only after a response, and any byte received resets it).
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import queue
@@ -212,6 +213,10 @@ def run_server(
         try:
             app = create_app(pair, engine, options)
             warm_up(pair, engine, options)
+            # The pair, torch and transformers are millions of objects that live until the end:
+            # out of the collector's sight, they cost neither pauses between replies nor the
+            # seconds of collecting at exit (measured: Ctrl+C took 2.4 s to exit, SIGTERM 0.2 s).
+            gc.freeze()
             announce(f"serving {options.model_id} ({pair.describe()}) at {url(sock)}")
             server(app, engine).run(sockets=[sock])
         finally:
