@@ -17,6 +17,7 @@ import logging
 import queue
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import h11
@@ -113,7 +114,7 @@ def server(app: Any, engine: Engine | None, header_seconds: float = HEADER_SECON
 
 
 def warm_up(pair: ModelPair, engine: Engine, options: ServeOptions) -> None:
-    """Decode one short reply with the server's defaults before it listens: the first forward passes
+    """Decode two short replies (greedy and sampled, one with the server's defaults) before it listens: the first forward passes
     of a fresh pair are several times slower (allocations, kernels chosen, code compiled), and the
     first client would wait for them. A failure is logged, not raised: requests then say why."""
     try:
@@ -124,11 +125,14 @@ def warm_up(pair: ModelPair, engine: Engine, options: ServeOptions) -> None:
     except FsdChatError as exc:
         log.warning("not warmed up: %s", exc)
         return
-    deliveries: queue.Queue[Delivery] = queue.Queue()
-    engine.submit(Job(ids, options.settings, sampling, WARM_TOKENS, (), deliveries.put))
-    while (item := deliveries.get()) is not None:
-        if isinstance(item, BaseException):
-            log.warning("not warmed up: %s", item)
+    # The server's own sampling, and the other of greedy and sampled: requests may ask for either.
+    other = replace(sampling, temperature=0.0) if sampling.temperature else replace(sampling, temperature=1.0)
+    for law in (sampling, other):
+        deliveries: queue.Queue[Delivery] = queue.Queue()
+        engine.submit(Job(ids, options.settings, law, WARM_TOKENS, (), deliveries.put))
+        while (item := deliveries.get()) is not None:
+            if isinstance(item, BaseException):
+                log.warning("not warmed up: %s", item)
 
 
 class ServeError(FsdChatError):
