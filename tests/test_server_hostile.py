@@ -188,6 +188,15 @@ def test_a_long_prompt_within_the_body_limit_is_counted_in_pieces(served: Served
     assert took < 2.0 and small < alone + 1.0
 
 
+@pytest.mark.parametrize("repeat", [1, 20_000])
+def test_undecodable_text_is_a_400(served: Served, repeat: int) -> None:
+    """A lone surrogate (JSON's "\\ud800", no character) in a short prompt and in one long enough
+    to be counted in pieces, where the tokenizer would raise TypeError."""
+    body = ('{"model": "m", "prompt": "' + "a\\ud800 " * repeat + '", "max_tokens": 2}').encode()
+    response = post(served, "/completions", body)
+    assert response.status == 400 and "UTF-8" in response.error()["message"], response.body
+
+
 # --- what a plain-text reply cannot give: refused, not ignored -------------------------------------
 
 

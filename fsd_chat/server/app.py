@@ -38,7 +38,7 @@ from fsd_chat.server.guard import Guard, body_limit
 from fsd_chat.server.schema import ChatCompletionRequest, CompletionFields, CompletionRequest
 from fsd_chat.support.errors import ContextLengthError, FsdChatError, SettingsError
 from fsd_chat.support.log import log_exception
-from fsd_chat.support.text import to_json
+from fsd_chat.support.text import require_utf8, to_json
 
 Kind = Literal["chat", "text"]
 
@@ -302,14 +302,13 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         messages, raw = conversation(body)
         param = "messages" if kind == "chat" else "prompt"
         texts = [m.content for m in messages]
-        # Counted before the whole prompt is built: that holds the tokenizer for all of it.
-        if (
-            context is not None
-            and sum(map(len, texts)) > PIECE_CHARS
-            and await run_in_threadpool(count_past, texts, context - 1)
-        ):
-            raise _context_error(f"over {context - 1}", context, param)
         try:
+            if context is not None and sum(map(len, texts)) > PIECE_CHARS:
+                for m in messages:  # the tokenizer would raise TypeError on undecodable bytes
+                    require_utf8(m.content, f"the {m.role} message")
+                # Counted before the whole prompt is built: that holds the tokenizer for all of it.
+                if await run_in_threadpool(count_past, texts, context - 1):
+                    raise _context_error(f"over {context - 1}", context, param)
             ids = await run_in_threadpool(render, messages, raw)
         except FsdChatError as exc:
             raise APIError(400, str(exc), param=param) from None
