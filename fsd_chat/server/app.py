@@ -58,7 +58,7 @@ DISCONNECT_POLL = 0.25
 """Seconds between two checks, while a non-streamed reply decodes, that its client is still there."""
 
 PIECE_CHARS = 16_384
-"""Characters of a long prompt tokenised at a time to count its tokens (`create_app`'s `count`):
+"""Characters of a long prompt tokenised at a time to count its tokens (`create_app`'s `count_past`):
 one piece holds the tokenizer for milliseconds, so a huge prompt never holds up another request."""
 
 PIECE_SLACK = 2

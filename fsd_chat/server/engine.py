@@ -53,7 +53,7 @@ class ShuttingDownError(FsdChatError):
     """The server is shutting down: a job is refused or ended (HTTP 503)."""
 
     def __init__(self) -> None:
-        super().__init__("the server is shutting down: this reply was ended before it finished")
+        super().__init__("the server is shutting down: this request is not answered in full; retry later")
 
 
 FIRST_REPLY_SECONDS = 5.0
