@@ -197,6 +197,20 @@ def test_undecodable_text_is_a_400(served: Served, repeat: int) -> None:
     assert response.status == 400 and "UTF-8" in response.error()["message"], response.body
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"model": "m", "prompt": "\xff\xfe", "max_tokens": 2}',
+        b'{"model": "m", "prompt": "Once", "max_tokens": ' + b"9" * 5000 + b"}",
+    ],
+    ids=["nested", "latin-1", "long-number"],
+)
+def test_json_that_cannot_be_read_is_a_400_saying_so(served: Served, body: bytes) -> None:
+    response = post(served, "/completions", body)
+    assert response.status == 400 and "not JSON that can be read" in response.error()["message"]
+
+
 # --- what a plain-text reply cannot give: refused, not ignored -------------------------------------
 
 

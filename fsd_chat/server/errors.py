@@ -81,6 +81,15 @@ NOT_JSON = APIError(
 so: a web page may post such a body across origins without asking first (CSRF)."""
 
 
+FASTAPI_UNREADABLE = "There was an error parsing the body"
+"""FastAPI's 400 for a body that its JSON parser gave up on with something other than a syntax error."""
+
+UNREADABLE = (
+    "the request body is not JSON that can be read: not UTF-8, nested too deeply, or holding a number too "
+    "long to read"
+)
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first of pydantic's errors as a 400, naming its field."""
     errors = exc.errors()
@@ -111,7 +120,8 @@ def install(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        message = UNREADABLE if exc.detail == FASTAPI_UNREADABLE else str(exc.detail)
+        return APIError(exc.status_code, message, type=kind).response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid)
