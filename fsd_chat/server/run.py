@@ -25,7 +25,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -118,8 +118,10 @@ def warm_up(pair: ModelPair, engine: Engine, options: ServeOptions) -> None:
     of a fresh pair are several times slower (allocations, kernels chosen, code compiled), and the
     first client would wait for them. A failure is logged, not raised: requests then say why."""
     try:
+        # Rendered as requests are (under `RenderLimits`), so that the template is compiled now.
+        hello = [Message("user", "Hello")]
         ids = prompt_ids(
-            pair.tokenizer, [Message("user", "Hello")], raw=options.raw, vocab_size=pair.vocab_size
+            pair.tokenizer, hello, raw=options.raw, vocab_size=pair.vocab_size, limits=RenderLimits()
         )
         sampling = options.sampling.resolve(pair.target.generation_config, options.model_id).config
     except FsdChatError as exc:
