@@ -153,6 +153,18 @@ def test_a_10_mb_body_is_refused_early_and_delays_no_one(served: Served) -> None
     assert small < alone + 1.0
 
 
+def test_a_client_waiting_to_send_a_large_body_is_answered_at_once(served: Served) -> None:
+    """curl sends `Expect: 100-continue` before a large body: the 413 comes instead of the go-ahead."""
+    head = raw_request("POST", "/v1/completions", headers={"Expect": "100-continue"})
+    head = head.replace(b"\r\n\r\n", b"\r\nContent-Length: 10000000\r\n\r\n")
+    with socket.create_connection(address(served)) as conn:
+        start = time.monotonic()
+        conn.sendall(head)  # and no body
+        status, text = read_response(conn)
+    assert status == 413 and json.loads(text)["error"]["code"] == "request_too_large"
+    assert time.monotonic() - start < 1.0
+
+
 @pytest.mark.slow
 def test_a_chunked_body_too_large_is_refused(served: Served) -> None:
     """A body without Content-Length (chunked) is counted as it arrives."""
