@@ -177,6 +177,8 @@ def run_bench(
     check_writable(output)
     # Lines unbroken (a terminal wraps them itself): a log keeps each note on one line.
     console = Console(stderr=True, soft_wrap=True)
+    if console.is_terminal:  # the progress bar spans the terminal: at most WIDTH columns
+        console = Console(stderr=True, soft_wrap=True, width=min(console.width, WIDTH))
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
