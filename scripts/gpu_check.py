@@ -103,19 +103,44 @@ def _test_table(junit: Path) -> tuple[Table, int]:
     return table, failed
 
 
-def _build(builder: Path, source: Path, out: Path, shape: Shape) -> Path:
-    """`source` scaled to `shape` by the shared builder into `out`, unless already built there
-    (deterministic: seed 0)."""
-    if not (out / "config.json").is_file():
+@dataclass
+class Build:
+    """A model the shared builder writes in a process of its own (so that it runs while the CUDA
+    tests do), into a folder beside `out`, renamed to `out` once it succeeded (a build cut short
+    leaves no model that looks whole)."""
+
+    out: Path
+    process: subprocess.Popen[bytes] | None
+
+    @classmethod
+    def start(cls, builder: Path, source: Path, out: Path, shape: Shape) -> Build:
+        """Start building `source` scaled to `shape` into `out`, unless already built there
+        (deterministic: seed 0)."""
+        if out.is_dir():
+            return cls(out, None)
         with open(source / "config.json", encoding="utf-8") as config:
             layers = int(json.load(config)["num_hidden_layers"])
+        partial = out.with_name(out.name + ".partial")
         command = [
-            *(sys.executable, str(builder), str(source), str(out)),
+            *(sys.executable, str(builder), str(source), str(partial)),
             *("--hidden", str(shape.hidden), "--intermediate", str(shape.intermediate)),
             *("--extra-layers", str(shape.layers - layers), "--head-dim", str(shape.head_dim)),
         ]
-        subprocess.run(command, check=True)
-    return out
+        # A few threads: the CUDA tests beside it launch kernels from the host.
+        return cls(out, subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "4"}))
+
+    def wait(self) -> Path:
+        """The built model's folder, once built.
+
+        Raises:
+            subprocess.CalledProcessError: the builder failed.
+        """
+        if self.process is not None:
+            if self.process.wait():
+                raise subprocess.CalledProcessError(self.process.returncode, self.process.args)
+            self.out.with_name(self.out.name + ".partial").rename(self.out)
+            self.process = None
+        return self.out
 
 
 def _scaled_target(models: Path, builder: Path) -> Path:
@@ -129,17 +154,16 @@ def _scaled_target(models: Path, builder: Path) -> Path:
     return out
 
 
-def real_cost_pair(models: Path, builder: Path, target: Shape, draft: Shape) -> tuple[Path, Path]:
-    """The story pair scaled to real models' shapes (`REAL_TARGET`, `REAL_DRAFT` by default), built
-    on first use into .cache/."""
+def real_cost_pair(models: Path, builder: Path, target: Shape, draft: Shape) -> tuple[Build, Build]:
+    """Start building the story pair at real models' shapes (`REAL_TARGET`, `REAL_DRAFT` by
+    default) into .cache/, unless already built there."""
+
+    def folder(name: str, shape: Shape) -> Path:
+        return CACHE / f"{name}-as-{str(shape).replace(',', '-')}"
+
     return (
-        _build(builder, models / "stories260K", CACHE / f"stories260K-as-{target}".replace(",", "-"), target),
-        _build(
-            builder,
-            models / "stories260K-draft",
-            CACHE / f"stories260K-draft-as-{draft}".replace(",", "-"),
-            draft,
-        ),
+        Build.start(builder, models / "stories260K", folder("stories260K", target), target),
+        Build.start(builder, models / "stories260K-draft", folder("stories260K-draft", draft), draft),
     )
 
 
@@ -230,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, soft_wrap=True)  # a log keeps each line whole
     console.print(Text(f"gpu-check on {device}", style="bold"))
     CACHE.mkdir(exist_ok=True)
+    # The real-cost pair (6.5 GB of float32 weights, a minute or more) is built while the CUDA
+    # tests run: the check's 5 minutes have no room for it in series.
+    builds = (
+        None if args.no_real else real_cost_pair(args.models, args.builder, args.real_target, args.real_draft)
+    )
     failed = 0
     total = 2 + (0 if args.no_real else 2)
     number = 0
@@ -263,16 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     with phase(console, number, total, f"bench of {Path(target).name} / {Path(draft).name} in {args.dtype}"):
         benches += subprocess.run(bench_command(args, target, draft)).returncode != 0
         console.print(Text(f"gpu-check: the bench's report is {args.output / 'report.json'}"))
-    if not args.no_real:
+    if builds is not None:
         number += 1
         with phase(
             console, number, total,
             f"building the real-cost pair: target {args.real_target}, draft {args.real_draft} "
-            "(hidden,intermediate,layers,head_dim)",
+            "(hidden,intermediate,layers,head_dim; started with the check)",
         ):  # fmt: skip
-            real_target, real_draft = real_cost_pair(
-                args.models, args.builder, args.real_target, args.real_draft
-            )
+            real_target, real_draft = (build.wait() for build in builds)
         number += 1
         with phase(console, number, total, f"bench of the real-cost pair in {args.dtype}"):
             benches += (
