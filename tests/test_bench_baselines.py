@@ -85,6 +85,7 @@ def test_transformers_runs_on_its_own_models(pair: ModelPair, hf: ModelPair, con
         assert generation.target.calls > 0
 
 
+@pytest.mark.slow  # sweeps
 def test_hf_static_compiles_in_its_warm_up_only(pair: ModelPair) -> None:
     """transformers sizes hf-static's static cache to the longest reply asked for so far, and
     compiles its step for that size: warmed up on the longest prompt to the token cap, its measured
@@ -130,6 +131,7 @@ def test_a_reply_past_its_deadline_stops_at_its_next_step(
     assert 1 <= len(generation.token_ids) <= (config.draft_tokens or 0) + 1
 
 
+@pytest.mark.slow  # sweeps
 def test_configurations_past_their_budget_are_cut_and_reported(
     pair: ModelPair, hf: ModelPair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -159,6 +161,7 @@ def test_configurations_past_their_budget_are_cut_and_reported(
     assert (tmp_path / "report.md").read_text().splitlines()[-1] == data["advice"]
 
 
+@pytest.mark.slow  # sweeps
 def test_a_configuration_cut_midway_keeps_its_finished_replies(pair: ModelPair, tmp_path: Path) -> None:
     """Target-only decoding held to a budget of about two and a half of its six replies: its row
     is marked cut, with the replies it finished (those past the budget are not run)."""
