@@ -374,6 +374,15 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
         f"- versions: {', '.join(f'{k} {v}' for k, v in packages.items() if v)}",
         f"- quality scored by: {environment['scorer']}",
     ]
+    budget, warmup_budget = (
+        report.sweep.get("cut_after_seconds"),
+        report.sweep.get("warmup_cut_after_seconds"),
+    )
+    if isinstance(budget, float | int) and isinstance(warmup_budget, float | int):
+        lines.append(
+            f"- time budget: a configuration is cut past {budget:.0f} s of measured replies or "
+            f"{warmup_budget:.0f} s of warm-up (status column)"
+        )
     if report.interrupted:
         lines.append("- **interrupted**: the sweep was stopped early; these are the runs measured so far")
     headers = [column.header for column in COLUMNS]
