@@ -349,7 +349,7 @@ def test_the_advice_is_the_fastest_setting_within_its_cost() -> None:
     assert advice.startswith(
         "advice: run `--rule mixture -T 0.01 -k 5 --draft-policy goodput`: 1.50× [1.50–1.50]"
     )
-    assert f"{ADVICE_COST / 2:.4f} nats/token" in advice and f"within {ADVICE_COST:g}" in advice
+    assert f"at {ADVICE_COST / 2:.4f} nats/token" in advice and f"within {ADVICE_COST:g})" in advice
 
 
 def test_the_advice_is_the_target_alone_when_nothing_beats_it() -> None:
@@ -357,7 +357,7 @@ def test_the_advice_is_the_target_alone_when_nothing_beats_it() -> None:
     runs = _constructed_runs(lambda c, prompt: speeds[c] * FACTORS[prompt], ADVICE_COSTS)
     advice = advise(summarize(list(ADVICE_COSTS), runs))
     assert advice.startswith("advice: run the target alone (`--autoregressive`)")
-    assert "mixture T=0.01 k=5 goodput, 0.95×" in advice
+    assert "(fastest: mixture T=0.01 k=5 goodput, 0.95×" in advice
 
 
 def test_the_advice_needs_target_only_decoding() -> None:

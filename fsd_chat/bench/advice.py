@@ -52,13 +52,14 @@ def advise(summaries: list[Summary]) -> str:
     affordable = [s for s in measured if (s.quality.cost_per_token or 0.0) <= ADVICE_COST]
     best = max(affordable, key=lambda s: s.speedup["autoregressive"], default=None)
     where = f" ({best.config.setup.label} · {best.config.sampling})" if best and len(groups) > 1 else ""
+    # Short enough for one line of 160 columns (the longest options, an interval, a group).
     if best is not None and best.speedup["autoregressive"] > 1.0:
         return (
-            f"advice: run `{flags(best.config)}`{where}: {_speedup(best)} the target alone, "
-            f"{best.quality.cost_per_token or 0.0:.4f} nats/token (the fastest within {ADVICE_COST:g})"
+            f"advice: run `{flags(best.config)}`{where}: {_speedup(best)} the target alone at "
+            f"{best.quality.cost_per_token or 0.0:.4f} nats/token (fastest within {ADVICE_COST:g})"
         )
     fastest = best or max(measured, key=lambda s: s.speedup["autoregressive"])
     return (
-        f"advice: run the target alone (`--autoregressive`): no speculative setting within "
-        f"{ADVICE_COST:g} nats/token beat it (the fastest, {fastest.config.label}, {_speedup(fastest)})"
+        f"advice: run the target alone (`--autoregressive`): none within {ADVICE_COST:g} nats/token "
+        f"beat it (fastest: {fastest.config.label}, {_speedup(fastest)})"
     )
