@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
 from fsd_chat.bench.methods import Deadline, PairRunner
+from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.pipeline import write_outputs
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import Configuration, Setup
@@ -104,6 +105,10 @@ def test_hf_static_compiles_in_its_warm_up_only(pair: ModelPair) -> None:
     record = result.records[HF_STATIC]
     assert record.compiled_graphs == 0 and not record.cut and record.warmup_seconds is not None
     assert len([r for r in result.runs if r.config == HF_STATIC]) == 3
+    static, _ = summarize([HF_STATIC, AUTOREGRESSIVE], result.runs, result.records, None)
+    # Unmetered: no forward times, no share outside them; one forward a token.
+    assert static.target_forward_seconds is None and static.outside_forward_share is None
+    assert static.mean_accepted_length == 1.0 and static.speedup["autoregressive"] > 0
     # A longer reply than the warm-up prepared for: a bigger cache, a new graph, counted.
     runner = PairRunner(pair, hf=hf)
     prompt = prompt_ids(pair.tokenizer, [Message("user", prompt_set.items[0].text)])

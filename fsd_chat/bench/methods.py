@@ -58,6 +58,7 @@ from fsd_chat.bench.records import (
     HF_ASSISTED,
     HF_METHODS,
     RULE_OF,
+    UNMETERED,
     Configuration,
     ForwardTally,
     Generation,
@@ -231,7 +232,7 @@ class PairRunner:
         # are made (`CachedModel`), which is no part of the reply (the chat builds its decoder once).
         decoder = self._decoder(config)
         target_meter, draft_meter = self._meters[id(self.hf if config.method in HF_METHODS else self.pair)]
-        static = config.method == "hf-static"
+        static = config.method in UNMETERED
         target = ForwardTally() if static else target_meter.start()
         draft = draft_meter.start() if draft_meter is not None else ForwardTally()
         try:

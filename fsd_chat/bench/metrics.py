@@ -39,6 +39,7 @@ from fsd_chat.bench.records import (
     BASELINES,
     TARGET_ONLY,
     UNCOUNTED_DRAFTS,
+    UNMETERED,
     Configuration,
     ConfigurationRecord,
     Measurement,
@@ -122,7 +123,7 @@ class Summary:
         overhead_share: fsd-chat's other_seconds / decode seconds (acceptance, rollback,
             detokenisation); None for hf-assisted.
         outside_forward_share: Share of wall-clock time outside the models' forward passes
-            (sampling included), for every method alike.
+            (sampling included), for every method alike but those run unmetered (`UNMETERED`: None).
         prefill_seconds: Mean prompt prefill seconds (fsd-chat's decoders only).
         quality: See `Quality`.
         status: "ok", or "cut": it ran past its time budget and was stopped (its figures come
@@ -151,7 +152,7 @@ class Summary:
     draft_forward_seconds: float | None
     limit_tokens_per_second: float | None
     overhead_share: float | None
-    outside_forward_share: float
+    outside_forward_share: float | None
     prefill_seconds: float | None
     quality: Quality
     status: str = "ok"
@@ -510,7 +511,11 @@ def summarize(
                 )
                 if engine
                 else None,
-                outside_forward_share=max(1.0 - metered / wall, 0.0) if wall > 0 else 0.0,
+                outside_forward_share=None
+                if config.method in UNMETERED
+                else max(1.0 - metered / wall, 0.0)
+                if wall > 0
+                else 0.0,
                 prefill_seconds=statistics.fmean(s.prefill_seconds for s in engine) if engine else None,
                 quality=_quality(config, mine, by_config),
                 **_record_fields(records.get(config) if records else None, cut_after),

@@ -54,6 +54,9 @@ HF_METHODS: tuple[Method, ...] = (
     *HF_TARGET_ONLY,
 )
 """The methods transformers' `generate` runs, on models of their own (`bench.methods`)."""
+UNMETERED: tuple[Method, ...] = ("hf-static",)
+"""The methods run without the forward meters' hooks (they would be traced into transformers'
+compiled step): their forward counts are their tokens, their forward times unknown."""
 UNCOUNTED_DRAFTS: tuple[Method, ...] = (*TARGET_ONLY, "hf-prompt-lookup")
 """The methods with no drafted-token count: target-only decoding, and transformers' prompt lookup,
 whose drafts transformers does not count. Every other method's mean k is a figure, 0 where it
