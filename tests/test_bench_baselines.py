@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
+from fsd_chat.bench.meter import ForwardMeter
 from fsd_chat.bench.methods import Deadline, PairRunner
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.pipeline import write_outputs
@@ -191,3 +193,50 @@ def test_a_configuration_cut_midway_keeps_its_finished_replies(pair: ModelPair, 
         assert row["compiled_graphs"] == 0 and row["warmup_seconds"] > 0
     else:
         assert data["cut"] == ["float32 · temperature 0 · autoregressive"]
+
+
+class _Event:
+    """torch.cuda.Event on the host clock: `record` notes the time, `elapsed_time` is in ms."""
+
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at: float | None = None
+
+    def record(self, _stream: object = None) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert _Event.synchronized, "read before the device was synchronised"
+        assert self.at is not None and end.at is not None
+        return 1000 * (end.at - self.at)
+
+
+def test_on_cuda_forwards_are_timed_by_events_read_after_the_reply(
+    pair: ModelPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The meter's CUDA bookkeeping with torch.cuda's events and synchronisation stood in for on
+    the host clock: no synchronisation while the reply runs, one when it is over, and the same
+    counts and times as the host clock's."""
+
+    def synchronize(_device: object = None) -> None:
+        _Event.synchronized += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda _device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    _Event.synchronized = 0
+    meter = ForwardMeter(pair.target, torch.device("cuda"))
+    ids = torch.tensor([[1, 2, 3]])
+    try:
+        tally = meter.start()
+        with torch.inference_mode():
+            for _ in range(3):
+                pair.target(ids)
+        assert _Event.synchronized == 0 and tally.calls == 3 and tally.seconds == 0.0
+        meter.stop()
+    finally:
+        meter.close()
+    assert _Event.synchronized == 1
+    assert (tally.calls, tally.decode_calls) == (3, 2)
+    assert 0 < tally.decode_seconds < tally.seconds
