@@ -9,7 +9,8 @@ MODELS ?= $(SHARED)/models
 
 SHARED ?= ../shared
 # chat opens the default model unless one is given (make chat TARGET=... [DRAFT=...]); gpu-check
-# benchmarks the scaled stories260K unless a pair is given: make gpu-check TARGET=... DRAFT=...
+# benchmarks the scaled stories260K unless a pair is given (make gpu-check TARGET=... DRAFT=...), then
+# the story pair built at SmolLM2-1.7B's and 135M's shapes (a pair with real models' costs).
 GIVEN = $(filter command line environment,$(origin $(1)))
 
 .PHONY: setup model lock chat chat-stories test test-fast lint docs gpu-check gpu-carry

@@ -13,14 +13,28 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from fsd_chat.bench import report, terminal
+from fsd_chat.bench.advice import ADVICE_COST, advise
 from fsd_chat.bench.curves import Verdict, compare_curves
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.records import Configuration, ForwardTally, Generation, Measurement, Setup
 from fsd_chat.decoding.events import GenerationStats
 
-ANALYSIS_MODULES = ("records", "sweep", "prompts", "stats", "metrics", "curves", "report", "plot", "terminal")
+ANALYSIS_MODULES = (
+    "records",
+    "sweep",
+    "prompts",
+    "stats",
+    "metrics",
+    "curves",
+    "report",
+    "plot",
+    "terminal",
+    "advice",
+)
 """The bench modules that must load without torch or transformers."""
 HEAVY = ("torch", "transformers")
 
@@ -312,3 +326,69 @@ def test_work_clock_times_each_draft_policy_by_its_own_forwards() -> None:
         ]
     (paused,) = summarize([AUTOREGRESSIVE, EXACT, goodput], runs)[2:]
     assert paused.work_speedup["autoregressive"] == pytest.approx(1.0)
+
+
+ADVICE_AR = Configuration(SETUP, 1.0, "autoregressive")
+ADVICE_EXACT = Configuration(SETUP, 1.0, "exact", 5, draft_policy="goodput")
+ADVICE_CHEAP = Configuration(SETUP, 1.0, "mixture", 5, None, 0.01, "goodput")
+ADVICE_COSTLY = Configuration(SETUP, 1.0, "fuzzy", 5, "js", 0.4, "goodput")
+ADVICE_COSTS = {
+    ADVICE_AR: 0.0,
+    ADVICE_EXACT: 0.0,
+    ADVICE_CHEAP: ADVICE_COST / 2,
+    ADVICE_COSTLY: 4 * ADVICE_COST,
+}
+"""Target-only decoding, exact SD, a lossy setting within the advice's cost and one beyond it."""
+
+
+def test_the_advice_is_the_fastest_setting_within_its_cost() -> None:
+    speeds = {ADVICE_AR: 100.0, ADVICE_EXACT: 120.0, ADVICE_CHEAP: 150.0, ADVICE_COSTLY: 300.0}
+    runs = _constructed_runs(lambda c, prompt: speeds[c] * FACTORS[prompt], ADVICE_COSTS)
+    advice = advise(summarize(list(ADVICE_COSTS), runs))
+    # The costly setting is twice as fast, but beyond the stated cost: the cheap one, as its row says.
+    assert advice.startswith(
+        "advice: run `--rule mixture -T 0.01 -k 5 --draft-policy goodput`: 1.50× [1.50–1.50]"
+    )
+    assert f"at {ADVICE_COST / 2:.4f} nats/token" in advice and f"within {ADVICE_COST:g})" in advice
+
+
+def test_the_advice_is_the_target_alone_when_nothing_beats_it() -> None:
+    speeds = {ADVICE_AR: 100.0, ADVICE_EXACT: 90.0, ADVICE_CHEAP: 95.0, ADVICE_COSTLY: 300.0}
+    runs = _constructed_runs(lambda c, prompt: speeds[c] * FACTORS[prompt], ADVICE_COSTS)
+    advice = advise(summarize(list(ADVICE_COSTS), runs))
+    assert advice.startswith("advice: run the target alone (`--autoregressive`)")
+    assert "(fastest: mixture T=0.01 k=5 goodput, 0.95×" in advice
+
+
+def test_the_advice_needs_target_only_decoding() -> None:
+    speeds = {ADVICE_EXACT: 120.0, ADVICE_CHEAP: 150.0}
+    runs = _constructed_runs(
+        lambda c, prompt: speeds[c] * FACTORS[prompt], {c: ADVICE_COSTS[c] for c in speeds}
+    )
+    assert advise(summarize(list(speeds), runs)).startswith("advice: none")
+
+
+def test_the_terminal_table_leaves_out_columns_that_do_not_fit() -> None:
+    """At 160 columns and narrower, no line is wider than the console and no figure is cut: the
+    columns left out are named, the most important (method, dial, tok/s, ×AR, cost) kept."""
+    runs = _speed_sweep() + _constructed_runs(
+        lambda c, prompt: CURVE_SPEEDS[c] * FACTORS[prompt], CURVE_COSTS
+    )
+    summaries = summarize([AUTOREGRESSIVE, EXACT, FUZZY, *CURVE_COSTS], runs)
+    wide, none_left_out = terminal.results_table(summaries[:3], "t", None)
+    assert not none_left_out
+    for width in (160, 110):
+        console = Console(width=width, record=True)
+        table, left_out = terminal.results_table(summaries[:3], "t", width)
+        console.print(table)
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width and "…" not in text
+        headers = _headers(table)
+        assert {"method", "tok/s (median [q1–q3])", "×AR", "cost/tok (±95%)"} <= set(headers)
+        assert left_out and not set(left_out) & set(headers)
+        assert set(headers) | set(left_out) == set(_headers(wide))
+
+
+def _headers(table: Table) -> list[str]:
+    """A rich table's headers as shown (they are markup, escaped)."""
+    return [Text.from_markup(str(column.header)).plain for column in table.columns]

@@ -15,12 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from fsd_chat.bench.advice import ADVICE_COST
 from fsd_chat.bench.pipeline import MIN_PROMPTS, MIN_TOKENS, TimeBudget, fit
 from fsd_chat.bench.prompts import PRESETS
 from fsd_chat.bench.records import BASELINES, FSD_RULES
 from fsd_chat.bench.runner import Timing
 from fsd_chat.cli import main
+from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 # The command as a terminal's foreground process gets it: SIGINT raises KeyboardInterrupt even when
@@ -118,3 +121,45 @@ def test_quick_cuts_what_the_preset_chose_to_fit_its_time() -> None:
     assert fit(TimeBudget(540.0, prompts=False, tokens=False), slower, 10, 8, 1, 96) == (8, 96)
     # A set smaller than the floors is never made larger.
     assert fit(quick, Timing(0.2, 5.0), 10, 2, 1, 16) == (2, 16)
+
+
+@pytest.mark.slow  # a sweep
+def test_quick_measures_the_chats_policy_and_ends_with_advice_from_its_table(
+    target_dir: Path, draft_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--quick runs fsd-chat's methods under the chat's draft policy; stdout and report.md end
+    with the advice, which is the table's fastest speculative row within the stated cost (or the
+    target alone when none beats it); no line is wider than 160 columns."""
+    out = tmp_path / "quick"
+    threads = torch.get_num_threads()  # --quick sets one torch thread for the process
+    main(
+        [
+            "bench", "--quick", "--target", str(target_dir), "--draft", str(draft_dir),
+            "--prompts", "tinystories", "--data-dir", str(DATA_DIR), "--limit", "2", "--max-new-tokens", "8",
+            "--divergences", "js", "--thresholds", "0.05,0.3", "--rules", "fuzzy,mixture",
+            "--mixture-thresholds", "0.01", "--device", "cpu", "--output", str(out),
+        ]
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    printed = capsys.readouterr()
+    assert all(len(line) <= 160 for line in (printed.out + printed.err).splitlines())
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    speculative = [c for c in report["configs"] if c["method"] in ("exact", "fuzzy", "mixture")]
+    assert len(speculative) == 4 and {c["draft_policy"] for c in speculative} == {DEFAULT_DRAFT_POLICY}
+    advice = report["advice"]
+    assert printed.out.splitlines()[-1] == advice
+    assert (out / "report.md").read_text(encoding="utf-8").splitlines()[-1] == advice
+    within = [c for c in speculative if c["quality"]["cost_per_token"] <= ADVICE_COST]
+    best = max(within, key=lambda c: c["speedup"]["autoregressive"])
+    if best["speedup"]["autoregressive"] > 1:
+        rule = f"--rule {best['method']}" + (
+            f" --divergence {best['divergence']}" if best["divergence"] else ""
+        )
+        assert advice.startswith(
+            f"advice: run `{rule} -T {best['threshold']:g}"
+            if best["threshold"]
+            else f"advice: run `{rule} -k"
+        )
+        assert f"{best['speedup']['autoregressive']:.2f}× the target alone" in advice
+    else:
+        assert advice.startswith("advice: run the target alone")

@@ -27,9 +27,11 @@ NUMBER = re.compile(r"[+-]?\d+(?:\.(\d+))?(%?)")
 SPEEDUPS = {
     "×AR": "autoregressive",
     "×exact": "exact",
-    "×HF": "hf-assisted",
-    "×HF-def": "hf-assisted-default",
-    "×HF-lookup": "hf-prompt-lookup",
+    "×hf-assisted": "hf-assisted",
+    "×hf-assisted-default": "hf-assisted-default",
+    "×hf-prompt-lookup": "hf-prompt-lookup",
+    "×hf-autoregressive": "hf-autoregressive",
+    "×hf-static": "hf-static",
 }
 """Each speed-up header's baseline."""
 
@@ -131,6 +133,9 @@ CHECKS: dict[str, Check] = {
     "ΔNLL (±95%)": _with_interval("quality.target_nll_change", "quality.target_nll_change_ci95"),
     "greedy agree": _number("quality.greedy_agreement"),
     "accuracy": _number("quality.accuracy"),
+    "status": _text("status"),
+    "warm-up s": _number("warmup_seconds"),
+    "graphs": _text("compiled_graphs"),
     "target fwd ms": _number("target_forward_seconds", 1000),
     "draft fwd ms": _number("draft_forward_seconds", 1000),
     "outside fwd": _number("outside_forward_share"),
@@ -144,6 +149,8 @@ TERMINAL_HEADERS = set(CHECKS) - {
     "target fwd ms",
     "draft fwd ms",
     "outside fwd",
+    "warm-up s",
+    "graphs",
 }
 """The headers the terminal shows (setup and sampling are in each table's title)."""
 
@@ -152,18 +159,29 @@ def _cells(line: str, border: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip(border).split(border)]
 
 
-def _terminal_tables(out: str) -> list[tuple[str, list[str], list[list[str]]]]:
-    """Each rich table printed: its title, headers and rows (printed whole: the output is a pipe)."""
+WIDTH = 160
+"""The widest line bench prints."""
+LEFT_OUT = "in report.md, not shown at this width: "
+
+
+def _terminal_tables(out: str) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
+    """Each rich table printed: its title, headers, rows, and the headers it says it left out for
+    the width (each cell on one line: figures are never wrapped)."""
     lines = out.splitlines()
+    assert max(len(line) for line in lines) <= WIDTH
     tables = []
     for at, line in enumerate(lines):
         if line.startswith("┏"):
             rows = []
+            end = at + 3
             for row in lines[at + 3 :]:
                 if not row.startswith("│"):
                     break
                 rows.append(_cells(row, "│"))
-            tables.append((lines[at - 1].strip(), _cells(lines[at + 1], "┃"), rows))
+                end += 1
+            note = lines[end + 1] if end + 1 < len(lines) else ""
+            left_out = note.removeprefix(LEFT_OUT).split(", ") if note.startswith(LEFT_OUT) else []
+            tables.append((lines[at - 1].strip(), _cells(lines[at + 1], "┃"), rows, left_out))
     return tables
 
 
@@ -211,13 +229,14 @@ def _check_tables(out: str, report_dir: Path) -> list[Item]:
     for group, members in groups.items():
         _check_rows(headers, [row for row in rows if f"{row[0]} · {row[1]}" == group], members)
     tables = _terminal_tables(out)
-    assert [title for title, _, _ in tables] == list(groups)
-    for title, headers, rows in tables:
+    assert [title for title, _, _, _ in tables] == list(groups)
+    for title, headers, rows, left_out in tables:
         _check_rows(headers, rows, groups[title])
-        # A terminal column is left out only where no row has its figure.
-        for header in TERMINAL_HEADERS - set(headers):
+        # A terminal column is left out where no row has its figure, or, said so, for the width.
+        assert not set(left_out) & set(headers) and set(left_out) <= TERMINAL_HEADERS
+        for header in TERMINAL_HEADERS - set(headers) - set(left_out):
             for item in groups[title]:
-                CHECKS[header]("–", item)
+                CHECKS[header]("ok" if header == "status" else "–", item)
     return items
 
 
@@ -228,13 +247,14 @@ def test_model_draft_baselines_table(
     _bench(
         target_dir, draft_dir, out,
         "--limit", "2", "--max-new-tokens", "8", "--temperature", "0,1",
-        "--baselines", "autoregressive,exact,hf-assisted,hf-assisted-default,hf-ensemble",
+        "--baselines", "autoregressive,exact,hf-assisted,hf-assisted-default,hf-ensemble,hf-autoregressive,hf-static",
         "--ensemble-weights", "0.6",
         "--rules", "fuzzy,mixture", "--divergences", "js", "--thresholds", "0.2", "--mixture-thresholds", "0.1",
     )  # fmt: skip
     items = _check_tables(capsys.readouterr().out, out)
     assert {i["method"] for i in items} == {
-        "autoregressive", "exact", "hf-assisted", "hf-assisted-default", "hf-ensemble", "fuzzy", "mixture"
+        "autoregressive", "exact", "hf-assisted", "hf-assisted-default", "hf-ensemble", "hf-autoregressive",
+        "hf-static", "fuzzy", "mixture",
     }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
 from scripts.gpu_check import _test_table, main
 from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.test_bench import DATA_DIR
@@ -33,24 +34,48 @@ def test_a_bad_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--limit" in capsys.readouterr().err
 
 
-def test_on_the_cpu_the_bench_reports_every_method(tmp_path: Path) -> None:
-    """The bench of the check, on the CPU with the tiny pair: one report with target-only decoding,
-    exact, fuzzy, mixture and transformers' assisted generation, each with tok/s and ×AR."""
-    out = tmp_path / "bench"
+def test_on_the_cpu_the_benches_report_every_method(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The check's phases on the CPU with the tiny pair, and the real-cost pair built at tiny
+    shapes by the shared builder: each bench's report has its methods, each with tok/s and ×AR,
+    its advice line, and no configuration compiled during its measured runs."""
+    out, real = tmp_path / "bench", tmp_path / "real"
     code = main(
         [
-            *("--device", "cpu", "--dtype", "float32", "--quantize", "none"),
+            *("--device", "cpu", "--dtype", "float32"),
             *("--target", str(TARGET_DIR), "--draft", str(DRAFT_DIR), "--data-dir", str(DATA_DIR)),
-            *("--limit", "1", "--max-new-tokens", "8", "--output", str(out)),
+            *("--limit", "1", "--max-new-tokens", "8", "--output", str(out), "--real-output", str(real)),
+            *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
         ]
     )
     assert code == 0
-    report = json.loads((out / "report.json").read_text())
-    methods = {c["method"]: c for c in report["configs"]}
-    assert set(methods) == {"autoregressive", "exact", "fuzzy", "mixture", "hf-assisted"}
-    assert all(c["tokens_per_second"] > 0 and c["speedup"]["autoregressive"] > 0 for c in methods.values())
-    assert methods["autoregressive"]["speedup"]["autoregressive"] == pytest.approx(1.0)
-    assert report["sweep"]["max_new_tokens"] == 8 and report["sweep"]["prompt_count"] == 1
+    printed = capfd.readouterr().out  # the benches run in subprocesses: their output, too
+    for phase in range(1, 5):
+        assert f"gpu-check {phase}/4: " in printed and f"gpu-check {phase}/4: done in " in printed
+    scaled = json.loads((out / "report.json").read_text())
+    assert {c["method"] for c in scaled["configs"]} == {"autoregressive", "exact", "hf-static", "hf-assisted"}
+    report = json.loads((real / "report.json").read_text())
+    rows = {(c["method"], c["draft_policy"]) for c in report["configs"]}
+    fsd = {(m, p) for m in ("exact", "fuzzy", "mixture") for p in ("fixed", DEFAULT_DRAFT_POLICY)}
+    assert rows == {("autoregressive", "fixed"), ("hf-static", "fixed"), ("hf-assisted", "fixed"), *fsd}
+    for data in (scaled, report):
+        assert data["advice"].startswith("advice: ") and data["advice"] in printed
+        assert report["sweep"]["max_new_tokens"] == 8 and report["sweep"]["prompt_count"] == 1
+        for c in data["configs"]:
+            assert c["tokens_per_second"] > 0 and c["speedup"]["autoregressive"] > 0
+            assert c["compiled_graphs"] == 0 and c["status"] == "ok" and c["warmup_seconds"] > 0
+        (autoregressive,) = [c for c in data["configs"] if c["method"] == "autoregressive"]
+        assert autoregressive["speedup"]["autoregressive"] == pytest.approx(1.0)
+    # The builder's shapes (the source's 5 and 2 layers scaled to 6 and 3).
+    built = {
+        json.loads(path.read_text())["num_hidden_layers"]: json.loads(path.read_text())
+        for path in Path(".cache").glob("stories260K*-as-128-256-*-16/config.json")
+    }
+    assert {n: (c["hidden_size"], c["intermediate_size"], c["head_dim"]) for n, c in built.items()} == {
+        6: (128, 256, 16),
+        3: (128, 256, 16),
+    }
 
 
 def test_the_table_counts_what_pytest_reported(tmp_path: Path) -> None:

@@ -10,7 +10,19 @@ same call with the assistant's generation config left as it is, i.e. transformer
 installed). `hf-prompt-lookup` is transformers' prompt lookup decoding
 (`generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)`, n = fsd-chat's lookup n-gram),
 the baseline of a pair loaded with `--draft lookup`; `hf-ensemble` is `hf-assisted` with transformers' own lossy verification,
-`assistant_ensemble_weight` w ("static ensemble", transformers ≥ 5.23).
+`assistant_ensemble_weight` w ("static ensemble", transformers ≥ 5.23). `hf-autoregressive` is
+transformers' plain `generate` (eager, dynamic cache), and `hf-static` is
+`generate(cache_implementation="static")`, which on CUDA compiles the one-token decode step
+(CUDA graphs) and runs the prefill eagerly.
+
+**transformers' own models.** transformers' methods run on a pair of their own, loaded apart from
+the one fsd-chat's decoders use (`PairRunner`'s `hf`): fsd-chat compiles its models' forward
+(`kv_cache.compiled_forward`) and binds them to static caches, and nothing of that may reach the
+models `generate` is given, nor may transformers' own compilation (hf-static) reach fsd-chat's.
+With the hf-assisted baselines run eagerly at transformers' defaults, they measure what a user of
+transformers gets. hf-static runs without the forward meters' hooks (they would be traced into its
+compiled step): its forward count is its tokens (one forward a token) and its forward times are not
+measured.
 
 **What an hf-ensemble token costs.** transformers' `_speculative_sampling` accepts a draft token x
 iff u ≤ 1 − w + w·p(x)/q(x) = v(x)/q(x) with v = w·p + (1 − w)·q, and after a rejection draws from
@@ -30,18 +42,27 @@ does not separate its prefill from the first verification).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import utils as generation_utils
 
 from fsd_chat.bench.meter import ForwardMeter
-from fsd_chat.bench.records import HF_ASSISTED, RULE_OF, Configuration, ForwardTally, Generation
+from fsd_chat.bench.records import (
+    HF_ASSISTED,
+    HF_METHODS,
+    RULE_OF,
+    UNMETERED,
+    Configuration,
+    ForwardTally,
+    Generation,
+)
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.divergence import kl
 from fsd_chat.decoding.kv_cache import context_length
@@ -51,6 +72,35 @@ from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """The time (`time.monotonic`) by which a reply must stop, checked between its steps: fsd-chat's
+    decoders stop at the next step, transformers' `generate` at its next stopping check."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline | None:
+        """The deadline `seconds` from now (None: none)."""
+        return None if seconds is None else cls(time.monotonic() + seconds)
+
+    def passed(self) -> bool:
+        """Whether the time is up."""
+        return time.monotonic() >= self.at
+
+
+class _DeadlineCriteria(StoppingCriteria):
+    """transformers' stopping criterion for a `Deadline`: every sequence is done once it passed."""
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full(
+            (input_ids.shape[0],), self.deadline.passed(), dtype=torch.bool, device=input_ids.device
+        )
 
 
 @contextmanager
@@ -136,19 +186,28 @@ class PairRunner:
     """Runs any configuration's method on one loaded pair, metering both models' forward passes.
 
     Args:
-        pair: The loaded pair (its setup is the configurations').
+        pair: The loaded pair (its setup is the configurations'), for fsd-chat's decoders.
+        hf: The same pair loaded apart, for transformers' methods (see the module docstring); None:
+            `pair` itself (when no compiled decoder has touched it, as in a timing pass).
     """
 
-    def __init__(self, pair: ModelPair) -> None:
+    def __init__(self, pair: ModelPair, hf: ModelPair | None = None) -> None:
         self.pair = pair
+        self.hf = hf or pair
         # Prompt lookup has no draft model; a mapped draft's EOS ids are in its own vocabulary:
         # only the target's end a reply then.
         shared = [pair.draft] if pair.draft is not None and pair.draft_kind == "model" else []
         self.eos = eos_token_ids(pair.tokenizer, pair.target, *shared)
         self.context = context_length(pair.target)
-        self._target_meter = ForwardMeter(pair.target, pair.device)
+        self._meters = {id(pair): self._pair_meters(pair)}
+        if self.hf is not pair:
+            self._meters[id(self.hf)] = self._pair_meters(self.hf)
+
+    @staticmethod
+    def _pair_meters(pair: ModelPair) -> tuple[ForwardMeter, ForwardMeter | None]:
         # Prompt lookup runs no draft model: its tally stays empty.
-        self._draft_meter = ForwardMeter(pair.draft, pair.device) if pair.draft is not None else None
+        draft = ForwardMeter(pair.draft, pair.device) if pair.draft is not None else None
+        return ForwardMeter(pair.target, pair.device), draft
 
     def run(
         self,
@@ -158,8 +217,10 @@ class PairRunner:
         max_new_tokens: int,
         seed: int,
         stop_strings: tuple[str, ...],
+        deadline: Deadline | None = None,
     ) -> Generation:
-        """Generate a reply to `prompt_ids` with `config`'s method and time it."""
+        """Generate a reply to `prompt_ids` with `config`'s method and time it; past `deadline`, the
+        reply stops at its next step."""
         sampling = SamplingConfig(
             temperature=config.temperature,
             top_k=config.top_k,
@@ -170,25 +231,39 @@ class PairRunner:
         # Built before the meters start: a decoder's KV caches run a probe forward pass when they
         # are made (`CachedModel`), which is no part of the reply (the chat builds its decoder once).
         decoder = self._decoder(config)
-        target = self._target_meter.start()
-        draft = self._draft_meter.start() if self._draft_meter is not None else ForwardTally()
+        target_meter, draft_meter = self._meters[id(self.hf if config.method in HF_METHODS else self.pair)]
+        static = config.method in UNMETERED
+        target = ForwardTally() if static else target_meter.start()
+        draft = draft_meter.start() if draft_meter is not None else ForwardTally()
         try:
-            generation = self._run(
-                config, decoder, prompt_ids, sampling, max_new_tokens, stop_strings, target, draft
-            )
+            with target_meter.detached() if static else nullcontext():
+                generation = self._run(
+                    config,
+                    decoder,
+                    prompt_ids,
+                    sampling,
+                    max_new_tokens,
+                    stop_strings,
+                    target,
+                    draft,
+                    deadline,
+                )
         finally:
-            self._target_meter.stop()
-            if self._draft_meter is not None:
-                self._draft_meter.stop()
+            target_meter.stop()
+            if draft_meter is not None:
+                draft_meter.stop()
+        if static:
+            # One forward a token, the prefill's included (unmetered: see the module docstring).
+            target.calls = len(generation.token_ids)
         if config.method == "hf-ensemble" and sampling.greedy and generation.token_ids:
             # After the meters stop: this forward pass is no part of the run.
-            costs = greedy_regrets(self.pair.target, prompt_ids, generation.token_ids)
+            costs = greedy_regrets(self.hf.target, prompt_ids, generation.token_ids)
             generation = replace(generation, costs=costs)
         return generation
 
     def _decoder(self, config: Configuration) -> Decoder | None:
         """fsd-chat's decoder for `config` (None for transformers' methods, which decode alone)."""
-        if config.method in HF_ASSISTED or config.method == "hf-prompt-lookup":
+        if config.method in HF_METHODS:
             return None
         defaults = DecodingSettings()
         controls = Controls(
@@ -215,22 +290,24 @@ class PairRunner:
         stop_strings: tuple[str, ...],
         target: ForwardTally,
         draft: ForwardTally,
+        deadline: Deadline | None,
     ) -> Generation:
         if config.method in HF_ASSISTED:
             weight = config.threshold if config.method == "hf-ensemble" else None
             trace = EnsembleTrace()
             clock = PhaseClock(self.pair.device)
             with (
-                assistant_settings(self.pair, config.draft_tokens),
+                assistant_settings(self.hf, config.draft_tokens),
                 trace.recording() if weight is not None else nullcontext(),
             ):
                 ids = self._hf_generate(
                     prompt_ids,
-                    {"assistant_model": self.pair.draft},
+                    {"assistant_model": self.hf.draft},
                     sampling,
                     max_new_tokens,
                     stop_strings,
                     weight,
+                    deadline,
                 )
             seconds = clock.lap()
             costs = None
@@ -238,13 +315,17 @@ class PairRunner:
                 # A last token drawn with no room left to draft comes from p (cost 0), unrecorded.
                 costs = (trace.costs(weight) + [0.0] * len(ids))[: len(ids)]
             return Generation(ids, seconds, None, target, draft, costs)
-        if config.method == "hf-prompt-lookup":
-            clock = PhaseClock(self.pair.device)
-            lookup = {
-                "prompt_lookup_num_tokens": config.draft_tokens,
-                "max_matching_ngram_size": DEFAULT_LOOKUP_NGRAM,
-            }
-            ids = self._hf_generate(prompt_ids, lookup, sampling, max_new_tokens, stop_strings, None)
+        if config.method in HF_METHODS:  # transformers' decoding without a draft model
+            clock = PhaseClock(self.hf.device)
+            ids = self._hf_generate(
+                prompt_ids,
+                HF_DECODING[config.method](config),
+                sampling,
+                max_new_tokens,
+                stop_strings,
+                None,
+                deadline,
+            )
             return Generation(ids, clock.lap(), None, target, draft)
         assert decoder is not None  # every method but transformers' has one (`_decoder`)
         stats = GenerationStats()
@@ -255,6 +336,8 @@ class PairRunner:
         ):
             stats.add(step)
             ids += [t.id for t in step.tokens]
+            if deadline is not None and deadline.passed():
+                break
         return Generation(ids, clock.lap(), stats, target, draft)
 
     def _hf_generate(
@@ -265,8 +348,9 @@ class PairRunner:
         max_new_tokens: int,
         stop_strings: tuple[str, ...],
         ensemble_weight: float | None,
+        deadline: Deadline | None,
     ) -> list[int]:
-        pair = self.pair
+        pair = self.hf
         if self.context is not None:
             max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))
         input_ids = torch.tensor([prompt_ids], device=pair.device)
@@ -284,6 +368,8 @@ class PairRunner:
             torch.manual_seed(sampling.seed or 0)  # transformers draws from torch's global generator
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
+        if deadline is not None:
+            options["stopping_criteria"] = StoppingCriteriaList([_DeadlineCriteria(deadline)])
         if pair.vocab_map is not None and "assistant_model" in drafting:
             if pair.vocab_map.draft_vocab == pair.vocab_size:
                 # transformers takes a draft whose vocabulary has the target's size for one that
@@ -321,6 +407,18 @@ class PairRunner:
 
     def close(self) -> None:
         """Remove the forward hooks from the models."""
-        self._target_meter.close()
-        if self._draft_meter is not None:
-            self._draft_meter.close()
+        for meters in self._meters.values():
+            for meter in meters:
+                if meter is not None:
+                    meter.close()
+
+
+HF_DECODING: dict[str, Callable[[Configuration], dict[str, Any]]] = {
+    "hf-prompt-lookup": lambda config: {
+        "prompt_lookup_num_tokens": config.draft_tokens,
+        "max_matching_ngram_size": DEFAULT_LOOKUP_NGRAM,
+    },
+    "hf-autoregressive": lambda _config: {},
+    "hf-static": lambda _config: {"cache_implementation": "static"},
+}
+"""`generate`'s options of transformers' methods without a draft model."""

@@ -35,7 +35,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
-from fsd_chat.bench.records import BASELINES, UNCOUNTED_DRAFTS, Configuration, Measurement, Method, Setup
+from fsd_chat.bench.records import (
+    BASELINES,
+    TARGET_ONLY,
+    UNCOUNTED_DRAFTS,
+    UNMETERED,
+    Configuration,
+    ConfigurationRecord,
+    Measurement,
+    Method,
+    Setup,
+)
 from fsd_chat.bench.stats import Spread, mean_ci95, median_with_ci95, paired_ratios
 
 SPEEDUP_BASELINES: tuple[Method, ...] = tuple(m for m in BASELINES if m != "hf-ensemble")
@@ -113,9 +123,14 @@ class Summary:
         overhead_share: fsd-chat's other_seconds / decode seconds (acceptance, rollback,
             detokenisation); None for hf-assisted.
         outside_forward_share: Share of wall-clock time outside the models' forward passes
-            (sampling included), for every method alike.
+            (sampling included), for every method alike but those run unmetered (`UNMETERED`: None).
         prefill_seconds: Mean prompt prefill seconds (fsd-chat's decoders only).
         quality: See `Quality`.
+        status: "ok", or "cut": it ran past its time budget and was stopped (its figures come
+            from the replies it finished).
+        cut_after_seconds: That budget, for its warm-up and for its measured replies (None: none).
+        warmup_seconds: Seconds of its untimed warm-up reply, compilation included.
+        compiled_graphs: Graphs torch.compile compiled during its measured runs (0 expected).
     """
 
     config: Configuration
@@ -137,9 +152,13 @@ class Summary:
     draft_forward_seconds: float | None
     limit_tokens_per_second: float | None
     overhead_share: float | None
-    outside_forward_share: float
+    outside_forward_share: float | None
     prefill_seconds: float | None
     quality: Quality
+    status: str = "ok"
+    cut_after_seconds: float | None = None
+    warmup_seconds: float | None = None
+    compiled_graphs: int | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict: the configuration's fields flattened in with its `label`, `setup` and
@@ -179,7 +198,12 @@ class Summary:
                 if f.name != "setup"
             },
         )
-        own = {f.name: data[f.name] for f in fields(cls) if f.name not in ("config", "tokens_per_second")}
+        own = {
+            f.name: data[f.name]
+            for f in fields(cls)
+            # A field with a default may be missing: report.json written before it existed.
+            if f.name not in ("config", "tokens_per_second") and (f.name in data or f.default is MISSING)
+        }
         return cls(
             **own
             | {
@@ -246,7 +270,7 @@ def _cost_per_token(run: Measurement) -> float:
 def _reference(config: Configuration, method: Method) -> Configuration:
     """The baseline `method` that `config` is compared with (same group; same k, fixed, for SD
     baselines but hf-assisted-default, which drafts as transformers decides)."""
-    k = None if method in ("autoregressive", "hf-assisted-default") else config.draft_tokens
+    k = None if method in (*TARGET_ONLY, "hf-assisted-default") else config.draft_tokens
     return replace(
         config, method=method, draft_tokens=k, divergence=None, threshold=None, draft_policy="fixed"
     )
@@ -423,8 +447,14 @@ def _speedups(
     return speedups, intervals
 
 
-def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Summary]:
-    """One `Summary` per configuration that has at least one run, in the configurations' order."""
+def summarize(
+    configs: list[Configuration],
+    runs: list[Measurement],
+    records: Mapping[Configuration, ConfigurationRecord] | None = None,
+    cut_after: float | None = None,
+) -> list[Summary]:
+    """One `Summary` per configuration that has at least one run, in the configurations' order,
+    with its warm-up, compilation and cut from the sweep's `records` (under the budget `cut_after`)."""
     by_config: dict[Configuration, list[Measurement]] = defaultdict(list)
     for run in runs:
         by_config[run.config].append(run)
@@ -481,12 +511,29 @@ def summarize(configs: list[Configuration], runs: list[Measurement]) -> list[Sum
                 )
                 if engine
                 else None,
-                outside_forward_share=max(1.0 - metered / wall, 0.0) if wall > 0 else 0.0,
+                outside_forward_share=None
+                if config.method in UNMETERED
+                else max(1.0 - metered / wall, 0.0)
+                if wall > 0
+                else 0.0,
                 prefill_seconds=statistics.fmean(s.prefill_seconds for s in engine) if engine else None,
                 quality=_quality(config, mine, by_config),
+                **_record_fields(records.get(config) if records else None, cut_after),
             )
         )
     return summaries
+
+
+def _record_fields(record: ConfigurationRecord | None, cut_after: float | None) -> dict[str, Any]:
+    """A summary's fields from the sweep's record of its configuration (none without one)."""
+    if record is None:
+        return {}
+    return {
+        "status": "cut" if record.cut else "ok",
+        "cut_after_seconds": cut_after,
+        "warmup_seconds": record.warmup_seconds,
+        "compiled_graphs": record.compiled_graphs,
+    }
 
 
 Speed = Callable[[Summary], float | None]

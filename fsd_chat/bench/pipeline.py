@@ -22,11 +22,19 @@ from rich.progress import (
 from rich.text import Text
 
 from fsd_chat.bench import plot, report, terminal
+from fsd_chat.bench.advice import advise
 from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.bench.records import HF_ASSISTED, Configuration, Measurement, Setup
+from fsd_chat.bench.records import (
+    HF_ASSISTED,
+    HF_METHODS,
+    Configuration,
+    ConfigurationRecord,
+    Measurement,
+    Setup,
+)
 from fsd_chat.bench.runner import WARMUP_TOKENS, OnRun, Timing, run_sweep, time_target_only
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
@@ -99,6 +107,25 @@ def fit(
     return prompts, max_new_tokens
 
 
+CUT_FACTOR = 4.0
+"""A configuration is cut once its measured replies take this many times what target-only decoding
+would take for them at its timed speed (`Timing.estimate` of one configuration)..."""
+MIN_CUT_SECONDS = 30.0
+"""...but never before this many seconds (timing noise, a slow first prompt)."""
+WARMUP_CUT_SECONDS = 180.0
+"""A configuration's warm-up reply is cut past this (or past its replies' budget, if longer): it
+compiles, which takes tens of seconds on a GPU (the first compiled width of a pair, 50 s on an
+H200), and none of it is measured."""
+WIDTH = 160
+"""The widest line the results print: a table's columns that do not fit are left out (report.md
+has them all)."""
+
+
+def cut_budget(timing: Timing, prompts: int, repeats: int, max_new_tokens: int) -> float:
+    """A configuration's time budget for its measured replies (`CUT_FACTOR`, `MIN_CUT_SECONDS`)."""
+    return max(MIN_CUT_SECONDS, CUT_FACTOR * timing.estimate(1, prompts, repeats, max_new_tokens))
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"
 
@@ -119,9 +146,11 @@ def run_bench(
     threads: int | None,
     trust_remote_code: bool,
     budget: TimeBudget | None = None,
+    cut_after: float | None = None,
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
-    cut the sweep short (what was measured is reported all the same).
+    cut the sweep short (what was measured is reported all the same). `cut_after`: each
+    configuration's time budget for its measured replies (None: `cut_budget`'s).
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -148,6 +177,8 @@ def run_bench(
     check_writable(output)
     # Lines unbroken (a terminal wraps them itself): a log keeps each note on one line.
     console = Console(stderr=True, soft_wrap=True)
+    if console.is_terminal:  # the progress bar spans the terminal: at most WIDTH columns
+        console = Console(stderr=True, soft_wrap=True, width=min(console.width, WIDTH))
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
@@ -159,6 +190,23 @@ def run_bench(
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
         pairs[setup.label] = by_setup[setup] = pair
+    # transformers' baselines run on models of their own, which fsd-chat's compiled decoders never
+    # touch (`bench.methods`): loaded again, as transformers' user would load them.
+    hf_setups = {c.setup for c in configs if c.method in HF_METHODS}
+    hf_pairs: dict[Setup, ModelPair] = {}
+    for setup in setups:
+        if setup in hf_setups:
+            specs = pair_specs(
+                target,
+                draft,
+                setup.quantize_target,
+                setup.quantize_draft,
+                device,
+                setup.dtype,
+                trust_remote_code,
+            )
+            with console.status(f"loading {setup.label} for transformers' baselines"):
+                hf_pairs[setup] = load_pair(*specs)
     # Sampling lists not given start from the target's own sampling, as chat and generate do.
     model_sampling = SamplingRequest().resolve(
         by_setup[setups[0]].target.generation_config, Path(target).name
@@ -182,11 +230,20 @@ def run_bench(
         count, max_new_tokens = fit(budget, timing, len(configs), asked[0], repeats, max_new_tokens)
         prompt_set = replace(prompt_set, items=prompt_set.items[:count])
     estimate = timing.estimate(len(configs), len(prompt_set.items), repeats, max_new_tokens)
+    cut_after = cut_after or cut_budget(timing, len(prompt_set.items), repeats, max_new_tokens)
+    warmup_cut_after = max(cut_after, WARMUP_CUT_SECONDS)
     console.print(
         Text(
             f"estimate: about {_minutes(estimate)}, {len(configs)} configurations × {len(prompt_set.items)} "
             f"prompts × ≤{max_new_tokens} tokens at {1000 * timing.per_token:.1f} ms a token and "
-            f"{1000 * timing.per_run:.0f} ms a run (target-only, timed)",
+            f"{1000 * timing.per_run:.0f} ms a run (target-only, timed; compilation not included)",
+            style="dim",
+        )
+    )
+    console.print(
+        Text(
+            f"a configuration is cut past {_minutes(cut_after)} of replies, or {_minutes(warmup_cut_after)} "
+            "of warm-up (it compiles), and the sweep goes on",
             style="dim",
         )
     )
@@ -216,6 +273,9 @@ def run_bench(
             seed=seed,
             repeats=repeats,
             on_run=advance,
+            hf_pairs=hf_pairs,
+            cut_after=cut_after,
+            warmup_cut_after=warmup_cut_after,
         )
     write_outputs(
         output,
@@ -226,7 +286,11 @@ def run_bench(
             **_sweep_record(spec, prompt_set.name, len(prompt_set.items), max_new_tokens, seed, repeats),
             "model_sampling": model_sampling.source,
             "not_applied": list(model_sampling.not_applied),
+            "cut_after_seconds": cut_after,
+            "warmup_cut_after_seconds": warmup_cut_after,
         },
+        records=result.records,
+        cut_after=cut_after,
         interrupted=result.interrupted,
         title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
         f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",
@@ -254,6 +318,8 @@ def _progress(console: Console, total: int) -> Iterator[OnRun]:
     def line(config: Configuration, phase: str) -> None:
         nonlocal done
         done += 1
+        if phase == "skip":  # a cut configuration's replies: its "cut" line said so once
+            return
         console.print(Text(f"{done}/{total} {describe(config, phase)} · {time.monotonic() - start:.0f} s"))
 
     yield line
@@ -291,6 +357,8 @@ def write_outputs(
     sweep: dict[str, object],
     interrupted: bool,
     title: str,
+    records: dict[Configuration, ConfigurationRecord] | None = None,
+    cut_after: float | None = None,
 ) -> None:
     """Summarise the runs, show the results on stdout, then write the three files.
 
@@ -300,13 +368,21 @@ def write_outputs(
     Raises:
         FsdChatError: a report file cannot be written.
     """
-    summaries = summarize(configs, runs)
+    summaries = summarize(configs, runs, records, cut_after)
     verdicts = compare_curves(summaries, runs)
-    results = report.Report(environment(pairs), sweep, interrupted, summaries, verdicts)
+    with_rows = {s.config for s in summaries}
+    cut = [
+        f"{c.setup.label} · {c.sampling} · {c.label}"
+        for c, record in (records or {}).items()
+        if record.cut and c not in with_rows
+    ]
+    advice = advise(summaries)
+    results = report.Report(environment(pairs), sweep, interrupted, summaries, verdicts, cut, advice)
     plot_name = "tradeoff.png" if summaries else None
     console = Console(highlight=False)
-    if not console.is_terminal:  # a file or a pipe: no width to fit, keep whole rows, however wide
-        console = Console(width=1000, highlight=False)
+    # A terminal, a file or a pipe alike: lines of at most WIDTH columns (a table's columns that
+    # do not fit are left out; report.md has them).
+    console = Console(width=min(console.width, WIDTH) if console.is_terminal else WIDTH, highlight=False)
     # The title holds model and prompt-file paths: text, not markup, and no raw control characters.
     console.print(
         Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
@@ -331,3 +407,6 @@ def write_outputs(
             )
         )
     )
+    if cut:
+        console.print(Text(report.cut_line(cut), style="yellow"))
+    console.print(Text(advice, style="bold"))

@@ -30,6 +30,8 @@ BASELINE_MARKERS = {
     "hf-assisted": "^",
     "hf-assisted-default": "v",
     "hf-prompt-lookup": "P",
+    "hf-autoregressive": "o",
+    "hf-static": "X",
 }
 
 SPEEDS: dict[str, Speed] = {

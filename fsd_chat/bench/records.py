@@ -8,7 +8,7 @@ analyse measurements (metrics, curves, report, plot, terminal) load without torc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fsd_chat.decoding.events import GenerationStats
@@ -22,6 +22,8 @@ Method = Literal[
     "hf-assisted-default",
     "hf-prompt-lookup",
     "hf-ensemble",
+    "hf-autoregressive",
+    "hf-static",
     "fuzzy",
     "pure",
     "mixture",
@@ -33,10 +35,29 @@ BASELINES: tuple[Method, ...] = (
     "hf-assisted-default",
     "hf-prompt-lookup",
     "hf-ensemble",
+    "hf-autoregressive",
+    "hf-static",
 )
 """The methods of `--baselines`. `hf-ensemble` is transformers' own lossy verification
-(`generate(assistant_model=..., assistant_ensemble_weight=w)`), run at every `--ensemble-weights` w."""
-UNCOUNTED_DRAFTS: tuple[Method, ...] = ("autoregressive", "hf-prompt-lookup")
+(`generate(assistant_model=..., assistant_ensemble_weight=w)`), run at every `--ensemble-weights` w;
+`hf-autoregressive` is transformers' plain `generate` (eager, dynamic cache) and `hf-static`
+`generate(cache_implementation="static")`, whose decode step transformers compiles on CUDA."""
+HF_TARGET_ONLY: tuple[Method, ...] = ("hf-autoregressive", "hf-static")
+"""transformers' target-only baselines (no draft, no k)."""
+TARGET_ONLY: tuple[Method, ...] = ("autoregressive", *HF_TARGET_ONLY)
+"""The methods that decode with the target alone: compared with each other at no k."""
+HF_METHODS: tuple[Method, ...] = (
+    "hf-assisted",
+    "hf-assisted-default",
+    "hf-prompt-lookup",
+    "hf-ensemble",
+    *HF_TARGET_ONLY,
+)
+"""The methods transformers' `generate` runs, on models of their own (`bench.methods`)."""
+UNMETERED: tuple[Method, ...] = ("hf-static",)
+"""The methods run without the forward meters' hooks (they would be traced into transformers'
+compiled step): their forward counts are their tokens, their forward times unknown."""
+UNCOUNTED_DRAFTS: tuple[Method, ...] = (*TARGET_ONLY, "hf-prompt-lookup")
 """The methods with no drafted-token count: target-only decoding, and transformers' prompt lookup,
 whose drafts transformers does not count. Every other method's mean k is a figure, 0 where it
 drafted nothing (a draft policy that paused throughout)."""
@@ -223,6 +244,26 @@ class Measurement:
     correct: bool | None
 
 
+@dataclass(slots=True)
+class ConfigurationRecord:
+    """What a sweep records of one configuration besides its measurements.
+
+    Attributes:
+        warmup_seconds: Wall-clock seconds of its untimed warm-up reply (first-call allocations and,
+            where the method compiles, its compilation: kept apart from the measured runs).
+        compiled_graphs: Graphs torch.compile compiled during its measured runs
+            (torch._dynamo's `unique_graphs` counter), 0 when compilation stayed in the warm-up.
+        cut: Whether it ran past its time budget and was stopped (the reply it was in is dropped,
+            and it runs no more).
+        measured_seconds: Seconds spent in its measured replies, the one it was cut in included.
+    """
+
+    warmup_seconds: float | None = None
+    compiled_graphs: int = 0
+    cut: bool = False
+    measured_seconds: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class SweepResult:
     """All measurements, and how the sweep ended.
@@ -231,10 +272,15 @@ class SweepResult:
         runs: The measured generations.
         exit_status: 0 when it ran to the end, else 128 + the signal that cut it short (130:
             Ctrl-C, 143: SIGTERM).
+        records: Each configuration's warm-up, compilation and cut (`ConfigurationRecord`).
+        cut_after: The seconds a configuration could spend on its warm-up, and on its measured
+            replies, before it was cut (None: no budget).
     """
 
     runs: list[Measurement]
     exit_status: int = 0
+    records: dict[Configuration, ConfigurationRecord] = field(default_factory=dict)
+    cut_after: float | None = None
 
     @property
     def interrupted(self) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,10 @@ class Column:
         meaning: What the figure is, for report.md's legend.
         render: How the value is written ("–" where it does not apply: None in report.json).
         terminal: Whether the terminal's narrower table shows it too.
+        rank: Which columns a terminal too narrow for all of them keeps: the highest rank is left
+            out first (the rightmost of equal ranks); report.md has every column.
+        blank: The cell that says nothing (a figure the configuration does not have): the terminal
+            leaves out a column whose every cell is blank.
     """
 
     header: str
@@ -97,6 +101,8 @@ class Column:
     meaning: str
     render: Render = _text
     terminal: bool = True
+    rank: int = 0
+    blank: str = "–"
 
     def cell(self, item: Mapping[str, Any]) -> str:
         """This column's cell for one report.json `configs` item."""
@@ -104,14 +110,29 @@ class Column:
 
 
 SPEEDUP_HEADERS: dict[str, tuple[str, str]] = {
-    "autoregressive": ("×AR", "target-only decoding"),
+    "autoregressive": ("×AR", "target-only decoding in fsd-chat"),
     "exact": ("×exact", "exact speculative decoding in fsd-chat (same k, fixed)"),
-    "hf-assisted": ("×HF", "transformers' assisted generation (same constant k)"),
-    "hf-assisted-default": ("×HF-def", "transformers' assisted generation at its own defaults"),
-    "hf-prompt-lookup": ("×HF-lookup", "transformers' prompt lookup decoding (same k)"),
+    "hf-assisted": ("×hf-assisted", "transformers' assisted generation (same constant k)"),
+    "hf-assisted-default": ("×hf-assisted-default", "transformers' assisted generation at its own defaults"),
+    "hf-prompt-lookup": ("×hf-prompt-lookup", "transformers' prompt lookup decoding (same k)"),
+    "hf-autoregressive": ("×hf-autoregressive", "transformers' plain generate (eager, dynamic cache)"),
+    "hf-static": (
+        "×hf-static",
+        "transformers' generate with a static cache (its decode step compiled on CUDA)",
+    ),
 }
-"""Each speed-up baseline's header and name (a KeyError on import if `SPEEDUP_BASELINES` gains one
-without them)."""
+"""Each speed-up baseline's header (the baseline's own method name: a column says what it is
+against) and name (a KeyError on import if `SPEEDUP_BASELINES` gains one without them)."""
+SPEEDUP_RANKS: dict[str, int] = {
+    "autoregressive": 1,
+    "hf-static": 2,
+    "hf-assisted": 2,
+    "hf-prompt-lookup": 2,
+    "exact": 3,
+    "hf-autoregressive": 4,
+    "hf-assisted-default": 4,
+}
+"""Which speed-up columns a narrow terminal keeps first (`Column.rank`)."""
 
 COLUMNS: tuple[Column, ...] = (
     Column("setup", "setup", "how the pair was loaded: dtype and quantization", terminal=False),
@@ -140,6 +161,7 @@ COLUMNS: tuple[Column, ...] = (
             f"paired median speed-up against {SPEEDUP_HEADERS[method][1]}, with its distribution-free "
             "95% confidence interval from 6 prompts up",
             _speedup("speedup_ci95", method),
+            rank=SPEEDUP_RANKS[method],
         )
         for method in SPEEDUP_BASELINES
     ),
@@ -150,6 +172,7 @@ COLUMNS: tuple[Column, ...] = (
         "per-forward times of its setup, sampling, k and draft policy: immune to other processes, blind to time "
         "outside forward passes)",
         _speedup("work_speedup_ci95", "exact"),
+        rank=6,
     ),
     Column(
         "limit tok/s",
@@ -158,14 +181,15 @@ COLUMNS: tuple[Column, ...] = (
         _num(".1f"),
         terminal=False,
     ),
-    Column("τ", "mean_accepted_length", "tokens per target forward", _num(".2f")),
-    Column("mean k", "draft_tokens_per_step", "drafted tokens per target forward", _num(".2f")),
-    Column("accept", "acceptance_rate", "accepted / drafted tokens", _num(".0%")),
+    Column("τ", "mean_accepted_length", "tokens per target forward", _num(".2f"), rank=3),
+    Column("mean k", "draft_tokens_per_step", "drafted tokens per target forward", _num(".2f"), rank=5),
+    Column("accept", "acceptance_rate", "accepted / drafted tokens", _num(".0%"), rank=4),
     Column(
         "fuzzy",
         "fuzzy_share",
         "share of tokens kept by the relaxed test at a cost > 0 (draft-fuzzy)",
         _num(".0%"),
+        rank=6,
     ),
     Column(
         "cost/tok (±95%)",
@@ -174,6 +198,7 @@ COLUMNS: tuple[Column, ...] = (
         "target's, exact at each position; greedy: log-probability regret) with its 95% interval; 0 "
         "for lossless methods",
         _plus_minus(".4f", "quality.cost_per_token_ci95"),
+        rank=1,
     ),
     Column(
         "NLL",
@@ -187,14 +212,45 @@ COLUMNS: tuple[Column, ...] = (
         "quality.target_nll_change",
         "relative change of the NLL against autoregressive decoding (else exact SD), with its 95% interval",
         _plus_minus("+.1%", "quality.target_nll_change_ci95"),
+        rank=6,
     ),
     Column(
         "greedy agree",
         "quality.greedy_agreement",
         "greedy runs: share of the reply equal to target-only greedy output before the first difference",
         _num(".0%"),
+        rank=5,
     ),
-    Column("accuracy", "quality.accuracy", "share of right answers (prompt sets with answers)", _num(".0%")),
+    Column(
+        "accuracy",
+        "quality.accuracy",
+        "share of right answers (prompt sets with answers)",
+        _num(".0%"),
+        rank=3,
+    ),
+    Column(
+        "status",
+        "status",
+        "ok, or cut: the configuration ran past its time budget and was stopped, its figures from the "
+        "replies it finished (report.json's cut_after_seconds: the budget)",
+        rank=1,
+        blank="ok",
+    ),
+    Column(
+        "warm-up s",
+        "warmup_seconds",
+        "seconds of the configuration's untimed warm-up reply, compilation included (kept apart from its "
+        "measured runs)",
+        _num(".1f"),
+        terminal=False,
+    ),
+    Column(
+        "graphs",
+        "compiled_graphs",
+        "graphs torch.compile compiled during the measured runs (torch._dynamo's counters): 0 when "
+        "compilation stayed in the warm-up",
+        terminal=False,
+    ),
     Column(
         "target fwd ms",
         "target_forward_seconds",
@@ -233,6 +289,9 @@ class Report:
         summaries: One per configuration measured (report.json's `configs`).
         verdicts: Per (setup, temperature) and clock, the lossy rules' curves compared at matched
             cost (report.json's `curves`).
+        cut: The configurations cut for time before they finished a reply (they have no row), as
+            "setup · sampling · label" (report.json's `cut`).
+        advice: The last line: what to run on this pair (`advice.advise`).
     """
 
     environment: dict[str, object]
@@ -240,6 +299,8 @@ class Report:
     interrupted: bool
     summaries: list[Summary]
     verdicts: list[Verdict]
+    cut: list[str] = field(default_factory=list)
+    advice: str = ""
 
 
 def write_json(path: Path, report: Report) -> None:
@@ -255,6 +316,8 @@ def write_json(path: Path, report: Report) -> None:
         "interrupted": report.interrupted,
         "configs": [s.to_dict() for s in report.summaries],
         "curves": [v.to_dict() for v in report.verdicts],
+        "cut": report.cut,
+        "advice": report.advice,
     }
     path.write_text(to_json(data, indent=2) + "\n", encoding="utf-8")
 
@@ -275,6 +338,9 @@ def read_json(path: Path) -> Report:
         interrupted=data["interrupted"],
         summaries=[Summary.from_dict(item) for item in data["configs"]],
         verdicts=[Verdict.from_dict(item) for item in data["curves"]],
+        # Missing in a report.json written before they existed.
+        cut=data.get("cut", []),
+        advice=data.get("advice", ""),
     )
 
 
@@ -283,6 +349,11 @@ def table_rows(summaries: list[Summary], columns: tuple[Column, ...] = COLUMNS) 
     (through JSON, so what is shown is what report.json holds: an infinity is "–" in both)."""
     items = [json.loads(to_json(s.to_dict())) for s in summaries]
     return [tuple(column.cell(item) for column in columns) for item in items]
+
+
+def cut_line(cut: list[str]) -> str:
+    """The configurations cut for time before they finished a reply, in one line."""
+    return f"cut for time before finishing a reply (no row): {'; '.join(cut)}"
 
 
 def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | None) -> None:
@@ -303,6 +374,15 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
         f"- versions: {', '.join(f'{k} {v}' for k, v in packages.items() if v)}",
         f"- quality scored by: {environment['scorer']}",
     ]
+    budget, warmup_budget = (
+        report.sweep.get("cut_after_seconds"),
+        report.sweep.get("warmup_cut_after_seconds"),
+    )
+    if isinstance(budget, float | int) and isinstance(warmup_budget, float | int):
+        lines.append(
+            f"- time budget: a configuration is cut past {budget:.0f} s of measured replies or "
+            f"{warmup_budget:.0f} s of warm-up (status column)"
+        )
     if report.interrupted:
         lines.append("- **interrupted**: the sweep was stopped early; these are the runs measured so far")
     headers = [column.header for column in COLUMNS]
@@ -330,4 +410,8 @@ def write_markdown(path: Path, report: Report, *, title: str, plot_name: str | N
             lines += ["", *verdict.lines()]
     if plot_name:
         lines += ["", f"![tokens/s against cost per token]({plot_name})"]
+    if report.cut:
+        lines += ["", cut_line(report.cut)]
+    if report.advice:
+        lines += ["", report.advice]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

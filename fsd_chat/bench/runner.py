@@ -3,8 +3,13 @@
 For each prompt (and repeat), all configurations run back to back, in an order rotated by one from
 one prompt to the next, so that drift of the machine (other processes, thermal state) falls on
 every configuration alike and no configuration always runs first. Every configuration runs once,
-untimed, on a short reply before measuring starts (first-call allocations and lazy initialisation).
-A KeyboardInterrupt (Ctrl-C, or SIGTERM within `support.interrupts.interrupts`) ends the sweep early
+untimed, on a short reply before measuring starts (first-call allocations, lazy initialisation and
+compilation), whose seconds are recorded; so are the graphs torch.compile compiles during a
+configuration's measured replies (torch._dynamo's counters: 0 when compilation stayed in the
+warm-up). Under a time budget (`cut_after`), a configuration whose warm-up, or whose measured
+replies together, run past it is cut: the reply is stopped at its next step (`Deadline`), dropped,
+and the configuration runs no more, so one that stalls (compiling at every new shape) cannot hold
+up the sweep. A KeyboardInterrupt (Ctrl-C, or SIGTERM within `support.interrupts.interrupts`) ends the sweep early
 and keeps what was measured.
 """
 
@@ -14,10 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsd_chat.bench.methods import PairRunner
+from torch._dynamo.utils import counters
+
+from fsd_chat.bench.methods import Deadline, PairRunner
 from fsd_chat.bench.prompts import PromptSet
 from fsd_chat.bench.quality import target_nll
-from fsd_chat.bench.records import Configuration, Measurement, Setup, SweepResult
+from fsd_chat.bench.records import Configuration, ConfigurationRecord, Measurement, Setup, SweepResult
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.interrupts import exit_status
@@ -46,7 +53,13 @@ class Timing:
 
 
 OnRun = Callable[[Configuration, str], None]
-"""Called after every generation with its configuration and "warm-up" or "measure"."""
+"""Called after every generation with its configuration and "warm-up" or "measure", with "cut" when
+a configuration is cut, and "skip" for each of its replies not run after that."""
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (torch._dynamo's counter)."""
+    return int(counters["stats"]["unique_graphs"])
 
 
 def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing:
@@ -84,6 +97,9 @@ def run_sweep(
     seed: int,
     repeats: int,
     on_run: OnRun | None = None,
+    hf_pairs: dict[Setup, ModelPair] | None = None,
+    cut_after: float | None = None,
+    warmup_cut_after: float | None = None,
 ) -> SweepResult:
     """Run every configuration on every prompt `repeats` times; quality is scored by the target
     of the first setup (so that quantized or low-precision setups are judged by one reference).
@@ -91,34 +107,74 @@ def run_sweep(
     Prompt i is decoded with seed `seed + i` by every configuration (common random numbers: the
     configurations start from the same random stream, so paired comparisons are less noisy; exact SD
     and transformers' assisted generation, which draw in the same order, then emit the same samples).
+
+    Args:
+        hf_pairs: The models transformers' methods run on, loaded apart from `pairs` (see
+            `PairRunner`); None: the same models.
+        cut_after: Each configuration's time budget in seconds for its measured replies together
+            (None: none; see the module docstring).
+        warmup_cut_after: The same for its warm-up reply, which compiles (None: `cut_after`).
     """
     notify = on_run or (lambda _config, _phase: None)
     scorer = next(iter(pairs.values()))
-    runners = {setup: PairRunner(pair) for setup, pair in pairs.items()}
+    hf = hf_pairs or {}
+    runners = {setup: PairRunner(pair, hf=hf.get(setup)) for setup, pair in pairs.items()}
     ids = [prompt_ids(scorer.tokenizer, [Message("user", item.text)]) for item in prompt_set.items]
     runs: list[Measurement] = []
+    records = {config: ConfigurationRecord() for config in configs}
+
+    warmup_budget = cut_after if warmup_cut_after is None else warmup_cut_after
+
+    def over(seconds: float, budget: float | None) -> bool:
+        return budget is not None and seconds > budget
+
     try:
         for config in configs:
+            record = records[config]
+            start = time.perf_counter()
+            # transformers sizes hf-static's cache to the longest reply asked for so far and compiles
+            # its step for that size: warmed up on the longest prompt to the token cap, its measured
+            # replies compile nothing.
+            static = config.method == "hf-static"
             runners[config.setup].run(
                 config,
-                ids[0],
-                max_new_tokens=WARMUP_TOKENS,
+                max(ids, key=len) if static else ids[0],
+                max_new_tokens=max_new_tokens if static else WARMUP_TOKENS,
                 seed=seed,
                 stop_strings=prompt_set.stop_strings,
+                deadline=Deadline.after(warmup_budget),
             )
-            notify(config, "warm-up")
+            record.warmup_seconds = time.perf_counter() - start
+            record.cut = over(record.warmup_seconds, warmup_budget)
+            notify(config, "cut" if record.cut else "warm-up")
         trial = 0
         for index, item in enumerate(prompt_set.items):
             for repeat in range(repeats):
                 shift = trial % len(configs)
                 for config in configs[shift:] + configs[:shift]:
+                    record = records[config]
+                    if record.cut:
+                        notify(config, "skip")
+                        continue
+                    graphs = compiled_graphs()
+                    start = time.perf_counter()
                     generation = runners[config.setup].run(
                         config,
                         ids[index],
                         max_new_tokens=max_new_tokens,
                         seed=seed + index,
                         stop_strings=prompt_set.stop_strings,
+                        deadline=Deadline.after(
+                            None if cut_after is None else cut_after - record.measured_seconds
+                        ),
                     )
+                    record.measured_seconds += time.perf_counter() - start
+                    record.compiled_graphs += compiled_graphs() - graphs
+                    if over(record.measured_seconds, cut_after):
+                        # A reply stopped midway is no measurement of the configuration's replies.
+                        record.cut = True
+                        notify(config, "cut")
+                        continue
                     correct = None
                     if prompt_set.checker is not None and item.answer is not None:
                         text = scorer.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
@@ -129,8 +185,8 @@ def run_sweep(
                     notify(config, "measure")
                 trial += 1
     except KeyboardInterrupt as interrupt:
-        return SweepResult(runs, exit_status(interrupt))
+        return SweepResult(runs, exit_status(interrupt), records, cut_after)
     finally:
         for runner in runners.values():
             runner.close()
-    return SweepResult(runs)
+    return SweepResult(runs, records=records, cut_after=cut_after)

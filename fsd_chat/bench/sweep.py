@@ -3,7 +3,8 @@ top-p × min-p) × temperatures × methods.
 
 Methods: `autoregressive` (target only), `exact` (standard speculative decoding in fsd-chat's
 engine), `hf-assisted` (transformers' `generate(assistant_model=...)` with the same constant k),
-`hf-assisted-default` (the same at transformers' own defaults, whatever k), `hf-ensemble`
+`hf-assisted-default` (the same at transformers' own defaults, whatever k), `hf-autoregressive` and
+`hf-static` (transformers' target-only `generate`, with a dynamic and a static cache), `hf-ensemble`
 (transformers' lossy static-ensemble verification at every `--ensemble-weights` w, same k), FSD's
 `fuzzy` / `pure`
 rules at every divergence × threshold, and the `mixture` rule at every per-token KL budget of its
@@ -203,7 +204,7 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
             start = len(configs)
             configs += [
                 Configuration(setup, temperature, m)
-                for m in ("autoregressive", "hf-assisted-default")
+                for m in ("autoregressive", "hf-autoregressive", "hf-static", "hf-assisted-default")
                 if m in baselines
             ]
             for k in ks:

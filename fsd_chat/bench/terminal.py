@@ -19,27 +19,47 @@ BASELINE_GLYPHS = {
     "hf-assisted": "H",
     "hf-assisted-default": "D",
     "hf-prompt-lookup": "L",
+    "hf-autoregressive": "R",
+    "hf-static": "S",
 }
 WIDTH, HEIGHT = 56, 12
 TERMINAL_COLUMNS = tuple(column for column in COLUMNS if column.terminal)
 """The columns that fit a terminal; setup and sampling go into each group's title."""
 
 
-def results_table(summaries: list[Summary], title: str) -> Table:
-    """The report's table in the terminal's columns, as a rich Table; a column with no figure in
-    any row (a baseline the sweep did not run) is left out."""
-    rows = table_rows(summaries, TERMINAL_COLUMNS)
-    shown = [i for i in range(len(TERMINAL_COLUMNS)) if any(row[i] != "–" for row in rows)]
+def _table(rows: list[tuple[str, ...]], shown: list[int], title: str) -> Table:
     # escape: "[q1–q3]" and the like would otherwise be read as rich markup tags
-    table = Table(
-        *(escape(TERMINAL_COLUMNS[i].header) for i in shown),
-        title=escape(title),
-        header_style="bold",
-        title_justify="left",
-    )
+    table = Table(title=escape(title), header_style="bold", title_justify="left")
+    for i in shown:
+        # no_wrap: a figure is never broken over lines; columns that do not fit are left out instead.
+        table.add_column(escape(TERMINAL_COLUMNS[i].header), no_wrap=True)
     for row in rows:
         table.add_row(*(escape(row[i]) for i in shown))
     return table
+
+
+def results_table(summaries: list[Summary], title: str, width: int | None = None) -> tuple[Table, list[str]]:
+    """The report's table in the terminal's columns, as a rich Table, and the headers left out for
+    the `width` (None: any width): a column with no figure in any row (a baseline the sweep did not
+    run) is left out, then, while the table is wider than `width`, the column of the highest
+    `Column.rank` (the rightmost of equal ranks; never one of rank 0)."""
+    rows = table_rows(summaries, TERMINAL_COLUMNS)
+    shown = [i for i, column in enumerate(TERMINAL_COLUMNS) if any(row[i] != column.blank for row in rows)]
+    left_out: list[str] = []
+    table = _table(rows, shown, title)
+    while width is not None and _width(table) > width:
+        drop = max(shown, key=lambda i: (TERMINAL_COLUMNS[i].rank, i))
+        if TERMINAL_COLUMNS[drop].rank == 0:
+            break
+        shown.remove(drop)
+        left_out.insert(0, TERMINAL_COLUMNS[drop].header)
+        table = _table(rows, shown, title)
+    return table, left_out
+
+
+def _width(table: Table) -> int:
+    """The table's width with every cell on one line."""
+    return Console(width=100_000).measure(table).maximum
 
 
 def _scale(value: float, low: float, high: float, cells: int) -> int:
@@ -89,5 +109,8 @@ def show(console: Console, summaries: list[Summary]) -> None:
     for s in summaries:
         groups[f"{s.config.setup.label} · {s.config.sampling}"].append(s)
     for name, members in groups.items():
-        console.print(results_table(members, name))
+        table, left_out = results_table(members, name, console.width)
+        console.print(table)
+        if left_out:
+            console.print(Text(f"in report.md, not shown at this width: {', '.join(left_out)}", style="dim"))
         console.print(text_plot(members, name))

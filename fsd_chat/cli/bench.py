@@ -64,6 +64,8 @@ QUICK = replace(
     thresholds="0.02,0.05,0.1,0.2,0.4",
     divergences="js,tv",
     mixture_thresholds="0.01,0.02,0.05,0.1",
+    # A new user's first run: what the chat would do on this pair, under its own draft policy.
+    draft_policies=str(o.DRAFT_POLICY.default),
     threads=1,
 )
 
@@ -79,6 +81,9 @@ DRAFT_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
 LOOKUP_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-prompt-lookup")
 """The baselines of a bench with no draft (prompt lookup): transformers' own prompt lookup, not its
 assisted generation, which needs a draft model."""
+CUDA_BASELINES: tuple[Method, ...] = ("hf-static",)
+"""Added to the default baselines on CUDA: there target-only decoding is compiled, and so is
+transformers' `generate` with a static cache, the fair comparison."""
 PRESET = " Default: the preset's."
 TARGET = o.TARGET.replace(required=True)
 MAX_NEW_TOKENS = o.MAX_NEW_TOKENS.replace(default=None, help=o.MAX_NEW_TOKENS.help + PRESET)
@@ -150,7 +155,8 @@ def bench(
         _opt(
             "--baselines",
             f"Baselines: {', '.join(BASELINES)} (comma-separated, or none). Default: "
-            f"{','.join(DRAFT_BASELINES)} with a draft model, {','.join(LOOKUP_BASELINES)} without.",
+            f"{','.join(DRAFT_BASELINES)} with a draft model, {','.join(LOOKUP_BASELINES)} without; "
+            f"on CUDA {','.join(CUDA_BASELINES)} too.",
         ),
     ] = None,
     repeats: Annotated[int | None, _opt("--repeats", "Runs of each prompt per configuration.")] = None,
@@ -165,17 +171,29 @@ def bench(
     output: Annotated[
         Path, _opt("--output", "Directory for report.json, report.md and tradeoff.png.")
     ] = Path("bench-out"),
+    cut_after: Annotated[
+        float | None,
+        _opt(
+            "--cut-after",
+            "Seconds a configuration's measured replies may take before it is cut (reported as cut; "
+            "the sweep goes on). Default: 4× what target-only decoding would take, at least 30.",
+        ),
+    ] = None,
     **values: Any,
 ) -> None:
     """Measure FSD's speed/quality trade-off against autoregressive decoding, exact speculative
     decoding and transformers' assisted generation, side by side in one run."""
     from fsd_chat.bench.pipeline import QUICK_BUDGET_SECONDS, TimeBudget, run_bench
     from fsd_chat.bench.sweep import SweepSpec
+    from fsd_chat.models.loading import resolve_device
 
     preset = QUICK if quick else FULL
     draft = o.DRAFT.get(values) or LOOKUP
     if baselines is None:
-        baselines = ",".join(LOOKUP_BASELINES if draft == LOOKUP else DRAFT_BASELINES)
+        defaults = LOOKUP_BASELINES if draft == LOOKUP else DRAFT_BASELINES
+        if resolve_device(o.DEVICE.of(values)).type == "cuda":
+            defaults += CUDA_BASELINES
+        baselines = ",".join(defaults)
     thresholds, divergences = THRESHOLDS.get(values), DIVERGENCES.get(values)
     draft_tokens, draft_policies = DRAFT_TOKENS.get(values), DRAFT_POLICIES.get(values)
     max_new_tokens, threads = MAX_NEW_TOKENS.get(values), o.THREADS.get(values)
@@ -217,6 +235,7 @@ def bench(
         budget=TimeBudget(QUICK_BUDGET_SECONDS, prompts=limit is None, tokens=max_new_tokens is None)
         if quick
         else None,
+        cut_after=cut_after,
     )
     if status:
         raise typer.Exit(status)
