@@ -4,15 +4,35 @@ decoding through it keeps greedy identity, the sampling laws and the decoders' f
 
 from __future__ import annotations
 
+import collections
 import itertools
+import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from fsd_chat.decoding import Controls, DecodingSettings, step_graph
 from fsd_chat.decoding.acceptance import judge
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES
+from fsd_chat.decoding.events import StopReason
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
-from fsd_chat.decoding.settings import RULES, SamplingConfig
+from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
+from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.step_graph import MIN_CAPACITY, EagerSteps
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import ModelSpec
+from fsd_chat.models.pair import ModelPair
+from tests.decoding_helpers import collect
+from tests.test_host_syncs import HostTraffic, host_reads  # noqa: F401 (a fixture)
+from tests.test_non_finite import CPU, OTHER_PROMPT, broken, run_until_error  # noqa: F401 (a fixture)
+from tests.test_non_finite import PROMPT as BROKEN_PROMPT
+from tests.test_sampling_lossless import ALPHA, PROMPT, SAMPLING, chi_square_p_value, exact_first_two
+
+END_TO_END = 1_000
+"""Seeded replies of the law test through the whole step (tests/test_sampling_lossless.py's count)."""
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -44,7 +64,13 @@ def test_the_rule_selected_on_the_device_is_the_rule_named(greedy: bool, point_m
         common = dict(sampling=sampling, generator=None, p_full=p_full, uniforms=uniforms, noise=noise)
         named = judge(p, q, draft_ids, rule=rule, divergence_name=name, threshold=threshold, **common)
         chosen = judge(
-            p, q, draft_ids, rule=rule_index, divergence_name=divergence_index, threshold=threshold_tensor, **common
+            p,
+            q,
+            draft_ids,
+            rule=rule_index,
+            divergence_name=divergence_index,
+            threshold=threshold_tensor,
+            **common,
         )
         for field in ("accept", "draft_exact", "divergences", "costs", "candidates"):
             assert torch.equal(getattr(named, field), getattr(chosen, field)), (rule, name, threshold, field)
@@ -61,3 +87,210 @@ def test_sampling_tensors_truncate_as_the_config_does() -> None:
         torch.testing.assert_close(
             probabilities(logits, tensors.untruncated()), probabilities(logits, config.untruncated())
         )
+
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park. Tom"]
+
+
+def whole(pair: ModelPair, settings: DecodingSettings, **kwargs: Any) -> SpeculativeDecoder:
+    decoder = pair.speculative(Controls(settings), whole_step=True, **kwargs)
+    assert isinstance(decoder._steps, EagerSteps)
+    return decoder
+
+
+def ids_of(decoder: Decoder, pair: ModelPair, prompt: str, tokens: int = 80, **kwargs: Any) -> list[int]:
+    return collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=tokens, **kwargs)).ids
+
+
+@pytest.mark.parametrize(
+    ("rule", "k"), [("exact", 1), ("exact", 5), ("fuzzy", 3), ("mixture", 9), ("pure", 4)]
+)
+def test_greedy_whole_steps_at_t0_are_the_targets_text(pair: ModelPair, rule: Rule, k: int) -> None:
+    """Greedy identity through the whole step: at T = 0 every rule is the target's greedy text, that
+    of target-only decoding, whole-step or not (rollbacks included: the story draft is rejected
+    at these k), and a whole-step target-only decoder gives it too."""
+    settings = DecodingSettings(rule=rule, threshold=0.0, draft_tokens=k, draft_policy="fixed")
+    speculative = whole(pair, settings)
+    target_only = pair.autoregressive(Controls())
+    whole_target = pair.autoregressive(Controls(), whole_step=True)
+    for prompt in PROMPTS:
+        want = ids_of(target_only, pair, prompt)
+        run = collect(speculative.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=80))
+        assert run.ids == want
+        assert run.stats.drafted > run.stats.accepted_exact > 0  # drafts were accepted and rejected
+        assert ids_of(whole_target, pair, prompt) == want
+
+
+@pytest.mark.parametrize(("rule", "threshold"), [("fuzzy", 0.1), ("mixture", 0.05), ("pure", 0.3)])
+def test_greedy_whole_steps_equal_the_eager_steps(pair: ModelPair, rule: Rule, threshold: float) -> None:
+    """Above T = 0 the text departs from the target's: the whole step decides as the eager step
+    does, token for token, origin for origin, divergence for divergence."""
+    settings = DecodingSettings(rule=rule, threshold=threshold, draft_tokens=4, draft_policy="fixed")
+    for prompt in PROMPTS[:2]:
+        ids = pair.tokenizer(prompt).input_ids
+        got = collect(whole(pair, settings).generate(ids, max_new_tokens=80))
+        want = collect(pair.speculative(Controls(settings)).generate(ids, max_new_tokens=80))
+        assert (got.ids, got.origins) == (want.ids, want.origins)
+        divergences = [t.divergence for s in got.steps for t in s.tokens]
+        expected = [t.divergence for s in want.steps for t in s.tokens]
+        # Float32 attention over a static cache sums in another order than over a dynamic one.
+        assert divergences == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def test_replies_through_the_whole_step_follow_the_target(pair: ModelPair) -> None:
+    """The sampling law through the whole step (the sampled graph's draws, the device rule
+    selection, the seeding a reply): END_TO_END seeded two-token replies at T = 0, their first
+    tokens tested against the target's exact law at α = ALPHA (tests/test_sampling_lossless.py;
+    its batched test has the power, the device rule equal to `judge` above carries it here)."""
+    vocab, eos = pair.vocab_size, pair.tokenizer.eos_token_id
+    prompt_ids = pair.tokenizer(PROMPT).input_ids
+    decoder = whole(pair, DecodingSettings(rule="fuzzy", threshold=0.0, draft_tokens=2, draft_policy="fixed"))
+    firsts = torch.zeros(vocab + 1, dtype=torch.long)
+    drafted = 0
+    for seed in range(END_TO_END):
+        sampling = SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed=seed)
+        run = collect(decoder.generate(prompt_ids, max_new_tokens=2, sampling=sampling))
+        drafted += run.stats.drafted
+        firsts[run.ids[0] if run.ids else vocab] += 1
+    assert drafted >= END_TO_END  # every reply's first step was speculative
+    assert chi_square_p_value(firsts, exact_first_two(pair.target, prompt_ids, vocab, eos)[0]) > ALPHA
+
+
+def test_a_seed_gives_one_reply(pair: ModelPair) -> None:
+    settings = DecodingSettings(rule="mixture", threshold=0.05, draft_tokens=3, draft_policy="fixed")
+    sampling = SamplingConfig(temperature=0.9, top_k=40, min_p=0.02, seed=11)
+    first = ids_of(whole(pair, settings), pair, PROMPTS[0], 60, sampling=sampling)
+    assert ids_of(whole(pair, settings), pair, PROMPTS[0], 60, sampling=sampling) == first
+
+
+@pytest.mark.parametrize("kind", ["speculative", "target-only"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
+def test_a_whole_step_reads_once_and_writes_no_python_value(
+    pair: ModelPair, host_reads: collections.Counter[str], kind: str, sampling: SamplingConfig
+) -> None:
+    """The static-buffer discipline, step by step after the prefill: one read (the block), and
+    inside the step no C++-side read, no Python value written into a tensor, no data-sized output
+    (tests/test_host_syncs.py's counters)."""
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
+    decoder: Decoder = (
+        whole(pair, settings)
+        if kind == "speculative"
+        else pair.autoregressive(Controls(settings), whole_step=True)
+    )
+    steps = decoder.generate(pair.tokenizer(PROMPTS[2]).input_ids, max_new_tokens=48, sampling=sampling)
+    next(steps)
+    per_step = []
+    while True:
+        host_reads.clear()
+        with HostTraffic() as traffic:
+            step = next(steps, None)
+        if step is None:
+            break
+        per_step.append((sum(host_reads.values()), dict(traffic.counts)))
+    assert len(per_step) >= 5
+    assert all(reads == 1 and not other for reads, other in per_step), per_step
+
+
+def test_no_step_reads_an_output_after_the_next_call(pair: ModelPair) -> None:
+    """As a CUDA graph's next replay overwrites the last one's output, each call here fills the
+    previous call's block with NaN: the replies are unchanged, so nothing kept one."""
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="heuristic")
+    sampling = SamplingConfig(temperature=0.9, seed=2)
+    want = ids_of(whole(pair, settings), pair, PROMPTS[1], 60, sampling=sampling)
+    emulated = whole(pair, settings)
+    assert emulated._steps is not None
+    emulated._steps._emulate = True
+    assert ids_of(emulated, pair, PROMPTS[1], 60, sampling=sampling) == want
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_each_step_traces_whole(pair: ModelPair, greedy: bool) -> None:
+    """torch.compile(fullgraph=True) of each step function: a host read or a branch on a device
+    value would break the graph, which fullgraph makes an error. The "eager" backend traces without
+    generating code (cheap on a CPU); the traced steps decide as the plain ones."""
+    settings = DecodingSettings(rule="mixture", threshold=0.05, draft_tokens=2, draft_policy="fixed")
+    decoder = whole(pair, settings)
+    sampling = SamplingConfig() if greedy else SamplingConfig(temperature=0.8, top_p=0.9, seed=4)
+    want = ids_of(decoder, pair, PROMPTS[0], 24, sampling=sampling)
+    steps = decoder._steps
+    assert steps is not None
+    traced = {
+        name: torch.compile(getattr(step_graph, name), fullgraph=True, dynamic=False, backend="eager")
+        for name in ("speculative_step", "target_step")
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, function in traced.items():
+            patch.setattr(step_graph, name, function)
+        assert ids_of(decoder, pair, PROMPTS[0], 24, sampling=sampling) == want
+
+
+def test_prefix_reuse_and_read_ahead(pair: ModelPair) -> None:
+    """A second reply that starts with the first's text prefills only what is new; a read-ahead
+    conversation prefills nothing at its reply; the text is a fresh decoder's."""
+    settings = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed")
+    decoder = whole(pair, settings)
+    first = pair.tokenizer(PROMPTS[0]).input_ids
+    reply = ids_of(decoder, pair, PROMPTS[0], 30)
+    longer = [*first, *reply, *pair.tokenizer(" Then").input_ids[1:]]
+    run = collect(decoder.generate(longer, max_new_tokens=30))
+    assert decoder.controls.cached_prompt_tokens >= len(first) + len(reply) - 1
+    assert run.ids == collect(whole(pair, settings).generate(longer, max_new_tokens=30)).ids
+    other = pair.tokenizer(PROMPTS[2]).input_ids
+    decoder.read_ahead(other)
+    again = collect(decoder.generate(other, max_new_tokens=30))
+    assert decoder.controls.cached_prompt_tokens == len(other) - 1
+    assert again.ids == collect(whole(pair, settings).generate(other, max_new_tokens=30)).ids
+
+
+def test_a_long_prompt_grows_the_caches(pair: ModelPair) -> None:
+    """Eagerly the static caches grow to a reply's need (doubling from MIN_CAPACITY)."""
+    decoder = whole(pair, DecodingSettings(threshold=0.0, draft_tokens=4, draft_policy="fixed"))
+    prompt = pair.tokenizer(" ".join([PROMPTS[2]] * 25)).input_ids
+    assert len(prompt) > MIN_CAPACITY
+    run = collect(decoder.generate(prompt, max_new_tokens=20))
+    assert run.ids == collect(pair.autoregressive(Controls()).generate(prompt, max_new_tokens=20)).ids
+    assert all(m.capacity >= len(prompt) + 20 for m in decoder.owned_models)  # type: ignore[attr-defined]
+
+
+def test_the_dial_and_a_stop_mid_reply(pair: ModelPair) -> None:
+    """Settings read at every step (the rule and T written into the step's buffers): a rule and
+    threshold changed mid-reply show in the next steps; a stop ends the reply at the next step."""
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed"))
+    decoder = pair.speculative(controls, whole_step=True)
+    steps = decoder.generate(pair.tokenizer(PROMPTS[0]).input_ids, max_new_tokens=200)
+    firsts = [next(steps) for _ in range(3)]
+    assert all(s.stats.rule == "exact" and s.stats.accepted_fuzzy == 0 for s in firsts)
+    controls.update(rule="pure", threshold=math.log(2.0), divergence="js")
+    relaxed = [next(steps) for _ in range(4)]
+    # js ≤ ln 2 everywhere: `pure` accepts every draft token the target can emit.
+    assert all(
+        s.stats.rule == "pure" and s.stats.accepted_exact + s.stats.accepted_fuzzy == 4 for s in relaxed
+    )
+    assert all(s.stats.threshold == math.log(2.0) for s in relaxed)
+    controls.request_stop()
+    rest = list(steps)
+    assert len(rest) == 1 and rest[0].stop_reason == StopReason.STOPPED
+
+
+@pytest.mark.parametrize("kind", ["target-only", "model"])
+def test_non_finite_logits_end_a_whole_step_reply(
+    broken: tuple[Path, list[int]], draft_dir: Path, kind: str
+) -> None:
+    """tests/test_non_finite.py's broken target through the whole step: the reply keeps what it
+    emitted, ends in one line, and the next reply works."""
+    directory, reply = broken
+    broken_pair = load_pair(ModelSpec(str(directory)), ModelSpec(str(draft_dir)), CPU)
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed"))
+    decoder: Decoder = (
+        broken_pair.autoregressive(controls, whole_step=True)
+        if kind == "target-only"
+        else broken_pair.speculative(controls, whole_step=True)
+    )
+    steps, message = run_until_error(
+        decoder, broken_pair.tokenizer(BROKEN_PROMPT).input_ids, SamplingConfig()
+    )
+    emitted = [t.id for s in steps for t in s.tokens]
+    assert emitted == reply[: len(emitted)] and len(emitted) <= len(reply)
+    assert "float16" in message
+    again = list(decoder.generate(broken_pair.tokenizer(OTHER_PROMPT).input_ids, max_new_tokens=24))
+    assert again[-1].stop_reason is not None and sum(len(s.tokens) for s in again) > 0

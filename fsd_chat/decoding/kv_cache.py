@@ -226,6 +226,18 @@ class StaticModel(CachedModel):
             self.fed = None
             self._check_rollback()
 
+    @torch.inference_mode()
+    def clear(self) -> None:
+        """Empty the cache and zero every slot, in place. After non-finite logits: a NaN key or
+        value left in a slot beyond the sequence is masked out of the attention, but its weight
+        0 times NaN is still NaN, so the next sequence would read it."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys.zero_()
+                layer.values.zero_()
+        self.seen = 0
+        self.fed = None
+
     def _new_cache(self) -> StaticCache:
         return StaticCache(config=self.model.config, max_cache_len=self.capacity)
 

@@ -53,6 +53,7 @@ from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.support.errors import NonFiniteError
 
 
 class SpeculativeDecoder:
@@ -401,9 +402,13 @@ class SpeculativeDecoder:
         step_graph.moved(target, start)
         step_graph.moved(draft, start)
         n = int(block[2 * k + 1])
-        verdict = read_verdict(
-            block, k, point_masses=False, next_token=reply.seq[0, start + n : start + n + 1]
-        )
+        try:
+            verdict = read_verdict(
+                block, k, point_masses=False, next_token=reply.seq[0, start + n : start + n + 1]
+            )
+        except NonFiniteError:
+            steps.clear()
+            raise
         # ...and what the step fed (`speculative_step`), which `_emit` rolls back to the accepted prefix.
         target.seen, draft.seen = start + k, start + k - 1
         return self._emit(

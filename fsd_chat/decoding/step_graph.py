@@ -166,9 +166,26 @@ def static_forward(model: StaticModel, ids: torch.Tensor, positions: torch.Tenso
         cache=model.cache,
         cache_position=positions,
         position_ids=positions.unsqueeze(0),
+        attention_mask=attention_mask(model, positions),
         use_cache=True,
     )
     return out.logits[0, :, : model.vocab_size].float()
+
+
+def attention_mask(model: StaticModel, positions: torch.Tensor) -> torch.Tensor:
+    """The causal mask over the whole static cache, [1, 1, w, capacity], built on the device.
+
+    Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
+    asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
+    `q_offset == 0` unless torch.compile traces it), a host read that a CUDA graph's capture
+    refuses. Boolean (True: attend) for SDPA, additive for the other attention kernels.
+    """
+    allowed = torch.arange(model.capacity, device=positions.device) <= positions.unsqueeze(-1)
+    mask = allowed.view(1, 1, *allowed.shape)
+    if model.model.config._attn_implementation == "sdpa":
+        return mask
+    dtype = model.model.dtype
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def speculative_step(
@@ -278,6 +295,12 @@ class EagerSteps:
         self.inputs = StepInputs.allocate(1, target.device)
         self._emulate = emulate_replay
         self._last: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        """Empty and zero the caches (`StaticModel.clear`), after a step gave non-finite logits."""
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.clear()
 
     def bind(self, seq: torch.Tensor) -> None:
         """Run the steps over `seq` (a reply's buffer; eagerly, any tensor will do)."""
@@ -535,6 +558,7 @@ def whole_target_step(
     flag, token = steps.target_only(sampling.greedy, generator).tolist()
     moved(steps.target, reply.length)
     if flag:
+        steps.clear()
         raise non_finite_error("target")
     ids = [int(token)]
     reply.record(ids)
