@@ -166,7 +166,10 @@ def test_a_seed_gives_one_reply(pair: ModelPair) -> None:
 @pytest.mark.parametrize("kind", ["speculative", "target-only"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
 def test_a_whole_step_reads_once_and_writes_no_python_value(
-    pair: ModelPair, host_reads: collections.Counter[str], kind: str, sampling: SamplingConfig
+    pair: ModelPair,
+    host_reads: collections.Counter[str],  # noqa: F811 (tests/test_host_syncs.py's fixture)
+    kind: str,
+    sampling: SamplingConfig,
 ) -> None:
     """The static-buffer discipline, step by step after the prefill: one read (the block), and
     inside the step no C++-side read, no Python value written into a tensor, no data-sized output
@@ -274,7 +277,9 @@ def test_the_dial_and_a_stop_mid_reply(pair: ModelPair) -> None:
 
 @pytest.mark.parametrize("kind", ["target-only", "model"])
 def test_non_finite_logits_end_a_whole_step_reply(
-    broken: tuple[Path, list[int]], draft_dir: Path, kind: str
+    broken: tuple[Path, list[int]],  # noqa: F811 (tests/test_non_finite.py's fixture)
+    draft_dir: Path,
+    kind: str,
 ) -> None:
     """tests/test_non_finite.py's broken target through the whole step: the reply keeps what it
     emitted, ends in one line, and the next reply works."""
