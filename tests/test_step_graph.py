@@ -61,7 +61,9 @@ def test_the_rule_selected_on_the_device_is_the_rule_named(greedy: bool, point_m
         rule_index.fill_(r)
         divergence_index.fill_(d)
         threshold_tensor.fill_(threshold)
-        common = dict(sampling=sampling, generator=None, p_full=p_full, uniforms=uniforms, noise=noise)
+        common: dict[str, Any] = dict(
+            sampling=sampling, generator=None, p_full=p_full, uniforms=uniforms, noise=noise
+        )
         named = judge(p, q, draft_ids, rule=rule, divergence_name=name, threshold=threshold, **common)
         chosen = judge(
             p,

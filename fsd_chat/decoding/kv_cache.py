@@ -232,7 +232,7 @@ class StaticModel(CachedModel):
         value left in a slot beyond the sequence is masked out of the attention, but its weight
         0 times NaN is still NaN, so the next sequence would read it."""
         for layer in self.layers:
-            if layer.is_initialized:
+            if layer.keys is not None and layer.values is not None:
                 layer.keys.zero_()
                 layer.values.zero_()
         self.seen = 0
