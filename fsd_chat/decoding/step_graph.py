@@ -80,7 +80,7 @@ WARMUP_CALLS = 2
 initialisations (cuBLAS workspaces, autotuning) must not happen inside a capture."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepInputs:
     """The static input buffers of a step (module docstring), on the models' device.
 
@@ -304,7 +304,7 @@ class EagerSteps:
 
     def bind(self, seq: torch.Tensor) -> None:
         """Run the steps over `seq` (a reply's buffer; eagerly, any tensor will do)."""
-        object.__setattr__(self.inputs, "seq", seq)
+        self.inputs.seq = seq
 
     def fit(self, tokens: int) -> None:
         """Grow the caches to hold `tokens` (doubling from MIN_CAPACITY; never shrinking, which
