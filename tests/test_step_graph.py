@@ -94,9 +94,14 @@ def test_sampling_tensors_truncate_as_the_config_does() -> None:
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park. Tom"]
 
 
-def whole(pair: ModelPair, settings: DecodingSettings, **kwargs: Any) -> SpeculativeDecoder:
-    decoder = pair.speculative(Controls(settings), whole_step=True, **kwargs)
-    assert isinstance(decoder._steps, EagerSteps)
+def whole(pair: ModelPair, settings: DecodingSettings, device_inputs: bool = False) -> SpeculativeDecoder:
+    """A whole-step decoder; `device_inputs`: its settings as device values, as the CUDA graphs
+    read them (every rule judged and one selected on the device)."""
+    decoder = pair.speculative(Controls(settings), whole_step=True)
+    steps = decoder._steps
+    assert isinstance(steps, EagerSteps)
+    if device_inputs:
+        decoder._steps = EagerSteps(steps.target, steps.draft, device_inputs=True)
     return decoder
 
 
@@ -208,13 +213,44 @@ def test_no_step_reads_an_output_after_the_next_call(pair: ModelPair) -> None:
     assert ids_of(emulated, pair, PROMPTS[1], 60, sampling=sampling) == want
 
 
+@pytest.mark.parametrize(
+    ("rule", "threshold", "sampling"),
+    [
+        ("exact", 0.0, SamplingConfig(temperature=0.9, seed=1)),
+        ("fuzzy", 0.1, SamplingConfig()),
+        ("fuzzy", 0.1, SamplingConfig(temperature=0.9, top_p=0.9, seed=2)),
+        ("mixture", 0.05, SamplingConfig(temperature=0.7, top_k=20, min_p=0.05, seed=3)),
+        ("pure", 0.3, SamplingConfig(temperature=1.1, seed=4)),
+    ],
+)
+def test_settings_on_the_device_decide_as_settings_on_the_host(
+    pair: ModelPair, rule: Rule, threshold: float, sampling: SamplingConfig
+) -> None:
+    """The graphs' inputs (rule, divergence, T and sampling as device values, every truncation
+    applied, every rule judged) against the eager path's Python values: the same draws give the
+    same reply, token for token."""
+    settings = DecodingSettings(rule=rule, threshold=threshold, draft_tokens=4, draft_policy="fixed")
+    for prompt in PROMPTS[:2]:
+        got = collect(
+            whole(pair, settings, device_inputs=True).generate(
+                pair.tokenizer(prompt).input_ids, max_new_tokens=60, sampling=sampling
+            )
+        )
+        want = collect(
+            whole(pair, settings).generate(
+                pair.tokenizer(prompt).input_ids, max_new_tokens=60, sampling=sampling
+            )
+        )
+        assert (got.ids, got.origins) == (want.ids, want.origins)
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_each_step_traces_whole(pair: ModelPair, greedy: bool) -> None:
     """torch.compile(fullgraph=True) of each step function: a host read or a branch on a device
     value would break the graph, which fullgraph makes an error. The "eager" backend traces without
     generating code (cheap on a CPU); the traced steps decide as the plain ones."""
     settings = DecodingSettings(rule="mixture", threshold=0.05, draft_tokens=2, draft_policy="fixed")
-    decoder = whole(pair, settings)
+    decoder = whole(pair, settings, device_inputs=True)
     sampling = SamplingConfig() if greedy else SamplingConfig(temperature=0.8, top_p=0.9, seed=4)
     want = ids_of(decoder, pair, PROMPTS[0], 24, sampling=sampling)
     steps = decoder._steps

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from fsd_chat.decoding.acceptance import decide
-from fsd_chat.decoding.divergence import DIVERGENCE_NAMES
+from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import CachedModel, StaticModel, compile_failure
 from fsd_chat.decoding.reply import Reply, commit_target
@@ -64,7 +64,7 @@ from fsd_chat.decoding.sampling import (
     non_finite_error,
     probabilities,
 )
-from fsd_chat.decoding.settings import RULES, DecodingSettings, SamplingConfig, StepRule
+from fsd_chat.decoding.settings import RULES, DecodingSettings, Rule, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
 
 GRAPH_DRAFT_LENGTHS = (1, 2, 4, 6)
@@ -82,27 +82,35 @@ initialisations (cuBLAS workspaces, autotuning) must not happen inside a capture
 
 @dataclass(slots=True)
 class StepInputs:
-    """The static input buffers of a step (module docstring), on the models' device.
+    """The input buffers of a step (module docstring), on the models' device.
+
+    The settings are device values (`on_device`: what a captured graph reads, written in place
+    between replays) or Python values, which the eager path passes as they are: `judge` then
+    computes the chosen rule alone, not every rule to select one on the device, and skips the
+    truncations that `SamplingConfig` does not ask for. One step function serves both.
 
     Attributes:
         seq: [1, capacity] int64, the token buffer.
         position: [1] int64, the index of the last emitted token, not yet fed.
-        rule: 0-dim int64, the acceptance rule's index in RULES.
-        divergence: 0-dim int64, the divergence's index in DIVERGENCE_NAMES.
-        threshold: 0-dim float32, T.
-        sampling: Temperature, top-k, top-p and min-p.
+        rule: The acceptance rule, or its index in RULES (0-dim int64).
+        divergence: The divergence, or its index in DIVERGENCE_NAMES (0-dim int64).
+        threshold: T, or T as a 0-dim float32.
+        sampling: Temperature, top-k, top-p and min-p: the config, or its values (`SamplingTensors`).
     """
 
     seq: torch.Tensor
     position: torch.Tensor
-    rule: torch.Tensor
-    divergence: torch.Tensor
-    threshold: torch.Tensor
-    sampling: SamplingTensors
+    rule: Rule | torch.Tensor
+    divergence: DivergenceName | torch.Tensor
+    threshold: float | torch.Tensor
+    sampling: SamplingConfig | SamplingTensors
 
     @classmethod
-    def allocate(cls, capacity: int, device: torch.device) -> StepInputs:
-        """Buffers for sequences of up to `capacity` tokens."""
+    def allocate(cls, capacity: int, device: torch.device, *, on_device: bool) -> StepInputs:
+        """Buffers for sequences of up to `capacity` tokens, the settings on the device or not."""
+        if not on_device:
+            position = torch.zeros(1, dtype=torch.long, device=device)
+            return cls(position.new_zeros((1, capacity)), position, "exact", "kl", 0.0, SamplingConfig())
         zero = torch.zeros((), dtype=torch.long, device=device)
         return cls(
             seq=torch.zeros((1, capacity), dtype=torch.long, device=device),
@@ -114,11 +122,32 @@ class StepInputs:
         )
 
     def write(self, settings: DecodingSettings) -> None:
-        """The dial and the rule, written in place between steps (a kernel each on a GPU, with the
-        values as its arguments: no host-to-device copy, no synchronisation)."""
-        self.rule.fill_(RULES.index(settings.rule))
-        self.divergence.fill_(DIVERGENCE_NAMES.index(settings.divergence))
-        self.threshold.fill_(settings.threshold)
+        """The dial and the rule, before a step: in place on the device (a kernel each on a GPU,
+        with the values as its arguments: no host-to-device copy, no synchronisation)."""
+        if isinstance(self.rule, torch.Tensor):
+            assert isinstance(self.divergence, torch.Tensor) and isinstance(self.threshold, torch.Tensor)
+            self.rule.fill_(RULES.index(settings.rule))
+            self.divergence.fill_(DIVERGENCE_NAMES.index(settings.divergence))
+            self.threshold.fill_(settings.threshold)
+        else:
+            self.rule, self.divergence, self.threshold = (
+                settings.rule,
+                settings.divergence,
+                settings.threshold,
+            )
+
+    def write_sampling(self, config: SamplingConfig) -> None:
+        """A reply's sampling settings."""
+        if isinstance(self.sampling, SamplingTensors):
+            self.sampling.write(config)
+        else:
+            self.sampling = config
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the laws the divergences compare differ from the sampled ones: always for
+        device values (any may truncate), else as the config says."""
+        return isinstance(self.sampling, SamplingTensors) or self.sampling.truncates
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +243,7 @@ def speculative_step(
         `acceptance.decide`'s block, shape [6k + 3] float64.
     """
     seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
-    untruncated = inputs.sampling.untruncated()
+    untruncated = inputs.sampling.untruncated() if inputs.truncates else None
     # The draft's first pass: two tokens, so that its width does not depend on the last step's n.
     first = (position - 1).clamp_min(0) + torch.arange(2, device=device)
     logits = static_forward(draft, seq.index_select(0, first).view(1, 2), first)
@@ -226,7 +255,8 @@ def speculative_step(
             row = static_forward(draft, seq.index_select(0, at).view(1, 1), at)
         q = probabilities(row, inputs.sampling)
         q_rows.append(q)
-        q_full_rows.append(probabilities(row, untruncated))
+        if untruncated is not None:
+            q_full_rows.append(probabilities(row, untruncated))
         token = q.argmax(-1) if draws is None else (q / draws.draft[i]).argmax(-1)
         seq.index_copy_(0, position + 1 + i, token)
     verified = position + torch.arange(k + 1, device=device)
@@ -242,8 +272,8 @@ def speculative_step(
         divergence_name=inputs.divergence,
         threshold=inputs.threshold,
         greedy=greedy,
-        p_full=probabilities(logits[:k], untruncated),
-        q_full=torch.cat(q_full_rows),
+        p_full=None if untruncated is None else probabilities(logits[:k], untruncated),
+        q_full=torch.cat(q_full_rows) if q_full_rows else None,
     )
     accepted = block.narrow(0, 2 * k + 1, 1).long()
     seq.index_copy_(0, position + 1 + accepted, next_token)
@@ -281,6 +311,8 @@ class EagerSteps:
         draft: The draft over its static cache (None: target-only decoding).
         emulate_replay: Hand each output back in a buffer that the next call overwrites with NaN,
             as a CUDA graph's next replay does (a test's check that nothing keeps an output).
+        device_inputs: The settings as device values, as the captured graphs read them (the
+            CPU tests' way to run that path; `StepInputs`).
     """
 
     captured = False
@@ -288,11 +320,16 @@ class EagerSteps:
     """Draft lengths available (None: any)."""
 
     def __init__(
-        self, target: StaticModel, draft: StaticModel | None, *, emulate_replay: bool = False
+        self,
+        target: StaticModel,
+        draft: StaticModel | None,
+        *,
+        emulate_replay: bool = False,
+        device_inputs: bool = False,
     ) -> None:
         self.target = target
         self.draft = draft
-        self.inputs = StepInputs.allocate(1, target.device)
+        self.inputs = StepInputs.allocate(1, target.device, on_device=device_inputs)
         self._emulate = emulate_replay
         self._last: torch.Tensor | None = None
 
@@ -382,7 +419,7 @@ class CapturedSteps(EagerSteps):
     ) -> None:
         super().__init__(target, draft)
         device = target.device
-        self.inputs = StepInputs.allocate(target.capacity, device)
+        self.inputs = StepInputs.allocate(target.capacity, device, on_device=True)
         self.lengths = lengths if draft is not None else ()
         self.compile_error: str | None = None
         self.generator = torch.Generator(device=device)
@@ -529,7 +566,7 @@ def start(
     position at its last prompt token, the sampling values), and the generator of its draws."""
     steps.bind(reply.seq)
     steps.inputs.position.fill_(reply.length - 1)
-    steps.inputs.sampling.write(sampling)
+    steps.inputs.write_sampling(sampling)
     return steps.reseed(sampling, generator)
 
 
