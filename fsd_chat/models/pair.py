@@ -97,6 +97,7 @@ class ModelPair:
         autoregressive: bool = False,
         time_phases: bool = False,
         compiled: bool | None = None,
+        whole_step: bool = False,
     ) -> Decoder:
         """The decoder a command asked for over this pair, driven by `controls`.
 
@@ -108,13 +109,17 @@ class ModelPair:
                 see `SpeculativeDecoder`).
             compiled: Compile the models' steps over static KV caches (see
                 `SpeculativeDecoder`): True, False, or None for on a CUDA device only.
+            whole_step: Each step as one function over static buffers, captured as CUDA graphs
+                on CUDA (see `SpeculativeDecoder`; off by default until measured on a GPU).
 
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
         """
         if autoregressive:
-            return self.autoregressive(controls, time_phases=time_phases, compiled=compiled)
-        return self.speculative(controls, time_phases=time_phases, compiled=compiled)
+            return self.autoregressive(
+                controls, time_phases=time_phases, compiled=compiled, whole_step=whole_step
+            )
+        return self.speculative(controls, time_phases=time_phases, compiled=compiled, whole_step=whole_step)
 
     def speculative(
         self,
