@@ -15,7 +15,7 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, step_graph
 from fsd_chat.decoding.acceptance import judge
-from fsd_chat.decoding.divergence import DIVERGENCE_NAMES
+from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import StopReason
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
@@ -25,11 +25,20 @@ from fsd_chat.decoding.step_graph import MIN_CAPACITY, EagerSteps
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
+from tests import test_sampling_lossless
 from tests.decoding_helpers import collect
 from tests.test_host_syncs import HostTraffic, host_reads  # noqa: F401 (a fixture)
 from tests.test_non_finite import CPU, OTHER_PROMPT, broken, run_until_error  # noqa: F401 (a fixture)
 from tests.test_non_finite import PROMPT as BROKEN_PROMPT
-from tests.test_sampling_lossless import ALPHA, PROMPT, SAMPLING, chi_square_p_value, exact_first_two
+from tests.test_sampling_lossless import (
+    ALPHA,
+    LOSSLESS_CASES,
+    PROMPT,
+    SAMPLING,
+    assert_first_two_tokens_follow_the_target,
+    chi_square_p_value,
+    exact_first_two,
+)
 
 END_TO_END = 1_000
 """Seeded replies of the law test through the whole step (tests/test_sampling_lossless.py's count)."""
@@ -76,6 +85,29 @@ def test_the_rule_selected_on_the_device_is_the_rule_named(greedy: bool, point_m
         )
         for field in ("accept", "draft_exact", "divergences", "costs", "candidates"):
             assert torch.equal(getattr(named, field), getattr(chosen, field)), (rule, name, threshold, field)
+
+
+@pytest.mark.parametrize(("rule", "threshold", "seed"), LOSSLESS_CASES)
+def test_first_two_tokens_follow_the_target_with_the_rule_on_the_device(
+    pair: ModelPair, monkeypatch: pytest.MonkeyPatch, rule: Rule, threshold: float, seed: int
+) -> None:
+    """tests/test_sampling_lossless.py's batched law test (20,000 first and second tokens, α =
+    0.001 against the target's law, and rejected against the draft's for power) with the rule,
+    divergence and threshold given as device values, as the captured graphs give them."""
+
+    def on_device(
+        *args: Any, rule: Rule, divergence_name: DivergenceName, threshold: float, **kwargs: Any
+    ) -> Any:
+        return judge(
+            *args,
+            rule=torch.tensor(RULES.index(rule)),
+            divergence_name=torch.tensor(DIVERGENCE_NAMES.index(divergence_name)),
+            threshold=torch.tensor(threshold),
+            **kwargs,
+        )
+
+    monkeypatch.setattr(test_sampling_lossless, "judge", on_device)
+    assert_first_two_tokens_follow_the_target(pair, rule, threshold, torch.Generator().manual_seed(seed))
 
 
 def test_sampling_tensors_truncate_as_the_config_does() -> None:
