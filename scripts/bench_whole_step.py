@@ -2,7 +2,7 @@
 tokens/s, interleaved: each round runs every decoder once over the same prompts, in an order that
 rotates from round to round, so that a machine's drifting load falls on all of them alike.
 
-    python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64]
+    python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64] [--clock process]
 
 Prints, per decoder pair (today's / whole step), the ratio of tokens/s per round and its median
 with the range over rounds. Greedy decoding of the offline story pair (../shared/models), one
@@ -35,6 +35,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="process: the process's CPU time (one torch thread), steadier on a shared machine",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     pair = load_pair(
@@ -56,13 +62,15 @@ def main() -> None:
     decoders = {(name, whole): make(whole) for name, make in makers.items() for whole in (False, True)}
     ids = [pair.tokenizer(p).input_ids for p in PROMPTS]
 
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+
     def rate(decoder: Decoder) -> float:
         tokens, seconds = 0, 0.0
         for prompt in ids:
-            start = time.perf_counter()
+            start = clock()
             for step in decoder.generate(prompt, max_new_tokens=args.tokens, sampling=sampling):
                 tokens += len(step.tokens)
-            seconds += time.perf_counter() - start
+            seconds += clock() - start
         return tokens / seconds
 
     for decoder in decoders.values():

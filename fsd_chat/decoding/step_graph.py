@@ -72,7 +72,7 @@ GRAPH_DRAFT_LENGTHS = (1, 2, 4, 6)
 rounded down to one of them. A graph a k, rather than one of the longest k with the unused
 positions masked, because a step costs its k draft passes and its k + 1 verify width whatever
 the mask; four covers the lengths the goodput policy picks on the story and SmolLM2 pairs."""
-MIN_CAPACITY = 256
+MIN_CAPACITY = 64
 """Smallest static cache of the eager path, in tokens: it grows by doubling to what a reply needs
 (`EagerSteps.fit`), since every pass attends over the whole capacity."""
 WARMUP_CALLS = 2
