@@ -5,23 +5,29 @@ decoding through it keeps greedy identity, the sampling laws and the decoders' f
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsd_chat.decoding import Controls, DecodingSettings, step_graph
 from fsd_chat.decoding.acceptance import judge
+from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import StopReason
+from fsd_chat.decoding.kv_cache import compiled_capacity
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 from fsd_chat.decoding.speculative import SpeculativeDecoder
-from fsd_chat.decoding.step_graph import MIN_CAPACITY, EagerSteps
+from fsd_chat.decoding.step_graph import MIN_CAPACITY, CapturedSteps, EagerSteps
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -369,3 +375,124 @@ def test_non_finite_logits_end_a_whole_step_reply(
     assert "float16" in message
     again = list(decoder.generate(broken_pair.tokenizer(OTHER_PROMPT).input_ids, max_new_tokens=24))
     assert again[-1].stop_reason is not None and sum(len(s.tokens) for s in again) > 0
+
+
+class EmulatedGraph:
+    """A CUDA graph emulated on the CPU (a mock of `torch.cuda.CUDAGraph`, because CUDA cannot
+    run here): the capture records every aten operator run inside it, with its arguments and
+    outputs, and a replay runs them again in order on the recorded tensors, writing each result
+    into the recorded output. As on a GPU, a replay sees only what lives in those tensors: a
+    Python value read or computed during the capture stays baked in, a tensor made of Python
+    values is refused, and so is a read of a device value on the host."""
+
+    REFUSED = ("aten.lift_fresh.default", "aten._local_scalar_dense.default", "aten.nonzero.default")
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.generators: list[torch.Generator] = []
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        self.generators.append(generator)
+
+    @torch.inference_mode()  # the recorded tensors are inference tensors (a GPU replay has no modes)
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            result = func(*args, **kwargs)
+            olds = out if isinstance(out, tuple | list) else (out,)
+            news = result if isinstance(result, tuple | list) else (result,)
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for old, new in zip(olds, news, strict=True):
+                # A view or an in-place result aliases its input, which the replay updated; any
+                # other output (`reshape` and `to` may copy) is written into the recorded one.
+                if isinstance(old, torch.Tensor) and old.untyped_storage().data_ptr() not in inputs:
+                    old.copy_(new)
+
+
+class Recording(TorchDispatchMode):
+    def __init__(self, graph: EmulatedGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        assert str(func) not in EmulatedGraph.REFUSED, f"{func} cannot be captured"
+        out = func(*args, **(kwargs or {}))
+        self.graph.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+class _Stream:
+    def __init__(self, *_: Any, **__: Any) -> None: ...
+
+    def wait_stream(self, _: Any) -> None: ...
+
+
+class _Event:
+    def record(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+@contextlib.contextmanager
+def _capture(graph: EmulatedGraph, **_: Any) -> Iterator[None]:
+    with Recording(graph):
+        yield
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda's graph API replaced by `EmulatedGraph` and no-op streams and events (mocks:
+    there is no GPU here), so that `CapturedSteps` captures and replays on the CPU."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+
+def captured(decoder: SpeculativeDecoder | AutoregressiveDecoder) -> CapturedSteps:
+    """The decoder's steps captured (on emulated graphs), its caches at the size a GPU's have."""
+    steps = decoder._steps
+    assert isinstance(steps, EagerSteps) and decoder.context is not None
+    steps.fit(compiled_capacity(decoder.context))
+    # Every k up to 3: near a reply's end the room cuts k, and a k rounded down to a captured
+    # length would draw another (equally lawful) reply than the eager step's.
+    graphs = CapturedSteps(steps.target, steps.draft, lengths=(1, 2, 3))
+    decoder._steps = graphs
+    return graphs
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.9, seed=5)])
+def test_captured_steps_replayed_decode_as_eager_ones(
+    pair: ModelPair, emulated_cuda: None, sampling: SamplingConfig
+) -> None:
+    """`CapturedSteps` on emulated CUDA graphs: the graphs captured once, then replayed for every
+    step of several replies (prefix reuse in the shared buffer, the dial moved between replies,
+    k 4 rounded down to the longest captured, 3, the registered generator reseeded per reply) give the
+    eager whole step's replies, token for token."""
+    controls = Controls(DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed"))
+    graphs_decoder = pair.speculative(controls, whole_step=True)
+    graphs = captured(graphs_decoder)
+    assert sorted(graphs._graphs) == [(k, greedy) for k in range(4) for greedy in (False, True)]
+    target_only = pair.autoregressive(Controls(), whole_step=True)
+    captured(target_only)
+    eager_controls = Controls(replace(controls.snapshot(), draft_tokens=3))
+    eager = pair.speculative(eager_controls, whole_step=True)
+    eager_target = pair.autoregressive(Controls(), whole_step=True)
+    first = pair.tokenizer(PROMPTS[0]).input_ids
+    replies = [(0.1, first), (0.3, [*first, *pair.tokenizer(" Lily").input_ids[1:]]), (0.0, PROMPTS[1])]
+    for index, (threshold, prompt) in enumerate(replies):
+        if isinstance(prompt, str):
+            prompt = pair.tokenizer(prompt).input_ids
+        controls.update(threshold=threshold)
+        eager_controls.update(threshold=threshold)
+        got = collect(graphs_decoder.generate(prompt, max_new_tokens=40, sampling=sampling))
+        if index == 1:  # the first reply's prompt kept in the shared buffer's copy
+            assert graphs_decoder.controls.cached_prompt_tokens == len(first)
+        want = collect(eager.generate(prompt, max_new_tokens=40, sampling=sampling))
+        assert (got.ids, got.origins) == (want.ids, want.origins)
+        assert got.stats.drafted > 0
+        got_target = collect(target_only.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
+        assert got_target == collect(eager_target.generate(prompt, max_new_tokens=40, sampling=sampling)).ids

@@ -482,7 +482,9 @@ class CapturedSteps(EagerSteps):
         graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             out = step()
-        pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        # Pinned: the copy from the device is then asynchronous (and there is nothing to pin for
+        # a CPU tensor: the CPU tests' emulated graphs, tests/test_step_graph.py).
+        pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
         self._graphs[(k, greedy)] = (graph, out, pinned)
 
     def bind(self, seq: torch.Tensor) -> None:
@@ -508,6 +510,7 @@ class CapturedSteps(EagerSteps):
         """Replay a target-only graph; its block, on the host."""
         return self._replay((0, greedy))
 
+    @torch.inference_mode()  # `pinned` was made in the capture's inference mode
     def _replay(self, key: tuple[int, bool]) -> torch.Tensor:
         graph, out, pinned = self._graphs[key]
         graph.replay()
