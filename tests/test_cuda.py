@@ -324,3 +324,22 @@ def test_whole_step_graphs_speed(pair32: ModelPair, record_property: Callable[[s
         record_property(name, round(value, 1))
     print(rates)
     assert rates["target-only graphs"] >= rates["target-only compiled"]
+
+
+def test_whole_step_graphs_of_compiled_steps(pair32: ModelPair) -> None:
+    """`CapturedSteps(compile=True)`: the step functions compiled (inductor, fullgraph, static
+    shapes) and then captured, deciding as eager decoding does (greedy, fuzzy); how long the
+    compilation takes at load is recorded in the output."""
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
+    decoder = whole_pair32(pair32, settings)
+    assert isinstance(decoder._steps, CapturedSteps)
+    start = time.perf_counter()
+    decoder._steps = CapturedSteps(decoder._steps.target, decoder._steps.draft, lengths=(4,), compile=True)
+    print(f"compiled and captured in {time.perf_counter() - start:.1f} s")
+    assert decoder._steps.compile_error is None
+    eager = pair32.speculative(Controls(settings), compiled=False)
+    for prompt in PROMPTS:
+        ids = pair32.tokenizer(prompt).input_ids
+        got = collect(decoder.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))
+        want = collect(eager.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))
+        assert (got.ids, got.origins) == (want.ids, want.origins)
