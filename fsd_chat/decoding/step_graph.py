@@ -50,11 +50,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 from fsd_chat.decoding.acceptance import decide
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.kv_cache import CachedModel, StaticModel, compile_failure
+from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel, compile_failure
 from fsd_chat.decoding.reply import Reply, commit_target
 from fsd_chat.decoding.sampling import (
     SamplingTensors,
@@ -431,6 +432,8 @@ class CapturedSteps(EagerSteps):
         speculative: Callable[..., torch.Tensor] = speculative_step
         target_only: Callable[..., torch.Tensor] = target_step
         if compile:
+            # One graph per (k, greedy): more than dynamo's default limit of 8 per function.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
             target_only = torch.compile(target_step, fullgraph=True, dynamic=False)
         keys = [(k, greedy) for k in (0, *self.lengths) for greedy in (True, False)]
