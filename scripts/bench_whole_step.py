@@ -82,7 +82,7 @@ def main() -> None:
         for key in keys[shift:] + keys[:shift]:
             rates[key].append(rate(decoders[key]))
     print(
-        f"device {args.device}, {args.rounds} rounds, {len(PROMPTS)} prompts × {args.tokens} tokens, {sampling.describe()}"
+        f"{args.clock} clock, device {args.device}, {args.rounds} rounds, {len(PROMPTS)} prompts × {args.tokens} tokens, {sampling.describe()}"
     )
     for name in makers:
         today, whole = rates[(name, False)], rates[(name, True)]
