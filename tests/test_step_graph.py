@@ -21,6 +21,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, step_graph
 from fsd_chat.decoding.acceptance import judge
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
+from fsd_chat.decoding.draft_policy import FixedPolicy
 from fsd_chat.decoding.events import StopReason
 from fsd_chat.decoding.kv_cache import compiled_capacity
 from fsd_chat.decoding.protocol import Decoder
@@ -496,3 +497,31 @@ def test_captured_steps_replayed_decode_as_eager_ones(
         assert got.stats.drafted > 0
         got_target = collect(target_only.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
         assert got_target == collect(eager_target.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
+
+
+class Pausing(FixedPolicy):
+    """k = 0 (a target-only step) at `pauses` steps in a row, then one speculative step: the draft
+    falls behind, and its cache catches up before the next speculative step."""
+
+    def __init__(self, pauses: int) -> None:
+        self.pauses = pauses
+        self.calls = 0
+
+    def limit(self, settings: DecodingSettings, room: int) -> int:
+        self.calls += 1
+        return 0 if self.calls % (self.pauses + 1) else min(settings.draft_tokens, room)
+
+
+@pytest.mark.parametrize("pauses", [1, 3])
+def test_target_only_steps_between_speculative_ones(pair: ModelPair, pauses: int) -> None:
+    """A policy that drafts nothing on some steps (goodput pausing a draft that does not pay):
+    target-only whole steps, then a speculative one whose draft first catches up; greedy at T = 0
+    the target's text still."""
+    settings = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=3, draft_policy="fixed")
+    decoder = whole(pair, settings)
+    decoder._kept_policy = ("fixed", Pausing(pauses))
+    prompt = pair.tokenizer(PROMPTS[0]).input_ids
+    run = collect(decoder.generate(prompt, max_new_tokens=60))
+    assert run.ids == collect(pair.autoregressive(Controls()).generate(prompt, max_new_tokens=60)).ids
+    assert 0 < sum(bool(s.stats.drafted) for s in run.steps) < len(run.steps)
+    assert any(s.stats.draft_forwards > s.stats.drafted for s in run.steps)  # a catch-up pass
