@@ -188,7 +188,8 @@ class SpeculativeDecoder:
         """Why a model asked to run compiled runs eagerly: refused (`compile_refusal`) or fallen
         back after a failed compilation; None when neither happened, or none was asked for."""
         rule_error = self._decision.compile_error if isinstance(self._decision, CompiledDecision) else None
-        return self.target.compile_error or self.proposer.compile_error or rule_error
+        step_error = None if self._steps is None else self._steps.compile_error
+        return self.target.compile_error or self.proposer.compile_error or rule_error or step_error
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:

@@ -319,6 +319,8 @@ class EagerSteps:
     captured = False
     lengths: tuple[int, ...] | None = None
     """Draft lengths available (None: any)."""
+    compile_error: str | None = None
+    """Why the step functions run uncompiled although compiling was asked for (`CapturedSteps`)."""
 
     def __init__(
         self,
@@ -422,7 +424,6 @@ class CapturedSteps(EagerSteps):
         device = target.device
         self.inputs = StepInputs.allocate(target.capacity, device, on_device=True)
         self.lengths = lengths if draft is not None else ()
-        self.compile_error: str | None = None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
