@@ -106,11 +106,31 @@ def test_a_reply_ends_at_the_token_that_ends_a_turn(
     assert collect(pair.autoregressive(Controls()).generate(ids, max_new_tokens=8)).ids[0] == first
 
 
-def test_a_changed_file_is_converted_again(tmp_path: Path, stories_gguf: Path) -> None:
-    copy = Path(shutil.copy2(stories_gguf, tmp_path / "stories.gguf"))
-    before = converted_dir(copy)
-    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 1))
-    assert converted_dir(copy) != before
+def test_a_copy_under_another_name_and_path_reuses_the_converted_copy(
+    tmp_path: Path, stories_gguf: Path, cache: Path
+) -> None:
+    load(stories_gguf)
+    elsewhere = tmp_path / "moved"
+    elsewhere.mkdir()
+    copy = Path(shutil.copy(stories_gguf, elsewhere / "renamed.gguf"))  # a new path, name and mtime
+    seen: list[str] = []
+    load(copy, seen)
+    assert "loading the converted copy of renamed.gguf (converted on an earlier start)" in seen
+    assert not any("converting" in message for message in seen)
+    assert [p.name for p in (cache / "gguf").iterdir()] == [converted_dir(stories_gguf).name]
+    assert converted_dir(copy) == converted_dir(stories_gguf)
+
+
+def test_a_file_with_other_data_is_converted_again(tmp_path: Path, stories_gguf: Path) -> None:
+    # The same header and size: only a weight differs (the file's last byte, in the last chunk sampled).
+    data = bytearray(stories_gguf.read_bytes())
+    data[-1] ^= 1
+    changed = tmp_path / "stories.gguf"
+    changed.write_bytes(data)
+    key = converted_dir(changed)
+    assert key != converted_dir(stories_gguf)
+    os.utime(changed, ns=(0, 0))  # a touched file is the same file
+    assert converted_dir(changed) == key
 
 
 def test_a_folder_holding_one_gguf_file_is_that_model(tmp_path: Path, stories_gguf: Path) -> None:
@@ -282,6 +302,13 @@ async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: P
         await pilot.press("f1")
         sampling = str(app.screen.query_one("#help-sampling", Static).content)
         assert "stories.gguf's generation_config: temperature 0.7, top-k 40" in sampling
+    # The next start tells the loading screen that it loads the converted copy.
+    seen.clear()
+    again = FsdChatApp(options, loader=loader)
+    async with again.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+    assert "loading the converted copy of stories.gguf (converted on an earlier start)" in seen
+    assert not any("converting" in text for text in seen)
 
 
 def test_no_target_says_how_to_get_the_default_model(

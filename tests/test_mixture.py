@@ -9,6 +9,8 @@ and against q (p < 1e-6).
 from __future__ import annotations
 
 import itertools
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import DIFFERENCE_ROUNDING, collect
 from tests.test_acceptance import TEXT
+from tests.test_cli_generate import pair_args, run_cli
 from tests.test_sampling_lossless import chi_square_p_value, emitted
 
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -78,6 +81,34 @@ def test_mixture_weight_is_the_largest_within_budget(teacher_forced, budget: flo
     assert torch.all(cost[binding] >= 0.99 * budget)
     assert torch.all(lam[~binding] == 1.0)
     assert binding.any() and (~binding).any()
+
+
+@pytest.mark.parametrize("budget", [1e3, 1e100, 1e308, math.inf])
+def test_a_budget_past_any_kl_saturates(teacher_forced, budget: float) -> None:
+    """Every finite T ≥ 0 is a valid threshold (`DecodingSettings`): a budget past what any law can
+    spend accepts the draft outright (λ = 1, cost KL(q ‖ p)) instead of overflowing float32."""
+    p, q = teacher_forced
+    lam, cost = mixture_weight(p, q, budget)
+    assert torch.all(lam == 1.0)
+    assert torch.allclose(cost, kl(q, p), atol=1e-5) and torch.isfinite(cost).all()
+    # Where q has mass outside p's support, nothing is accepted, however large the budget.
+    outside = q.clone()
+    outside[0] = 0.0
+    outside[0, int(p[0].argmin())] = 1.0
+    p_cut = p.clone()
+    p_cut[0, int(p[0].argmin())] = 0.0
+    assert mixture_weight(p_cut / p_cut.sum(-1, keepdim=True), outside, budget)[0][0] == 0.0
+
+
+def test_generate_takes_a_huge_mixture_threshold(
+    target_dir: Path, draft_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fsd-chat generate --rule mixture --threshold 1e100` at temperature 1 replies (it raised
+    RuntimeError: value cannot be converted to type float without overflow)."""
+    args = ["generate", *pair_args(target_dir, draft_dir), "--threads", "1", "--rule", "mixture"]
+    args += ["--threshold", "1e100", "--temperature", "1", "--seed", "1", "--max-new-tokens", "12"]
+    code, out, err = run_cli([*args, "Once upon a time"], capsys)
+    assert (code, err) == (0, "") and out.strip()
 
 
 def test_mean_acceptance_rises_with_the_budget(teacher_forced) -> None:

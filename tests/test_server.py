@@ -23,7 +23,6 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from openai import OpenAI
 
@@ -34,7 +33,8 @@ from fsd_chat.models.pair import ModelPair
 from fsd_chat.server import errors
 from fsd_chat.server.app import ServeOptions, create_app
 from fsd_chat.server.engine import Engine
-from fsd_chat.server.run import bind, url
+from fsd_chat.server.run import HEADER_SECONDS, bind, url
+from fsd_chat.server.run import server as serve_with
 
 MODEL = "stories260K"
 PROMPT = "Once upon a time"
@@ -54,10 +54,13 @@ class Served:
 
 
 @contextmanager
-def running(app: FastAPI) -> Iterator[str]:
-    """`app` under a real uvicorn server in a thread on a free localhost port; yields its /v1 URL."""
+def running(
+    app: FastAPI, engine: Engine | None = None, header_seconds: float = HEADER_SECONDS
+) -> Iterator[str]:
+    """`app` under `fsd-chat serve`'s uvicorn server (`run.server`) in a thread on a free localhost
+    port; yields its /v1 URL. Stopping it shuts `engine` down, as SIGTERM does."""
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = serve_with(app, engine, header_seconds)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -74,7 +77,12 @@ def running(app: FastAPI) -> Iterator[str]:
 
 @contextmanager
 def serving(
-    pair: ModelPair, *, queue_size: int = 16, api_key: str | None = None, raw: bool = False
+    pair: ModelPair,
+    *,
+    queue_size: int = 16,
+    api_key: str | None = None,
+    raw: bool = False,
+    header_seconds: float = HEADER_SECONDS,
 ) -> Iterator[Served]:
     """The server's app over its own decoder of `pair`, running (see `running`)."""
     controls = Controls(DecodingSettings())
@@ -89,7 +97,7 @@ def serving(
         api_key=api_key,
     )
     try:
-        with running(create_app(pair, engine, options)) as address:
+        with running(create_app(pair, engine, options), engine, header_seconds) as address:
             yield Served(address, engine, pair)
     finally:
         engine.close()
@@ -387,16 +395,22 @@ def test_a_bad_field_is_a_400_naming_it(served: Served, fields: dict[str, Any], 
 
 
 @pytest.mark.slow
-def test_unknown_model_too_long_prompt_and_bad_json(served: Served) -> None:
+def test_any_model_name_too_long_prompt_and_bad_json(served: Served) -> None:
     client = served.client()
-    status, error = error_of(lambda: client.chat.completions.create(model="gpt-4o", messages=user()))  # type: ignore[arg-type]
-    assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+    # One model is served: a client with a fixed model name gets it (as from llama-server).
+    reply = client.chat.completions.create(model="gpt-4o", messages=user(), max_tokens=2)  # type: ignore[arg-type]
+    assert reply.model == MODEL and reply.usage is not None and reply.usage.completion_tokens == 2
+    status, error = error_of(lambda: client.models.retrieve("gpt-4o"))
+    assert (status, error["code"]) == (404, "model_not_found")
     long = " ".join(["once upon a time"] * 200)
-    status, error = error_of(lambda: client.chat.completions.create(model=MODEL, messages=user(long)))  # type: ignore[arg-type]
-    assert (status, error["code"]) == (413, "context_length_exceeded")
+    # OpenAI's answer to a prompt too long: 400, which its client raises as BadRequestError.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=user(long))  # type: ignore[arg-type]
+    error = caught.value.response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
     assert "512 tokens" in error["message"]
     status, error = error_of(lambda: client.completions.create(model=MODEL, prompt=long))
-    assert status == 413
+    assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
     status, body = plain_http(f"{served.url}/chat/completions", b"{not json")
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     status, body = plain_http(f"{served.url}/nothing")

@@ -31,6 +31,9 @@ def test_serve_help_is_its_own(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "--target", "x", "--port", "70000"], "--port must be in 0..65535"),
         (["serve", "--target", "x", "--queue-size", "0"], "--queue-size must be in 1..10,000"),
         (["serve", "--target", "x", "--api-key", " "], "--api-key is empty"),
+        (["serve", "--target", "x", "--api-key", "k", "--api-key-file", "f"], "not both"),
+        (["serve", "--target", "x", "--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
+        (["serve", "--target", "x", "--api-key-file", "/dev/null"], "--api-key-file: /dev/null holds no key"),
         (["serve", "--target", "x", "--threshold", "-1"], "threshold must be a finite number ≥ 0"),
         (["serve", "--target", "x", "--rule", "lossy"], "unknown rule 'lossy'"),
     ],
@@ -46,6 +49,16 @@ def test_bad_input_is_one_line(
     code, out, err = run_cli(args, capsys)
     assert code == 2 and out == ""
     assert err.startswith("fsd-chat: error: ") and message in err and err.count("\n") == 1
+
+
+def test_an_empty_key_variable_is_an_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a server without a key: whoever set FSD_CHAT_API_KEY meant to have one."""
+    monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("FSD_CHAT_API_KEY", " ")
+    code, _, err = run_cli(["serve", "--target", "x"], capsys)
+    assert code == 2 and "FSD_CHAT_API_KEY is set but empty" in err and err.count("\n") == 1
 
 
 def test_config_toml_settings_reach_serve(

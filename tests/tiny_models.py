@@ -19,6 +19,7 @@ from transformers import (
     Gemma3TextConfig,
     Gemma4TextConfig,
     GPT2Config,
+    Lfm2Config,
     LlamaConfig,
     PretrainedConfig,
     Qwen2Config,
@@ -28,17 +29,24 @@ VOCAB = 512
 
 
 def config_for(
-    arch: str, *, vocab_size: int = VOCAB, layers: int = 2, rope_parameters: dict[str, Any] | None = None
+    arch: str,
+    *,
+    vocab_size: int = VOCAB,
+    layers: int = 2,
+    rope_parameters: dict[str, Any] | None = None,
+    intermediate_size: int = 128,
 ) -> PretrainedConfig:
     """A small config of the given architecture ("llama", "qwen2", "gpt2", "gemma2", "gemma4": the
-    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2),
-    with `rope_parameters` (transformers' RoPE base and scaling) where given, else the class's."""
+    last two layers share the KV cache of earlier ones, "falcon-h1": hybrid attention + Mamba 2,
+    "lfm2": short-convolution layers, each followed by an attention layer),
+    with `rope_parameters` (transformers' RoPE base and scaling) where given, else the class's, and
+    an MLP `intermediate_size` wide (256 gives the MLP's down projection rows a K-quant block)."""
     tokens = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if arch == "gpt2":
         return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=512, **tokens)
     llama_like = {
         "hidden_size": 64,
-        "intermediate_size": 128,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -61,6 +69,10 @@ def config_for(
             **{**llama_like, "num_hidden_layers": 4},
             layer_types=["sliding_attention", "full_attention"] * 2,
         )
+    if arch == "lfm2":
+        # The MLP exactly intermediate_size wide (LFM2 otherwise shrinks it, as its GGUF files do not).
+        layer_types = ["conv", "full_attention"] * (layers // 2)
+        return Lfm2Config(**llama_like, layer_types=layer_types, block_auto_adjust_ff_dim=False)
     if arch == "falcon-h1":
         return FalconH1Config(
             mamba_d_ssm=64,
@@ -83,11 +95,18 @@ def save_tiny_model(
     vocab_size: int = VOCAB,
     layers: int = 2,
     rope_parameters: dict[str, Any] | None = None,
+    intermediate_size: int = 128,
 ) -> Path:
     """Build a random model (`config_for`'s), save it with the tokenizer from `tokenizer_dir`; return
     its directory."""
     torch.manual_seed(seed)
-    config = config_for(arch, vocab_size=vocab_size, layers=layers, rope_parameters=rope_parameters)
+    config = config_for(
+        arch,
+        vocab_size=vocab_size,
+        layers=layers,
+        rope_parameters=rope_parameters,
+        intermediate_size=intermediate_size,
+    )
     # Untied: with tied random embeddings the residual stream makes every model repeat its input
     # token, so any two models would agree. (Set after construction: some configs ignore the kwarg.)
     config.tie_word_embeddings = False
@@ -113,6 +132,7 @@ def save_gemma3(
     layers: int = 6,
     layer_types: list[str] | None = None,
     rope_parameters: dict[str, dict[str, Any]] | None = None,
+    intermediate_size: int = 128,
 ) -> Path:
     """A tiny random Gemma 3 with sliding-window layers (window GEMMA3_WINDOW) and full ones, saved
     with the tokenizer from `tokenizer_dir`. Without `layer_types`, Gemma 3's own pattern: five
@@ -124,12 +144,13 @@ def save_gemma3(
             a trained model's are, where a new model's are all 0.
         rope_parameters: RoPE base and scaling by layer type ("full_attention", "sliding_attention"),
             where not Gemma3TextConfig's.
+        intermediate_size: The MLP's width (256 gives its down projection rows a K-quant block).
     """
     torch.manual_seed(0)
     config = Gemma3TextConfig(
         vocab_size=VOCAB,
         hidden_size=64,
-        intermediate_size=128,
+        intermediate_size=intermediate_size,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

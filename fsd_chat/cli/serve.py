@@ -7,6 +7,7 @@ config.toml fills in those not given, as for the chat.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,13 @@ from fsd_chat.support.text import one_line
 SERVER = "Server"
 MAX_QUEUE = 10_000
 """Most requests `--queue-size` lets wait: far beyond what one decoder clears in a client's patience."""
+
+KEY_VARIABLE = "FSD_CHAT_API_KEY"
+"""The environment variable that gives the key when neither --api-key nor --api-key-file does: a
+key on the command line is visible to every user of the machine (`ps`)."""
+
+MAX_KEY_FILE = 4096
+"""Most bytes read from --api-key-file (a key, not a document)."""
 
 
 def _check_port(port: int) -> int:
@@ -63,6 +71,14 @@ API_KEY = Option(
     SERVER,
     _check_key,
 )
+API_KEY_FILE = Option(
+    "api_key_file",
+    ("--api-key-file",),
+    str,
+    None,
+    f"File holding the key (its first line); or set {KEY_VARIABLE}. Both keep it out of `ps`.",
+    SERVER,
+)
 QUEUE_SIZE = Option(
     "queue_size",
     ("--queue-size",),
@@ -76,7 +92,36 @@ SERVE_OPTIONS: tuple[Option[Any], ...] = (o.TARGET, o.DRAFT, *o.REPLY_OPTIONS)
 """The chat's options that serve takes too, which config.toml may set for both."""
 
 
-@takes(*SERVE_OPTIONS, HOST, PORT, API_KEY, QUEUE_SIZE)
+def api_key(given: str | None, file: str | None) -> str | None:
+    """The key requests must send: --api-key, else the first line of --api-key-file, else
+    $FSD_CHAT_API_KEY (None: no key).
+
+    Raises:
+        SettingsError: both flags are given, the file cannot be read, or its key is empty.
+    """
+    if given is not None and file is not None:
+        raise SettingsError("give --api-key or --api-key-file, not both")
+    if file is not None:
+        try:
+            with Path(file).open("rb") as handle:
+                text = handle.read(MAX_KEY_FILE).decode()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SettingsError(f"--api-key-file: cannot read {file}: {reason}") from None
+        key = text.splitlines()[0].strip() if text.strip() else ""
+        if not key:
+            raise SettingsError(f"--api-key-file: {file} holds no key")
+        return key
+    if given is not None:
+        return given
+    if (variable := os.environ.get(KEY_VARIABLE)) is not None:
+        if not variable.strip():
+            raise SettingsError(f"{KEY_VARIABLE} is set but empty: give a key, or unset it")
+        return variable.strip()
+    return None
+
+
+@takes(*SERVE_OPTIONS, HOST, PORT, API_KEY, API_KEY_FILE, QUEUE_SIZE)
 def serve(ctx: typer.Context, **values: Any) -> None:
     """Serve the models through an OpenAI-compatible API (/v1/chat/completions, /v1/completions),
     with the threshold dial per request."""
@@ -90,11 +135,12 @@ def serve(ctx: typer.Context, **values: Any) -> None:
     sampling = o.sampling_request(v)
     specs = o.model_specs(target, o.DRAFT.get(v) or LOOKUP, v)
     host = HOST.of(v)
+    key = api_key(API_KEY.get(v), API_KEY_FILE.get(v))
 
     from fsd_chat.server.app import ServeOptions
     from fsd_chat.server.run import is_loopback, run_server
 
-    if not is_loopback(host) and API_KEY.get(v) is None:
+    if not is_loopback(host) and key is None:
         print(
             f"fsd-chat: warning: listening on {one_line(host)} without --api-key: anyone who reaches it may use it",
             file=sys.stderr,
@@ -109,7 +155,8 @@ def serve(ctx: typer.Context, **values: Any) -> None:
             sampling=sampling,
             max_new_tokens=o.MAX_NEW_TOKENS.of(v),
             raw=o.RAW.of(v),
-            api_key=API_KEY.get(v),
+            api_key=key,
+            host=host,
         ),
         host=host,
         port=PORT.of(v),

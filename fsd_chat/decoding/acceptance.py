@@ -84,6 +84,7 @@ the first rejection, and the whole verdict reaches the host in one transfer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -181,11 +182,19 @@ def mixture_weight(
     Args:
         p: Target probabilities, shape [..., vocab].
         q: Draft probabilities, shape [..., vocab].
-        budget: The per-token KL budget T in nats (> 0; a 0-dim device tensor in a captured step).
+        budget: The per-token KL budget T in nats (> 0; any finite value, or inf: λ = 1 past
+            what any law of p's dtype can spend; a 0-dim device tensor in a captured step).
 
     Returns:
         (λ, cost): both shape [...]; cost = KL(r_λ ‖ p) ≤ budget (up to float32 rounding), in nats.
     """
+    # Saturate: f(λ) ≤ f(1) = Σ q log(q/p) ≤ max −log p(x) ≤ −log(the dtype's least positive value),
+    # so a budget past twice that (rounding) gives λ = 1 wherever q is inside p's support. Any finite
+    # budget then works: 1e100 would overflow float32 in the steps below.
+    finfo = torch.finfo(p.dtype)
+    ceiling = -2.0 * math.log(finfo.tiny * finfo.eps)
+    # On the device for a device budget: `min` would read it on the host.
+    budget = budget.clamp_max(ceiling) if isinstance(budget, torch.Tensor) else min(budget, ceiling)
     inside = ~((q > 0) & (p == 0)).any(-1)
     log_p = torch.where(p > 0, p.log(), 0.0)
     diff = q - p

@@ -7,13 +7,21 @@ gguf_file=name)`, weights dequantized) in about 48 s for a 270M model, parsing t
 the config, the tokenizer and the weights; a start from a safetensors folder takes a few seconds. So
 the first start converts the file (`save_pretrained` of the model in float32, the dequantized values
 exactly, and of the tokenizer with its chat template), and every later start loads the copy. The
-copy is keyed by the file's identity (resolved path, size, mtime_ns, and a hash of its first MiB),
-and written to a temporary folder renamed into place, so an interrupted conversion leaves no half copy.
+copy is keyed by the file's content (`gguf_table.identity`: its header and tensor table, its size and
+samples of its data), so that a copy or a move of the file reuses it, and written to a temporary
+folder renamed into place, so an interrupted conversion leaves no half copy.
+
+Every tensor type the `gguf` package dequantizes loads, in any mix (llama.cpp's K-quant files hold
+Q5_0, Q5_1 or Q8_0 tensors wherever a row is not a multiple of 256 values). transformers reads most
+architectures through its older GGUF loader, which dequantizes each tensor with the gguf package;
+its newer one (lfm2, qwen35, qwen35moe: `GGUF_ARCHS`) dequantizes with its own code, bit for bit the
+gguf package's values for the types it has, and refuses the others (Q5_0, Q5_1, TQ1_0, TQ2_0, MXFP4,
+NVFP4): it is handed a copy of the file with those tensors stored as the gguf package's float32
+values (`gguf_table.with_values`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -33,10 +41,21 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.integrations.gguf import GGUF_ARCHS, GgufHeader, read_gguf_metadata
+from transformers.integrations.gguf import GGUF_ARCHS, is_gguf_arch_supported
+from transformers.integrations.gguf.dequant import GGML_BLOCK
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from fsd_chat.models.gguf_rope import scaled_rope_parameters
+from fsd_chat.models.gguf_table import (
+    FLOATS,
+    TensorTable,
+    dequantizable,
+    holders,
+    identity,
+    read_table,
+    type_names,
+    with_values,
+)
 from fsd_chat.models.load_errors import first_line
 from fsd_chat.support.config import ENV_CACHE_DIR, cache_dir
 from fsd_chat.support.errors import ModelLoadError
@@ -47,15 +66,14 @@ SUFFIX = ".gguf"
 _HUB_FILE = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+):(?P<file>[^:]+\.gguf)", re.IGNORECASE)
 _SPLIT = re.compile(r"-(?P<part>\d{5})-of-(?P<parts>\d{5})\.gguf", re.IGNORECASE)
 _UNSUPPORTED = re.compile(r"architecture (?P<arch>\S+) is not supported")
-_HEAD_BYTES = 1 << 20
-"""How much of the file's start is hashed into its identity (1 MiB: the header and metadata, which
-a rewritten model changes; size and mtime_ns catch the rest)."""
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
 """general.sampling.* keys (llama.cpp's gguf constants) -> the generation_config fields they set."""
-CONVERSION_FORMAT = 3
-"""Bumped when the converted copy's contents change, so older copies are converted again (2: the
-end-of-turn tokens among the generation config's end-of-sequence ids; 3: the file's RoPE scaling in
-the config's rope_parameters)."""
+CONVERSION_FORMAT = 4
+"""Bumped when the converted copy's contents or key change, so older copies are converted again (2:
+the end-of-turn tokens among the generation config's end-of-sequence ids; 3: the file's RoPE scaling
+in the config's rope_parameters; 4: keyed by the file's content, not its path and mtime)."""
+TRANSFORMERS_READS = frozenset(GGML_BLOCK) | FLOATS
+"""The ggml types transformers' newer GGUF loader (its `GGUF_ARCHS`) reads itself."""
 
 
 def gguf_file(source: str, progress: Progress) -> Path | None:
@@ -106,19 +124,49 @@ def _download(repo: str, filename: str, progress: Progress) -> Path:
         raise ModelLoadError(f"could not download {filename} from {repo}: {first_line(exc)}") from None
 
 
-def file_identity(path: Path) -> str:
-    """A hex key for the file as it is now: its resolved path, size, mtime_ns and first MiB."""
-    resolved = path.resolve()
-    stat = resolved.stat()
-    with resolved.open("rb") as file:
-        head = hashlib.sha256(file.read(_HEAD_BYTES)).hexdigest()
-    identity = f"{CONVERSION_FORMAT}\0{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0{head}"
-    return hashlib.sha256(identity.encode()).hexdigest()[:20]
+def readable_table(path: Path) -> TensorTable:
+    """The GGUF file's metadata and tensor table, once its tensors' types are all ones the gguf
+    package dequantizes and its data is all there.
+
+    Raises:
+        ModelLoadError: the file is not GGUF, or is damaged or truncated, or holds a tensor type no
+            dequantizer reads (named, with its id and the tensors that hold it).
+    """
+    try:
+        table = read_table(path)
+    except (ValueError, struct.error, UnicodeDecodeError) as exc:
+        reason = first_line(exc).replace(str(path), "it")
+        raise ModelLoadError(f"{path} is not a readable GGUF file (damaged or truncated: {reason})") from None
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    unreadable = {entry.type_id for entry in table.tensors} - dequantizable()
+    if unreadable:
+        raise ModelLoadError(
+            f"{path} holds tensors of a ggml type that no dequantizer reads: {holders(table, unreadable)} "
+            f"(fsd-chat reads {type_names(dequantizable())})"
+        )
+    needed = table.data_start + max((entry.offset + entry.nbytes for entry in table.tensors), default=0)
+    size = path.stat().st_size
+    if size < needed:
+        raise ModelLoadError(
+            f"{path} is truncated: it holds {size} of the {needed} bytes its tensor table needs "
+            "(an interrupted download? fetch it again)"
+        )
+    return table
 
 
-def converted_dir(path: Path) -> Path:
-    """Where the converted copy of the GGUF file `path` lives (whether or not it exists yet)."""
-    return cache_dir() / "gguf" / f"{path.stem}-{file_identity(path)}"
+def converted_dir(path: Path, table: TensorTable | None = None) -> Path:
+    """Where the converted copy of the GGUF file `path` lives (whether or not it exists yet): under
+    its content's identity, so that a copy of the file elsewhere, or under another name, finds it.
+    `table` is the file's (`readable_table`), read here when not given.
+
+    Raises:
+        ModelLoadError: as `readable_table`.
+    """
+    key = identity(table or readable_table(path), f"fsd-chat gguf conversion {CONVERSION_FORMAT}")
+    root = cache_dir() / "gguf"
+    found = sorted(folder for folder in root.glob(f"*-{key}") if (folder / "config.json").is_file())
+    return found[0] if found else root / f"{path.stem}-{key}"
 
 
 def converted_model(path: Path, progress: Progress) -> Path:
@@ -126,21 +174,23 @@ def converted_model(path: Path, progress: Progress) -> Path:
 
     Args:
         path: A local GGUF file.
-        progress: Told "converting NAME.gguf (first start only)" before a conversion.
+        progress: Told "converting NAME.gguf (first start only)" before a conversion, or "loading
+            the converted copy of NAME.gguf (converted on an earlier start)" when there is one.
 
     Returns:
         A folder with config.json, model.safetensors (float32), the tokenizer with its chat template,
         and generation_config.json (sampling from the file's general.sampling.* keys, else greedy).
 
     Raises:
-        ModelLoadError: the file is damaged or truncated, holds an architecture transformers
-            cannot load, or scales its rotary embedding in a way transformers cannot represent
-            (`scaled_rope_parameters`).
+        ModelLoadError: the file is damaged or truncated, holds a tensor type no dequantizer reads
+            (`readable_table`), holds an architecture transformers cannot load, or scales its rotary
+            embedding in a way transformers cannot represent (`scaled_rope_parameters`).
     """
-    folder = converted_dir(path)
+    table = readable_table(path)
+    folder = converted_dir(path, table)
     if (folder / "config.json").is_file():
+        progress(f"loading the converted copy of {path.name} (converted on an earlier start)")
         return folder
-    metadata, header = _checked_metadata(path)
     progress(f"converting {path.name} (first start only)")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -148,12 +198,12 @@ def converted_model(path: Path, progress: Progress) -> Path:
     except OSError as exc:
         raise _unwritable(path, folder, exc) from None
     try:
-        model, tokenizer = _convert(path, metadata, header)
+        model, tokenizer = _convert(path, table, folder.parent)
         try:
             _save(
                 model,
                 tokenizer,
-                _generation_config(model.generation_config, metadata, tokenizer),
+                _generation_config(model.generation_config, table.metadata, tokenizer),
                 path,
                 staging,
             )
@@ -173,43 +223,38 @@ def _unwritable(path: Path, folder: Path, exc: OSError) -> ModelLoadError:
     )
 
 
-def _checked_metadata(path: Path) -> tuple[dict[str, object], GgufHeader]:
-    """The file's metadata and tensor table, once both are read and its data is all there."""
-    try:
-        metadata, _ = read_gguf_metadata(str(path))
-        header = GgufHeader.from_file(str(path))
-    except (ValueError, struct.error, IndexError, UnicodeDecodeError, KeyError) as exc:
-        reason = first_line(exc).replace(str(path), "it")
-        raise ModelLoadError(f"{path} is not a readable GGUF file (damaged or truncated: {reason})") from None
-    needed = header.data_start + max((t.offset + t.nbytes for t in header.tensors), default=0)
-    size = path.stat().st_size
-    if size < needed:
-        raise ModelLoadError(
-            f"{path} is truncated: it holds {size} of the {needed} bytes its tensor table needs "
-            "(an interrupted download? fetch it again)"
-        )
-    return metadata, header
+def _weights_file(path: Path, table: TensorTable, scratch: Path) -> Path:
+    """The GGUF file transformers is to read the weights from: `path`, or, for an architecture its
+    newer loader reads (which dequantizes with its own code and lacks some types), a copy in
+    `scratch` whose tensors of the types it lacks hold the gguf package's float32 values."""
+    lacking = {entry.type_id for entry in table.tensors} - TRANSFORMERS_READS
+    if not lacking or not is_gguf_arch_supported(table.architecture):
+        return path
+    return with_values(table, frozenset(lacking), scratch / path.name)
 
 
 def _convert(
-    path: Path, metadata: Mapping[str, object], header: GgufHeader
+    path: Path, table: TensorTable, scratch: Path
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The GGUF file's model (dequantized, float32) and tokenizer, through transformers; the model's
-    config carries the file's RoPE scaling, which transformers' reader drops (`scaled_rope_parameters`)."""
+    config carries the file's RoPE scaling, which transformers' reader drops (`scaled_rope_parameters`).
+    `scratch` is a folder for a temporary copy of the file (`_weights_file`), removed once it is read."""
     where, name = str(path.parent), path.name
     try:
         config = AutoConfig.from_pretrained(where, gguf_file=name)
-        rope = scaled_rope_parameters(header, metadata, config)  # before the slow parts: it may refuse
+        rope = scaled_rope_parameters(table, config)  # before the slow parts: it may refuse
         if rope is not None:
             config.rope_parameters = rope
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(
-            where,
-            gguf_file=name,
-            config=config,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True),
-        )
+        with tempfile.TemporaryDirectory(prefix=f".{path.stem}.", dir=scratch) as copies:
+            weights = _weights_file(path, table, Path(copies))
+            model = AutoModelForCausalLM.from_pretrained(
+                str(weights.parent),
+                gguf_file=weights.name,
+                config=config,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
     except ValueError as exc:
         unsupported = _UNSUPPORTED.search(str(exc))
         if unsupported:
@@ -240,8 +285,8 @@ def _save(
     model.generation_config = generation
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    stat = path.stat()
-    source = {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    # The first file converted into it: a copy elsewhere, of the same content, shares the folder.
+    source = {"gguf": str(path.resolve()), "size": path.stat().st_size}
     (folder / "gguf-source.json").write_text(json.dumps(source, indent=2))
 
 

@@ -26,15 +26,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
-from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from fsd_chat.models.gguf_table import TensorTable
 from fsd_chat.support.errors import ModelLoadError
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -57,15 +55,13 @@ Scaling = dict[str, Any]
 _NO_FIT = "that no Llama 3 parameters reproduce"
 
 
-def scaled_rope_parameters(
-    header: GgufHeader, metadata: Mapping[str, object], config: PretrainedConfig
-) -> dict[str, Any] | None:
+def scaled_rope_parameters(table: TensorTable, config: PretrainedConfig) -> dict[str, Any] | None:
     """The `rope_parameters` that give `config` the RoPE scaling of the GGUF file it was rebuilt
     from, or None when the file scales nothing (or its architecture is in `OWN_ROPE`).
 
     Args:
-        header: The file's tensor table (`GgufHeader.from_file`), to read `rope_freqs.weight` from.
-        metadata: Its metadata keys (`read_gguf_metadata`).
+        table: The file's metadata keys and tensor table (`gguf_table.read_table`), to read
+            `rope_freqs.weight` from.
         config: transformers' config rebuilt from it. Its `rope_parameters` hold the base frequency
             (`rope_theta`): one dict for all layers, or one per layer type (Gemma 3), where the
             scaling goes to "full_attention" only, as llama.cpp applies it (get_rope_freq_scale:
@@ -85,16 +81,15 @@ def scaled_rope_parameters(
             `rope_freqs.weight` that no Llama 3 parameters reproduce, on an architecture whose
             converter writes no Llama 3 factors, or beside a scaling factor.
     """
-    arch = str(metadata["general.architecture"])
+    arch, metadata, path = table.architecture, table.metadata, table.path
     if arch in OWN_ROPE:
         return None
-    path = Path(header.path)
 
     def refuse(what: str) -> ModelLoadError:
         return ModelLoadError(f"{path} {what}, which fsd-chat cannot carry into transformers ({CARRIED})")
 
-    tensors = {info.name for info in header.tensors}
-    if tensors.intersection(LONGROPE_TENSORS):
+    tensors = {entry.name: entry for entry in table.tensors}
+    if tensors.keys() & set(LONGROPE_TENSORS):
         raise refuse("scales its rotary embedding by LongRoPE factors (rope_factors_long/short.weight)")
     scaling = _scaling_from_keys(arch, metadata, refuse)
     nested = "full_attention" in config.rope_parameters
@@ -104,7 +99,7 @@ def scaled_rope_parameters(
         if scaling is not None:
             raise refuse(f"holds both {ROPE_FREQS} and a {scaling['rope_type']} scaling factor")
         try:
-            scaling = llama3_parameters(_read(header, ROPE_FREQS), config)
+            scaling = llama3_parameters(torch.from_numpy(table.values(tensors[ROPE_FREQS])), config)
         except ValueError as exc:
             raise refuse(f"holds a {ROPE_FREQS} {exc}") from None
     if scaling is None:
@@ -158,15 +153,6 @@ def _scaling_from_keys(
         if (value := _number(metadata, f"{prefix}{name}")) is not None:
             yarn[field] = value
     return yarn
-
-
-def _read(header: GgufHeader, name: str) -> torch.Tensor:
-    """The file's tensor `name`, as float32 values (dequantized if the file stores blocks)."""
-    info = next(info for info in header.tensors if info.name == name)
-    raw = load_gguf_state_dict(header)[name][()]
-    if info.ggml_type in GGML_BLOCK:
-        return dequantize(raw.reshape(-1), info.ggml_type).reshape(info.shape)
-    return raw.float()
 
 
 def llama3_parameters(factors: torch.Tensor, config: PretrainedConfig) -> Scaling | None:

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP API over one loaded pair: `GET /v1/models`, `POST /v1/chat/completions`
-and `POST /v1/completions`, streamed as server-sent events or not.
+and `POST /v1/completions`, streamed as server-sent events or not, and `GET /health`.
 
-Each request is checked (fields, the dial, the sampling, the prompt against the context window) and
-answered in OpenAI's error shape when it is refused, before it joins the `Engine`'s queue. Replies
+Each request is checked (the key and the Host header, the body's size, fields, the dial, the
+sampling, the prompt against the context window) and answered in OpenAI's error shape when it is
+refused, before it joins the `Engine`'s queue. The checks cost in proportion to what could fit the
+context window, never to what a client sends: `guard` refuses a body too large for it before it is
+read, and a prompt's text is counted in pieces, stopping once it is past the window. Replies
 carry `usage`, llama-server's `timings`, and fsd-chat's own figures (`fsd`); with `fsd.origins` (or
 `logprobs`), each token's origin, divergence and cost (`fsd_tokens`). Nothing of a conversation is
 written anywhere: the server keeps no sessions.
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import threading
 import time
 import uuid
@@ -20,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
@@ -30,12 +32,13 @@ from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, Samplin
 from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.server import errors
-from fsd_chat.server.engine import Delivery, Engine, Job, QueueFullError, stop_index
+from fsd_chat.server.engine import Delivery, Engine, Job, QueueFullError, ShuttingDownError, stop_index
 from fsd_chat.server.errors import APIError
+from fsd_chat.server.guard import Guard, body_limit
 from fsd_chat.server.schema import ChatCompletionRequest, CompletionFields, CompletionRequest
 from fsd_chat.support.errors import ContextLengthError, FsdChatError, SettingsError
 from fsd_chat.support.log import log_exception
-from fsd_chat.support.text import to_json
+from fsd_chat.support.text import require_utf8, to_json
 
 Kind = Literal["chat", "text"]
 
@@ -54,20 +57,30 @@ _WAITING = object()
 DISCONNECT_POLL = 0.25
 """Seconds between two checks, while a non-streamed reply decodes, that its client is still there."""
 
+PIECE_CHARS = 16_384
+"""Characters of a long prompt tokenised at a time to count its tokens (`create_app`'s `count_past`):
+one piece holds the tokenizer for milliseconds, so a huge prompt never holds up another request."""
+
+PIECE_SLACK = 2
+"""Tokens by which cutting a text in two may exceed tokenising it whole (a word cut in two), per cut."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
     """What `fsd-chat serve` was asked for, besides the pair and its engine.
 
     Attributes:
-        model_id: The served model's name (`GET /v1/models`); requests must name it (or `aliases`).
-        aliases: Other names a request may use for it (the target's source as given).
+        model_id: The served model's name (`GET /v1/models`, and the `model` of every reply; a
+            request may name any model, as one is served).
+        aliases: Other names `GET /v1/models/{id}` knows it by (the target's source as given).
         settings: The decoding settings of a request that sends no `fsd` object.
         sampling: The sampling flags; a request's fields override them, the target's
             generation_config fills in the rest.
         max_new_tokens: Cap on a reply's tokens when a request gives none.
         raw: Plain-text prompts even for a model with a chat template (`--raw`).
         api_key: The key a request must send as `Authorization: Bearer KEY` (None: none).
+        host: The address the server listens on as given (`--host`): a Host header naming it is
+            this machine's (`guard.Guard`).
     """
 
     model_id: str
@@ -77,6 +90,7 @@ class ServeOptions:
     max_new_tokens: int
     raw: bool = False
     api_key: str | None = None
+    host: str = "127.0.0.1"
 
 
 class _Reply:
@@ -186,23 +200,25 @@ class _Prepared:
 def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAPI:
     """The FastAPI app serving `pair` through `engine`."""
     app = FastAPI(title="fsd-chat", docs_url=None, redoc_url=None, openapi_url=None)
+    context = engine.decoder.context
+    # Added before `errors.install`'s catch-all, so that it runs inside it: a bug in it is a 500.
+    app.add_middleware(
+        Guard,
+        api_key=options.api_key,
+        host=options.host,
+        max_body=body_limit(context),
+        public=frozenset({"/health"}),
+    )
     errors.install(app)
     created = int(time.time())
     # Prompts are built one at a time: a Rust tokenizer may refuse use from two threads at once.
     tokenizer_lock = threading.Lock()
-    expected = None if options.api_key is None else options.api_key.encode()
-
-    def authorise(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
-            raise APIError(401, "invalid API key: send Authorization: Bearer KEY", code="invalid_api_key")
 
     def model_card() -> dict[str, Any]:
         return {"id": options.model_id, "object": "model", "created": created, "owned_by": "fsd-chat"}
 
     def check_model(name: str) -> None:
+        """`GET /v1/models/{id}`: the one model served, by its name or an alias."""
         if name != options.model_id and name not in options.aliases:
             raise APIError(
                 404,
@@ -221,6 +237,25 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
             return messages, options.raw
         assert isinstance(body, CompletionRequest)
         return [Message("user", body.text())], True
+
+    def count_past(texts: list[str], limit: int) -> bool:
+        """Whether `texts` hold more than `limit` tokens, tokenised PIECE_CHARS characters at a
+        time (cut at a space where one is near) and stopping once past: a 10 MB prompt costs what
+        one that fills the context window costs. Each cut may add PIECE_SLACK tokens, so they are
+        taken off: a True is sure."""
+        counted = cuts = 0
+        for text in texts:
+            start = 0
+            while start < len(text):
+                end = min(start + PIECE_CHARS, len(text))
+                if end < len(text) and (space := text.rfind(" ", start + PIECE_CHARS // 2, end)) > 0:
+                    end = space
+                with tokenizer_lock:
+                    counted += len(pair.tokenizer(text[start:end], add_special_tokens=False).input_ids)
+                start, cuts = end, cuts + 1
+                if counted - PIECE_SLACK * cuts > limit:
+                    return True
+        return False
 
     def render(messages: list[Message], raw: bool, generation_prompt: bool = True) -> list[int]:
         with tokenizer_lock:
@@ -242,7 +277,6 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         return lambda reply: render([*messages, Message("assistant", reply)], raw, generation_prompt=False)
 
     async def prepare(body: CompletionFields, kind: Kind) -> _Prepared:
-        check_model(body.model)
         given = {} if body.fsd is None else body.fsd.model_dump(exclude_none=True, exclude={"origins"})
         try:
             settings = DecodingSettings(**{**asdict(options.settings), **given})
@@ -266,22 +300,22 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
         sampling = request.resolve(pair.target.generation_config, options.model_id).config
         messages, raw = conversation(body)
+        param = "messages" if kind == "chat" else "prompt"
+        texts = [m.content for m in messages]
         try:
+            if context is not None and sum(map(len, texts)) > PIECE_CHARS:
+                for m in messages:  # the tokenizer would raise TypeError on undecodable bytes
+                    require_utf8(m.content, f"the {m.role} message")
+                # Counted before the whole prompt is built: that holds the tokenizer for all of it.
+                if await run_in_threadpool(count_past, texts, context - 1):
+                    raise _context_error(f"over {context - 1}", context, param)
             ids = await run_in_threadpool(render, messages, raw)
         except FsdChatError as exc:
-            param = "messages" if kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from None
-        context = engine.decoder.context
         if not ids:
-            raise APIError(400, "the prompt is empty", param="messages" if kind == "chat" else "prompt")
+            raise APIError(400, "the prompt is empty", param=param)
         if context is not None and len(ids) + 1 > context:
-            raise APIError(
-                413,
-                f"the prompt is {len(ids)} tokens but the model's context window is {context} tokens: "
-                "shorten it to leave room for the reply",
-                param="messages" if kind == "chat" else "prompt",
-                code="context_length_exceeded",
-            )
+            raise _context_error(str(len(ids)), context, param)
         cap = body.token_cap() or options.max_new_tokens
         return _Prepared(ids, settings, sampling, cap, history(body, messages, raw))
 
@@ -304,13 +338,16 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
         )
         try:
             engine.submit(job)
-        except QueueFullError:
+        except QueueFullError as exc:
             raise APIError(
                 429,
-                "the server is busy: every place in its queue is taken; retry later",
+                f"the server is busy: every place in its queue is taken; retry in {exc.retry_after} s",
                 type="rate_limit_error",
                 code="queue_full",
+                headers={"Retry-After": str(exc.retry_after)},
             ) from None
+        except ShuttingDownError as exc:
+            raise _decoding_error(exc) from None
         return job, deliveries
 
     async def complete(request: Request, body: CompletionFields, kind: Kind) -> Response:
@@ -347,30 +384,50 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
             engine.cancel(job)
         return JSONResponse(answer.whole(tokens))
 
-    app.get("/v1/models", dependencies=[Depends(authorise)])(
-        lambda: {"object": "list", "data": [model_card()]}
-    )
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        """llama-server's and vLLM's probe: 200 while the pair is loaded and requests are taken
+        (the server listens only once the pair is loaded and warmed), 503 once it shuts down."""
+        if engine.closing:
+            raise _decoding_error(ShuttingDownError())
+        return {"status": "ok"}
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorise)])
+    app.get("/v1/models")(lambda: {"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
     def one_model(model: str) -> dict[str, Any]:
         check_model(model)
         return model_card()
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorise)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await complete(request, body, "chat")
 
-    @app.post("/v1/completions", dependencies=[Depends(authorise)])
+    @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await complete(request, body, "text")
 
     return app
 
 
+def _context_error(size: str, context: int, param: str) -> APIError:
+    """A prompt of `size` tokens that does not fit a `context`-token window: OpenAI's 400 (its client
+    raises BadRequestError)."""
+    return APIError(
+        400,
+        f"the prompt is {size} tokens but the model's context window is {context} tokens: "
+        "shorten it to leave room for the reply",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def _decoding_error(error: BaseException) -> APIError:
     """An error that ended a reply, in OpenAI's shape (an unexpected one is logged first)."""
+    if isinstance(error, ShuttingDownError):
+        return APIError(503, str(error), type="server_error", code="server_shutting_down")
     if isinstance(error, ContextLengthError):
-        return APIError(413, str(error), code="context_length_exceeded")
+        return APIError(400, str(error), code="context_length_exceeded")
     if isinstance(error, FsdChatError):
         return APIError(500, str(error), type="server_error")
     log_exception(error, "decoding a reply")
@@ -467,13 +524,15 @@ async def _stream(
     answer: _Answer, deliveries: asyncio.Queue[Delivery], include_usage: bool
 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed reply, ending in `data: [DONE]`; an error that ends the
-    reply midway is sent as an event in OpenAI's error shape."""
+    reply midway is sent as an event in OpenAI's error shape, and the stream ends after it (no
+    finish_reason, which would tell the client that the reply is whole)."""
     if (first := answer.first()) is not None:
         yield _event(first)
     while (item := await deliveries.get()) is not None:
         if isinstance(item, BaseException):
             yield _event(_decoding_error(item).body())
-            continue
+            yield "data: [DONE]\n\n"
+            return
         text, tokens = answer.reply.add(item)
         if text or tokens:
             yield _event(answer.delta(text, tokens))

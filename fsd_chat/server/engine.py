@@ -11,13 +11,19 @@ does while its user types (`Decoder.read_ahead`): the KV caches are fed what a c
 re-sends (`Job.history`: the messages and the reply as the client received it), so that request
 prefills only its new message, however the model tokenised its reply. A request that arrives
 meanwhile stops the reading between two chunks of the prefill.
+
+`Engine.shutdown` (the server's SIGTERM or Ctrl+C) ends every job at once: the one decoding stops
+after its step in progress, and each job, queued or decoding, receives `ShuttingDownError` before
+its end, so that its client learns why (a 503, or an error event that ends its stream).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -32,7 +38,29 @@ log = logging.getLogger(__name__)
 
 
 class QueueFullError(Exception):
-    """Every place in the queue is taken: the request is refused (HTTP 429)."""
+    """Every place in the queue is taken: the request is refused (HTTP 429).
+
+    Attributes:
+        retry_after: Whole seconds until the queue is expected to be empty (≥ 1): Retry-After.
+    """
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(FsdChatError):
+    """The server is shutting down: a job is refused or ended (HTTP 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: this request is not answered in full; retry later")
+
+
+FIRST_REPLY_SECONDS = 5.0
+"""The expected time of a reply before any has ended (`Engine.expected_wait`)."""
+
+SMOOTHING = 0.2
+"""Weight of the latest reply in the moving average of replies' times (`Engine.expected_wait`)."""
 
 
 Delivery = Step | BaseException | None
@@ -102,6 +130,12 @@ class Engine:
         self._idle.set()
         self.steps = 0
         """Decoding steps run since the start (read by tests and the load script's checks)."""
+        self._closing = False
+        """Set by `shutdown` (guarded by `_lock`): every job is refused or ended."""
+        self._started_at = 0.0
+        """When the current job started (monotonic seconds)."""
+        self._reply_seconds = FIRST_REPLY_SECONDS
+        """Moving average of a reply's wall time, from its start to its end."""
         self._thread = threading.Thread(target=self._run, name="fsd-chat-serve-decoder", daemon=True)
         self._thread.start()
 
@@ -110,15 +144,58 @@ class Engine:
 
         Raises:
             QueueFullError: the queue is full.
+            ShuttingDownError: the server is shutting down.
         """
         with self._lock:
+            if self._closing:
+                raise ShuttingDownError
             try:
                 self._jobs.put_nowait(job)
             except queue.Full:
-                raise QueueFullError from None
+                raise QueueFullError(self._expected_wait()) from None
             self._idle.clear()
             if self._reading_ahead:  # the job waits for nothing that is only an optimisation
                 self.controls.request_stop()
+
+    def _expected_wait(self) -> int:
+        """Whole seconds until the queue is expected to be empty (≥ 1): what is left of the reply
+        decoding now, and an average reply's time for each one waiting (guarded by `_lock`). Not
+        just until one place frees: the clients refused together would all come back for it."""
+        left = 0.0
+        if self._current is not None:
+            left = max(self._reply_seconds - (time.monotonic() - self._started_at), 0.0)
+        return max(1, math.ceil(left + self._jobs.qsize() * self._reply_seconds))
+
+    @property
+    def closing(self) -> bool:
+        """Whether `shutdown` was called."""
+        return self._closing
+
+    def shutdown(self) -> None:
+        """End every job now (the server is stopping): the one decoding stops after the step in
+        progress and each one receives `ShuttingDownError`, queued ones at once; any job submitted
+        later is refused. The worker stays, to end the current job; `close` ends it."""
+        with self._lock:
+            self._closing = True
+            queued = self._drain()
+            if self._current is not None or self._reading_ahead:
+                self.controls.request_stop()
+        for job in queued:
+            job.deliver(ShuttingDownError())
+            job.deliver(None)
+
+    def _drain(self) -> list[Job]:
+        """Take every queued job out, marked cancelled (the caller holds `_lock`, or the worker is
+        gone)."""
+        jobs: list[Job] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                job.cancelled = True
+                jobs.append(job)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no job is queued, decoded or read ahead (or `timeout` seconds pass); returns
@@ -135,14 +212,8 @@ class Engine:
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel every job and end the worker, waiting at most `timeout` seconds for it."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancelled = True
         with self._lock:
+            self._drain()
             if self._current is not None:
                 self._current.cancelled = True
             if self._current is not None or self._reading_ahead:
@@ -158,9 +229,14 @@ class Engine:
             if (job := self._jobs.get()) is None:
                 return
             with self._lock:
+                if self._closing and not job.cancelled:  # taken out of the queue as it closed
+                    job.deliver(ShuttingDownError())
+                    job.deliver(None)
+                    continue
                 if job.cancelled:
                     continue
                 self._current = job
+                self._started_at = time.monotonic()
                 # A stop requested for the previous reply after its last step is not this one's.
                 self.controls.clear_stop()
                 self.controls.update(**asdict(job.settings))
@@ -187,10 +263,16 @@ class Engine:
             finally:
                 with self._lock:
                     self._current = None
+                    seconds = time.monotonic() - self._started_at
+                    self._reply_seconds += SMOOTHING * (seconds - self._reply_seconds)
                     # Taken before the last delivery: the request marks its job cancelled once answered.
                     kept = not job.cancelled and ended not in (None, StopReason.STOPPED)
+                    # Stopped by the shutdown (not by its client, nor ended by an error delivered above).
+                    shut = self._closing and ended == StopReason.STOPPED
+                if shut:
+                    job.deliver(ShuttingDownError())
                 job.deliver(None)
-            if kept and job.history is not None:
+            if kept and job.history is not None and not self._closing:
                 self._read_ahead(job.history, "".join(text), job.stop_strings)
 
     def _read_ahead(

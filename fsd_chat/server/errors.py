@@ -20,11 +20,12 @@ class APIError(Exception):
     """A refusal in OpenAI's error shape.
 
     Attributes:
-        status: The HTTP status (400, 401, 404, 413, 429, 500).
+        status: The HTTP status (400, 401, 403, 404, 413, 415, 429, 500, 503).
         message: One line for the client.
         type: OpenAI's error type, e.g. "invalid_request_error".
         param: The request field at fault, or None.
         code: A short machine-readable code, or None.
+        headers: Response headers besides the JSON's (429's Retry-After).
     """
 
     def __init__(
@@ -35,6 +36,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -42,6 +44,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         """The JSON body."""
@@ -49,8 +52,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The HTTP response."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 def _field(loc: tuple[Any, ...]) -> str:
@@ -60,6 +63,31 @@ def _field(loc: tuple[Any, ...]) -> str:
     for part in parts:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (application/json, or any application/...+json)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+NOT_JSON = APIError(
+    415,
+    "the request body is read as JSON only when it is sent with the header Content-Type: application/json "
+    "(curl: -H 'Content-Type: application/json')",
+    code="unsupported_media_type",
+)
+"""A body sent without a JSON Content-Type (`curl -d` sends a form's). It is not read as JSON even
+so: a web page may post such a body across origins without asking first (CSRF)."""
+
+
+FASTAPI_UNREADABLE = "There was an error parsing the body"
+"""FastAPI's 400 for a body that its JSON parser gave up on with something other than a syntax error."""
+
+UNREADABLE = (
+    "the request body is not JSON that can be read: not UTF-8, nested too deeply, or holding a number too "
+    "long to read"
+)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -85,12 +113,15 @@ def install(app: FastAPI) -> None:
 
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        if not is_json(request.headers.get("content-type")):
+            return NOT_JSON.response()
         return validation_error(exc).response()
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        message = UNREADABLE if exc.detail == FASTAPI_UNREADABLE else str(exc.detail)
+        return APIError(exc.status_code, message, type=kind).response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid)

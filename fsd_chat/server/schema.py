@@ -1,6 +1,11 @@
 """The request bodies the server takes: the fields of OpenAI's chat and text completions that matter
 for a local model, and fsd-chat's own `fsd` object (the dial per request). Fields other clients send
-and a local model has no use for (user, metadata, ...) are ignored; `n` other than 1 is refused.
+and a local model has no use for (user, metadata, ...) are ignored; those whose request a plain-text
+reply would silently fail (`n` other than 1, tools, structured output, `echo`) are refused, naming
+the field.
+
+Types are strict (pydantic's strict mode): `max_tokens: true`, `stream: "yes"` or `threshold: "0.3"`
+are refused, not coerced into something the client did not mean (an integer is still a number).
 
 Values are checked where the command line checks them (`DecodingSettings`, `SamplingRequest`,
 `check_max_new_tokens`), when the request is turned into a job (`fsd_chat.server.app`).
@@ -8,7 +13,7 @@ Values are checked where the command line checks them (`DecodingSettings`, `Samp
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -31,7 +36,7 @@ class FsdOptions(BaseModel):
         origins: Add each token's origin, divergence and cost to the reply (`fsd_tokens`).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     rule: str | None = None
     threshold: float | None = None
@@ -44,15 +49,18 @@ class FsdOptions(BaseModel):
 class StreamOptions(BaseModel):
     """OpenAI's `stream_options`: `include_usage` adds a last chunk carrying `usage`."""
 
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class CompletionFields(BaseModel):
-    """The fields both endpoints take."""
+    """The fields both endpoints take. `model` may name anything (or be left out): one model is
+    served, and clients with a fixed model name work as they do with llama-server."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -64,6 +72,36 @@ class CompletionFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     fsd: FsdOptions | None = None
+    # Refused rather than ignored: a reply without them is not what the client asked for.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calls are not supported: fsd-chat replies in plain text (leave it out)")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError("tool calls are not supported: fsd-chat replies in plain text (leave it out)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(
+                f"structured output ({value.get('type')!r}) is not supported: fsd-chat replies in "
+                'plain text (leave it out, or send {"type": "text"})'
+            )
+        return value
 
     @field_validator("max_tokens")
     @classmethod
@@ -110,12 +148,16 @@ class CompletionFields(BaseModel):
 class TextPart(BaseModel):
     """One part of a message's content given as a list (only text parts are taken)."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
     """One turn. A `developer` message is a system prompt (OpenAI's newer name for it)."""
+
+    model_config = ConfigDict(strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -157,6 +199,30 @@ class CompletionRequest(CompletionFields):
 
     prompt: str | list[str]
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported: the reply holds the continuation alone")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of = 1 is supported: one reply decodes at a time")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (fill in the middle) is not supported")
+        return value
 
     @field_validator("prompt")
     @classmethod
