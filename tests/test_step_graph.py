@@ -1,6 +1,9 @@
 """The whole-step path (`fsd_chat.decoding.step_graph`) on the CPU: the rule chosen on the device
-equals the rule chosen by name, the step keeps the static-buffer discipline a CUDA graph needs, and
-decoding through it keeps greedy identity, the sampling laws and the decoders' features."""
+equals the rule chosen by name, the step keeps the static-buffer discipline a CUDA graph needs (one
+read a step, no host traffic inside it, no output kept past the next call, a whole-graph trace),
+decoding through it keeps greedy identity, the sampling laws and the decoders' features, and
+`CapturedSteps` decodes alike on emulated CUDA graphs (`EmulatedGraph`, a mock: no GPU here).
+The statistical tests are tests/test_sampling_lossless.py's: α = 0.001 each, fixed seeds."""
 
 from __future__ import annotations
 
