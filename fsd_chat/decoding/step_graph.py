@@ -189,8 +189,9 @@ def static_forward(model: StaticModel, ids: torch.Tensor, positions: torch.Tenso
     Returns:
         Logits [w, vocab_size] float32.
     """
+    first = positions[0]
     for layer in model.layers:
-        layer.cumulative_length.copy_(positions[0])
+        layer.cumulative_length.copy_(first)
     out = model.model(
         input_ids=ids,
         cache=model.cache,
