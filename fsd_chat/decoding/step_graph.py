@@ -405,6 +405,8 @@ class CapturedSteps(EagerSteps):
         lengths: The draft lengths to capture (each ≤ MAX_DRAFT_TOKENS).
         compile: Compile the step functions before capturing them.
         progress: Called with (graphs captured, graphs in all) while capturing (the loading screen).
+        greedy: Which kinds of steps to capture: greedy (True), sampled (False), or both (a
+            reply of the other kind then fails; tests that time one kind's compilation).
 
     Raises:
         RuntimeError: CUDA is not available, or a capture failed.
@@ -420,6 +422,7 @@ class CapturedSteps(EagerSteps):
         lengths: tuple[int, ...] = GRAPH_DRAFT_LENGTHS,
         compile: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        greedy: tuple[bool, ...] = (True, False),
     ) -> None:
         super().__init__(target, draft)
         device = target.device
@@ -438,19 +441,19 @@ class CapturedSteps(EagerSteps):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
             target_only = torch.compile(target_step, fullgraph=True, dynamic=False)
-        keys = [(k, greedy) for k in (0, *self.lengths) for greedy in (True, False)]
-        for done, (k, greedy) in enumerate(keys):
+        keys = [(k, mode) for k in (0, *self.lengths) for mode in greedy]
+        for done, (k, mode) in enumerate(keys):
             if progress is not None:
                 progress(done, len(keys))
             try:
-                self._capture(k, greedy, speculative, target_only)
+                self._capture(k, mode, speculative, target_only)
             except Exception as exc:  # a compiled function that fails is captured eagerly instead
                 if not compile:
                     raise
                 self.compile_error = compile_failure(exc)
                 speculative, target_only, compile = speculative_step, target_step, False
                 torch.cuda.synchronize()
-                self._capture(k, greedy, speculative, target_only)
+                self._capture(k, mode, speculative, target_only)
         if progress is not None:
             progress(len(keys), len(keys))
         # The warm-up calls wrote into the caches and moved the position: nothing is cached now.
