@@ -45,6 +45,7 @@ from fsd_chat.decoding.kv_cache import (
     compiled_capacity,
     context_length,
 )
+from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
@@ -127,8 +128,9 @@ class SpeculativeDecoder:
         # A compiled model's static cache is allocated whole: its capacity caps the context.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
         capacity = compiled_capacity(capped)
-        # The whole step needs a draft model of the target's vocabulary.
-        whole_step = whole_step and draft_model is not None and vocab_map is None
+        # The whole step needs a draft model of the target's vocabulary, or prompt lookup.
+        lookup = isinstance(draft, PromptLookup)
+        whole_step = whole_step and vocab_map is None and (draft_model is not None or lookup)
         cuda = target.device.type == "cuda"
         # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
         static_capacity = capacity if cuda else step_graph.MIN_CAPACITY
@@ -160,7 +162,9 @@ class SpeculativeDecoder:
                 else MappedProposer(MappedDraft(model, vocab_map, draft_context))
             )
         self._steps = (
-            step_graph.make_steps(self.target, self.proposer.owned_models[0]) if whole_step else None
+            step_graph.make_steps(self.target, next(iter(self.proposer.owned_models), None), lookup=lookup)
+            if whole_step
+            else None
         )
         if any(isinstance(m, StaticModel) for m in (self.target, *self.proposer.owned_models)):
             self.context = capped
@@ -374,7 +378,14 @@ class SpeculativeDecoder:
         prefill_seconds: float,
     ) -> Step:
         """`_step` as one step function (`step_graph`): a speculative step of the largest
-        available draft length ≤ `limit`, or a target-only step; one read of its block."""
+        available draft length ≤ `limit` (with prompt lookup: ≤ the copy the host found), or a
+        target-only step; one read of its block."""
+        start = reply.length
+        lookup = isinstance(self.proposer, PromptLookup)
+        source = 0
+        if lookup and limit:
+            assert isinstance(self.proposer, PromptLookup)  # narrowed for mypy
+            source, limit = find_continuation(reply.host[:start], self.proposer.ngram, limit)
         lengths = steps.lengths
         k = limit if lengths is None else max((n for n in lengths if n <= limit), default=0)
         if k == 0:
@@ -389,29 +400,32 @@ class SpeculativeDecoder:
                 prefill_seconds=prefill_seconds,
             )
         target, draft = steps.target, steps.draft
-        assert draft is not None  # a speculative decoder's steps have a draft
-        start = reply.length
-        forwards = k
-        if draft.seen < start - 2:
+        forwards = 0 if draft is None else k
+        if draft is not None and draft.seen < start - 2:
             # Behind by more than the step's first pass re-feeds (target-only steps while the
             # policy paused it): caught up eagerly, outside the step.
             draft.forward(reply.seq, start - 1, keep=1)
             forwards += 1
         steps.inputs.write(settings)
+        if lookup:
+            steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
         block = steps.speculative(k, sampling.greedy, generator).tolist()
         # What the caches surely hold, should the verdict end the reply (a non-finite law)...
         step_graph.moved(target, start)
-        step_graph.moved(draft, start)
-        n = int(block[2 * k + 1])
+        if draft is not None:
+            step_graph.moved(draft, start)
+        n = int(block[step_graph.verdict_flags(k, lookup)])
         try:
             verdict = read_verdict(
-                block, k, point_masses=False, next_token=reply.seq[0, start + n : start + n + 1]
+                block, k, point_masses=lookup, next_token=reply.seq[0, start + n : start + n + 1]
             )
         except NonFiniteError:
             steps.clear()
             raise
         # ...and what the step fed (`speculative_step`), which `_emit` rolls back to the accepted prefix.
-        target.seen, draft.seen = start + k, start + k - 1
+        target.seen = start + k
+        if draft is not None:
+            draft.seen = start + k - 1
         return self._emit(
             reply,
             k,
@@ -422,7 +436,7 @@ class SpeculativeDecoder:
             draft_seconds=0.0,
             target_seconds=clock.lap(),
             prefill_seconds=prefill_seconds,
-            lookup=False,
+            lookup=lookup,
         )
 
     def _emit(

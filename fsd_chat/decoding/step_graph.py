@@ -93,6 +93,7 @@ class StepInputs:
     Attributes:
         seq: [1, capacity] int64, the token buffer.
         position: [1] int64, the index of the last emitted token, not yet fed.
+        source: [1] int64, where prompt lookup's copy starts (written by the host before a step).
         rule: The acceptance rule, or its index in RULES (0-dim int64).
         divergence: The divergence, or its index in DIVERGENCE_NAMES (0-dim int64).
         threshold: T, or T as a 0-dim float32.
@@ -101,6 +102,7 @@ class StepInputs:
 
     seq: torch.Tensor
     position: torch.Tensor
+    source: torch.Tensor
     rule: Rule | torch.Tensor
     divergence: DivergenceName | torch.Tensor
     threshold: float | torch.Tensor
@@ -111,11 +113,13 @@ class StepInputs:
         """Buffers for sequences of up to `capacity` tokens, the settings on the device or not."""
         if not on_device:
             position = torch.zeros(1, dtype=torch.long, device=device)
-            return cls(position.new_zeros((1, capacity)), position, "exact", "kl", 0.0, SamplingConfig())
+            seq, source = position.new_zeros((1, capacity)), position.clone()
+            return cls(seq, position, source, "exact", "kl", 0.0, SamplingConfig())
         zero = torch.zeros((), dtype=torch.long, device=device)
         return cls(
             seq=torch.zeros((1, capacity), dtype=torch.long, device=device),
             position=torch.zeros(1, dtype=torch.long, device=device),
+            source=torch.zeros(1, dtype=torch.long, device=device),
             rule=zero.clone(),
             divergence=zero.clone(),
             threshold=torch.zeros((), device=device),
@@ -166,9 +170,12 @@ class Draws:
     noise: torch.Tensor
 
     @classmethod
-    def make(cls, k: int, vocab: int, generator: torch.Generator, device: torch.device) -> Draws:
-        """Draws for a step of draft length k (k = 0: a target-only step, one race) over `vocab`."""
-        draft = exponential_noise(torch.empty((k, vocab), device=device), generator)
+    def make(
+        cls, k: int, vocab: int, generator: torch.Generator, device: torch.device, drafted: bool = True
+    ) -> Draws:
+        """Draws for a step of draft length k (k = 0: a target-only step, one race) over `vocab`;
+        `drafted` False: a copy, no draft draws."""
+        draft = exponential_noise(torch.empty((k if drafted else 0, vocab), device=device), generator)
         uniforms = torch.rand(k, generator=generator, device=device)
         noise = exponential_noise(torch.empty((k + 1, vocab), device=device), generator)
         return cls(draft, uniforms, noise)
@@ -221,52 +228,48 @@ def attention_mask(model: StaticModel, positions: torch.Tensor) -> torch.Tensor:
 
 def speculative_step(
     target: StaticModel,
-    draft: StaticModel,
+    draft: StaticModel | None,
     inputs: StepInputs,
     k: int,
     greedy: bool,
     draws: Draws | None,
 ) -> torch.Tensor:
-    """One speculative step with a draft of the target's vocabulary, on the device (module docstring).
+    """One speculative step on the device (module docstring): a draft model of the target's
+    vocabulary proposes, or, with no draft, prompt lookup's copy of seq[0, source : source + k]
+    (`StepInputs.source`, found on the host: `lookup.find_continuation`), whose laws are point
+    masses.
 
     Precondition: the target's cache holds seq[0, :position], the draft's at least
-    seq[0, :position − 1]. Afterwards position has moved on by n + 1, seq holds the n accepted
-    draft tokens and the target's token after the old position, the target's cache holds
-    seq[0, :position], the draft's seq[0, :old position + 1 + min(n, k − 1)].
+    seq[0, :position − 1]; a copy's source ends at or before position + 1. Afterwards position has
+    moved on by n + 1, seq holds the n accepted draft tokens and the target's token after the old
+    position, the target's cache holds seq[0, :position], the draft's seq[0, :old position + 1 +
+    min(n, k − 1)].
 
     Args:
-        target, draft: The models over their static caches.
+        target, draft: The models over their static caches (draft None: a copy).
         inputs: The buffers.
         k: Draft length, ≥ 1 (one graph each).
         greedy: Argmax draws and tests (one graph each); else `draws` are used.
         draws: The step's random numbers (None when greedy).
 
     Returns:
-        `acceptance.decide`'s block, shape [6k + 3] float64.
+        `acceptance.decide`'s block, shape [6k + 3] float64 ([5k + 3] for a copy).
     """
     seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
     untruncated = inputs.sampling.untruncated() if inputs.truncates else None
-    # The draft's first pass: two tokens, so that its width does not depend on the last step's n.
-    first = (position - 1).clamp_min(0) + torch.arange(2, device=device)
-    logits = static_forward(draft, seq.index_select(0, first).view(1, 2), first)
-    row = logits.index_select(0, position - first[0])
-    q_rows, q_full_rows = [], []
-    for i in range(k):
-        if i:
-            at = position + i
-            row = static_forward(draft, seq.index_select(0, at).view(1, 1), at)
-        q = probabilities(row, inputs.sampling)
-        q_rows.append(q)
-        if untruncated is not None:
-            q_full_rows.append(probabilities(row, untruncated))
-        token = q.argmax(-1) if draws is None else (q / draws.draft[i]).argmax(-1)
-        seq.index_copy_(0, position + 1 + i, token)
+    q_rows: list[torch.Tensor] = []
+    q_full_rows: list[torch.Tensor] = []
+    if draft is None:
+        offsets = torch.arange(k, device=device)
+        seq.index_copy_(0, position + 1 + offsets, seq.index_select(0, inputs.source + offsets))
+    else:
+        _draft_positions(draft, inputs, k, draws, untruncated, q_rows, q_full_rows)
     verified = position + torch.arange(k + 1, device=device)
     logits = static_forward(target, seq.index_select(0, verified).view(1, k + 1), verified)
     p = probabilities(logits, inputs.sampling)
     block, next_token = decide(
         p,
-        torch.cat(q_rows),
+        torch.cat(q_rows) if q_rows else None,
         seq.index_select(0, verified[1:]),
         None if draws is None else draws.uniforms,
         None if draws is None else draws.noise,
@@ -277,10 +280,44 @@ def speculative_step(
         p_full=None if untruncated is None else probabilities(logits[:k], untruncated),
         q_full=torch.cat(q_full_rows) if q_full_rows else None,
     )
-    accepted = block.narrow(0, 2 * k + 1, 1).long()
+    # n follows the flags: of p's k + 1 rows, and of q's k rows for a draft model.
+    accepted = block.narrow(0, verdict_flags(k, draft is None), 1).long()
     seq.index_copy_(0, position + 1 + accepted, next_token)
     position.add_(accepted + 1)
     return block
+
+
+def verdict_flags(k: int, point_masses: bool) -> int:
+    """How many non-finite flags open `decide`'s block (`acceptance.read_verdict`)."""
+    return k + 1 if point_masses else 2 * k + 1
+
+
+def _draft_positions(
+    draft: StaticModel,
+    inputs: StepInputs,
+    k: int,
+    draws: Draws | None,
+    untruncated: SamplingConfig | SamplingTensors | None,
+    q_rows: list[torch.Tensor],
+    q_full_rows: list[torch.Tensor],
+) -> None:
+    """The draft model's k positions: x̃_i ~ q_i written at seq[position + 1 + i], q_i (and the
+    untruncated law, when asked) appended to the lists."""
+    seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
+    # The draft's first pass: two tokens, so that its width does not depend on the last step's n.
+    first = (position - 1).clamp_min(0) + torch.arange(2, device=device)
+    logits = static_forward(draft, seq.index_select(0, first).view(1, 2), first)
+    row = logits.index_select(0, position - first[0])
+    for i in range(k):
+        if i:
+            at = position + i
+            row = static_forward(draft, seq.index_select(0, at).view(1, 1), at)
+        q = probabilities(row, inputs.sampling)
+        q_rows.append(q)
+        if untruncated is not None:
+            q_full_rows.append(probabilities(row, untruncated))
+        token = q.argmax(-1) if draws is None else (q / draws.draft[i]).argmax(-1)
+        seq.index_copy_(0, position + 1 + i, token)
 
 
 def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Draws | None) -> torch.Tensor:
@@ -315,6 +352,7 @@ class EagerSteps:
             as a CUDA graph's next replay does (a test's check that nothing keeps an output).
         device_inputs: The settings as device values, as the captured graphs read them (the
             CPU tests' way to run that path; `StepInputs`).
+        lookup: With no draft, speculative steps verify prompt lookup's copies.
     """
 
     captured = False
@@ -330,9 +368,11 @@ class EagerSteps:
         *,
         emulate_replay: bool = False,
         device_inputs: bool = False,
+        lookup: bool = False,
     ) -> None:
         self.target = target
         self.draft = draft
+        self.lookup = lookup
         self.inputs = StepInputs.allocate(1, target.device, on_device=device_inputs)
         self._emulate = emulate_replay
         self._last: torch.Tensor | None = None
@@ -364,8 +404,12 @@ class EagerSteps:
     @torch.inference_mode()
     def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
         """One speculative step; its block (`speculative_step`)."""
-        assert self.draft is not None
-        draws = None if greedy else Draws.make(k, self.target.vocab_size, generator, self.target.device)
+        assert self.draft is not None or self.lookup
+        draws = (
+            None
+            if greedy
+            else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
+        )
         return self._out(speculative_step(self.target, self.draft, self.inputs, k, greedy, draws))
 
     @torch.inference_mode()
@@ -407,6 +451,8 @@ class CapturedSteps(EagerSteps):
         progress: Called with (graphs captured, graphs in all) while capturing (the loading screen).
         greedy: Which kinds of steps to capture: greedy (True), sampled (False), or both (a
             reply of the other kind then fails; tests that time one kind's compilation).
+        lookup: With no draft, capture the verification of prompt lookup's copies (one graph
+            per copy length in `lengths`).
 
     Raises:
         RuntimeError: CUDA is not available, or a capture failed.
@@ -423,11 +469,12 @@ class CapturedSteps(EagerSteps):
         compile: bool = False,
         progress: Callable[[int, int], None] | None = None,
         greedy: tuple[bool, ...] = (True, False),
+        lookup: bool = False,
     ) -> None:
-        super().__init__(target, draft)
+        super().__init__(target, draft, lookup=lookup)
         device = target.device
         self.inputs = StepInputs.allocate(target.capacity, device, on_device=True)
-        self.lengths = lengths if draft is not None else ()
+        self.lengths = lengths if draft is not None or lookup else ()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -473,7 +520,11 @@ class CapturedSteps(EagerSteps):
         device = self.target.device
 
         def step() -> torch.Tensor:
-            draws = None if greedy else Draws.make(k, self.target.vocab_size, self.generator, device)
+            draws = (
+                None
+                if greedy
+                else Draws.make(k, self.target.vocab_size, self.generator, device, self.draft is not None)
+            )
             if k == 0:
                 return target_only(self.target, self.inputs, greedy, draws)
             return speculative(self.target, self.draft, self.inputs, k, greedy, draws)
@@ -534,17 +585,20 @@ Steps = EagerSteps
 """The step runner a decoder holds: `EagerSteps` or its captured form, `CapturedSteps`."""
 
 
-def make_steps(target: CachedModel, draft: CachedModel | None, *, compile: bool = False) -> EagerSteps | None:
+def make_steps(
+    target: CachedModel, draft: CachedModel | None, *, compile: bool = False, lookup: bool = False
+) -> EagerSteps | None:
     """The step runner of a decoder whose models are bound to static caches (`bind(static=True)`):
     captured on CUDA (`CapturedSteps`, `compile` as there), eager elsewhere; None when a model is
-    not a `StaticModel` (`compile_refusal` refused it: the decoder keeps its usual steps)."""
+    not a `StaticModel` (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`:
+    the speculative steps verify prompt lookup's copies (no draft)."""
     models = (target,) if draft is None else (target, draft)
     if not all(isinstance(m, StaticModel) for m in models):
         return None
     assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
     if target.device.type == "cuda":
-        return CapturedSteps(target, draft, compile=compile)
-    return EagerSteps(target, draft)
+        return CapturedSteps(target, draft, compile=compile, lookup=lookup)
+    return EagerSteps(target, draft, lookup=lookup)
 
 
 def reply_tokens(prompt: int, max_new_tokens: int, context: int | None, headroom: int) -> int:
