@@ -27,6 +27,7 @@ from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.draft_policy import FixedPolicy
 from fsd_chat.decoding.events import StopReason
 from fsd_chat.decoding.kv_cache import compiled_capacity
+from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
@@ -212,7 +213,7 @@ def test_a_seed_gives_one_reply(pair: ModelPair) -> None:
     assert ids_of(whole(pair, settings), pair, PROMPTS[0], 60, sampling=sampling) == first
 
 
-@pytest.mark.parametrize("kind", ["speculative", "target-only"])
+@pytest.mark.parametrize("kind", ["speculative", "speculative-device-inputs", "target-only"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=3)])
 def test_a_whole_step_reads_once_and_writes_no_python_value(
     pair: ModelPair,
@@ -225,8 +226,8 @@ def test_a_whole_step_reads_once_and_writes_no_python_value(
     (tests/test_host_syncs.py's counters)."""
     settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
     decoder: Decoder = (
-        whole(pair, settings)
-        if kind == "speculative"
+        whole(pair, settings, device_inputs=kind.endswith("device-inputs"))
+        if kind.startswith("speculative")
         else pair.autoregressive(Controls(settings), whole_step=True)
     )
     steps = decoder.generate(pair.tokenizer(PROMPTS[2]).input_ids, max_new_tokens=48, sampling=sampling)
@@ -463,7 +464,7 @@ def captured(decoder: SpeculativeDecoder | AutoregressiveDecoder) -> CapturedSte
     steps.fit(compiled_capacity(decoder.context))
     # Every k up to 3: near a reply's end the room cuts k, and a k rounded down to a captured
     # length would draw another (equally lawful) reply than the eager step's.
-    graphs = CapturedSteps(steps.target, steps.draft, lengths=(1, 2, 3))
+    graphs = CapturedSteps(steps.target, steps.draft, lengths=(1, 2, 3), lookup=steps.lookup)
     decoder._steps = graphs
     return graphs
 
@@ -528,3 +529,96 @@ def test_target_only_steps_between_speculative_ones(pair: ModelPair, pauses: int
     assert run.ids == collect(pair.autoregressive(Controls()).generate(prompt, max_new_tokens=60)).ids
     assert 0 < sum(bool(s.stats.drafted) for s in run.steps) < len(run.steps)
     assert any(s.stats.draft_forwards > s.stats.drafted for s in run.steps)  # a catch-up pass
+
+
+LOOKUP_PROMPT = "Tom had a red ball. Tom had a red ball. Tom had a"
+"""A prompt that repeats itself, so that lookup finds n-grams to copy."""
+
+
+def whole_lookup(
+    pair: ModelPair, settings: DecodingSettings, device_inputs: bool = False
+) -> SpeculativeDecoder:
+    """A whole-step decoder over prompt lookup (`device_inputs` as in `whole`)."""
+    decoder = SpeculativeDecoder(
+        pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings), whole_step=True
+    )
+    steps = decoder._steps
+    assert isinstance(steps, EagerSteps) and steps.lookup
+    if device_inputs:
+        decoder._steps = EagerSteps(steps.target, None, device_inputs=True, lookup=True)
+    return decoder
+
+
+@pytest.mark.parametrize(
+    ("rule", "threshold", "divergence", "sampling"),
+    [
+        ("exact", 0.0, "js", SamplingConfig()),
+        ("fuzzy", 0.3, "reverse-kl", SamplingConfig()),
+        ("fuzzy", 0.3, "reverse-kl", SamplingConfig(temperature=0.9, top_p=0.9, seed=6)),
+        ("mixture", 0.05, "js", SamplingConfig(temperature=0.8, seed=7)),
+    ],
+)
+def test_lookup_whole_steps_decide_as_lookup_steps(
+    pair: ModelPair, rule: Rule, threshold: float, divergence: DivergenceName, sampling: SamplingConfig
+) -> None:
+    """Prompt lookup through the whole step (a copy from a device source, point-mass laws), with
+    the settings on the host and on the device: today's lookup decoder's reply, token for token
+    (greedy at T = 0: the target's), verified copies and target-only steps among the steps."""
+    settings = DecodingSettings(
+        rule=rule, threshold=threshold, divergence=divergence, draft_tokens=6, draft_policy="fixed"
+    )
+    prompt = pair.tokenizer(LOOKUP_PROMPT).input_ids
+    today = SpeculativeDecoder(pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings))
+    want = collect(today.generate(prompt, max_new_tokens=60, sampling=sampling))
+    for device_inputs in (False, True):
+        got = collect(
+            whole_lookup(pair, settings, device_inputs).generate(prompt, max_new_tokens=60, sampling=sampling)
+        )
+        assert (got.ids, got.origins) == (want.ids, want.origins)
+        assert 0 < got.stats.lookup_hits < got.stats.steps
+    if rule == "exact" and sampling.greedy:
+        assert want.ids == collect(pair.autoregressive(Controls()).generate(prompt, max_new_tokens=60)).ids
+
+
+@pytest.mark.parametrize("device_inputs", [False, True])
+def test_a_lookup_whole_step_reads_once_and_writes_no_python_value(
+    pair: ModelPair,
+    host_reads: collections.Counter[str],  # noqa: F811 (tests/test_host_syncs.py's fixture)
+    device_inputs: bool,
+) -> None:
+    """The static-buffer discipline for lookup's steps: one read, no host traffic (the copy's
+    source is written with `fill_`, a kernel's argument, not a tensor made of a Python value),
+    with every rule's point-mass formulas run when the rule is on the device."""
+    settings = DecodingSettings(
+        rule="fuzzy", threshold=0.3, divergence="js", draft_tokens=4, draft_policy="fixed"
+    )
+    steps = whole_lookup(pair, settings, device_inputs).generate(
+        pair.tokenizer(LOOKUP_PROMPT).input_ids, max_new_tokens=48
+    )
+    next(steps)
+    per_step = []
+    while True:
+        host_reads.clear()
+        with HostTraffic() as traffic:
+            step = next(steps, None)
+        if step is None:
+            break
+        per_step.append((sum(host_reads.values()), dict(traffic.counts), step.stats.drafted > 0))
+    assert len(per_step) >= 5 and any(drafted for *_, drafted in per_step)
+    assert all(reads == 1 and not other for reads, other, _ in per_step), per_step
+
+
+def test_captured_lookup_steps_replayed_decode_as_eager_ones(pair: ModelPair, emulated_cuda: None) -> None:
+    """`CapturedSteps(lookup=True)` on emulated CUDA graphs: a graph per copy length, replayed
+    with the source written between replays, gives the eager lookup whole step's replies."""
+    settings = DecodingSettings(
+        rule="fuzzy", threshold=0.3, divergence="js", draft_tokens=3, draft_policy="fixed"
+    )
+    sampling = SamplingConfig(temperature=0.9, seed=8)
+    graphs = whole_lookup(pair, settings)
+    captured(graphs)
+    prompt = pair.tokenizer(LOOKUP_PROMPT).input_ids
+    got = collect(graphs.generate(prompt, max_new_tokens=40, sampling=sampling))
+    want = collect(whole_lookup(pair, settings).generate(prompt, max_new_tokens=40, sampling=sampling))
+    assert (got.ids, got.origins) == (want.ids, want.origins)
+    assert got.stats.lookup_hits > 0

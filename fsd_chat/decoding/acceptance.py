@@ -243,8 +243,9 @@ def point_mass_mixture_weight(
     """
     a = p_x.clamp(0.0, 1.0)
     two = torch.stack([a, 1 - a], -1)
-    delta = torch.zeros_like(two)
-    delta[..., 0] = 1.0
+    # Not `delta[..., 0] = 1.0`: a Python value written into a tensor is a host-to-device copy,
+    # which a CUDA graph's capture refuses (`step_graph`).
+    delta = torch.stack([torch.ones_like(a), torch.zeros_like(a)], -1)
     return mixture_weight(two, delta, budget)
 
 
