@@ -348,3 +348,17 @@ def test_whole_step_graphs_of_compiled_steps(pair32: ModelPair) -> None:
         got = collect(decoder.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))
         want = collect(eager.generate(ids, max_new_tokens=120, sampling=SamplingConfig()))
         assert (got.ids, got.origins) == (want.ids, want.origins)
+
+
+def test_whole_step_graphs_of_prompt_lookup(pair32: ModelPair) -> None:
+    """Prompt lookup's verification captured per copy length (the source written between
+    replays): greedy at T = 0 the target's text, copies verified, one synchronisation a step."""
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=6, draft_policy="fixed"))
+    decoder = SpeculativeDecoder(
+        pair32.target, PromptLookup(), pair32.tokenizer, controls=controls, whole_step=True
+    )
+    assert isinstance(decoder._steps, CapturedSteps)
+    prompt = "Tom had a red ball. Tom had a red ball. Tom had a"
+    run = collect(decoder.generate(pair32.tokenizer(prompt).input_ids, max_new_tokens=80))
+    assert run.ids == greedy_ids(pair32.autoregressive(Controls(), compiled=False), pair32, prompt, 80)
+    assert run.stats.lookup_hits > 0
