@@ -91,11 +91,11 @@ from typing import Any
 
 import torch
 
-from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl
+from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl, selected
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.kv_cache import compile_failure
 from fsd_chat.decoding.sampling import draw, exponential_noise, non_finite, non_finite_error
-from fsd_chat.decoding.settings import Rule, SamplingConfig
+from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 
 NEWTON_STEPS = 12
 """Safeguarded Newton steps of `mixture_weight`; measured on truncated and untruncated laws of the
@@ -164,7 +164,9 @@ def restrict(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, on_support / mass.clamp_min(torch.finfo(mass.dtype).tiny), p)
 
 
-def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
+def mixture_weight(
+    p: torch.Tensor, q: torch.Tensor, budget: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest λ ∈ [0, 1] with KL((1 − λ)p + λq ‖ p) ≤ budget, per row, and that KL.
 
     `verify` passes q̄ = `restrict(q, p)` as q, whose support is p's, so that λ > 0 is possible.
@@ -181,7 +183,7 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
         p: Target probabilities, shape [..., vocab].
         q: Draft probabilities, shape [..., vocab].
         budget: The per-token KL budget T in nats (> 0; any finite value, or inf: λ = 1 past
-            what any law of p's dtype can spend).
+            what any law of p's dtype can spend; a 0-dim device tensor in a captured step).
 
     Returns:
         (λ, cost): both shape [...]; cost = KL(r_λ ‖ p) ≤ budget (up to float32 rounding), in nats.
@@ -190,7 +192,9 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
     # so a budget past twice that (rounding) gives λ = 1 wherever q is inside p's support. Any finite
     # budget then works: 1e100 would overflow float32 in the steps below.
     finfo = torch.finfo(p.dtype)
-    budget = min(budget, -2.0 * math.log(finfo.tiny * finfo.eps))
+    ceiling = -2.0 * math.log(finfo.tiny * finfo.eps)
+    # On the device for a device budget: `min` would read it on the host.
+    budget = budget.clamp_max(ceiling) if isinstance(budget, torch.Tensor) else min(budget, ceiling)
     inside = ~((q > 0) & (p == 0)).any(-1)
     log_p = torch.where(p > 0, p.log(), 0.0)
     diff = q - p
@@ -220,7 +224,9 @@ def mixture_weight(p: torch.Tensor, q: torch.Tensor, budget: float) -> tuple[tor
     return lam, cost
 
 
-def point_mass_mixture_weight(p_x: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
+def point_mass_mixture_weight(
+    p_x: torch.Tensor, budget: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`mixture_weight` against a point mass q = δ_x (a prompt-lookup proposal), from a = p(x) alone.
 
     r = (1 − λ)p + λδ_x moves mass only between x and the rest, in proportion, so KL(r ‖ p) =
@@ -237,8 +243,9 @@ def point_mass_mixture_weight(p_x: torch.Tensor, budget: float) -> tuple[torch.T
     """
     a = p_x.clamp(0.0, 1.0)
     two = torch.stack([a, 1 - a], -1)
-    delta = torch.zeros_like(two)
-    delta[..., 0] = 1.0
+    # Not `delta[..., 0] = 1.0`: a Python value written into a tensor is a host-to-device copy,
+    # which a CUDA graph's capture refuses (`step_graph`).
+    delta = torch.stack([torch.ones_like(a), torch.zeros_like(a)], -1)
     return mixture_weight(two, delta, budget)
 
 
@@ -257,15 +264,16 @@ def judge(
     q: torch.Tensor | None,
     draft_ids: torch.Tensor,
     *,
-    rule: Rule,
-    divergence_name: DivergenceName,
-    threshold: float,
+    rule: Rule | torch.Tensor,
+    divergence_name: DivergenceName | torch.Tensor,
+    threshold: float | torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     p_full: torch.Tensor | None = None,
     q_full: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
+    divergences: torch.Tensor | None = None,
 ) -> Judgement:
     """Judge each draft position on its own: whether its draft token passes, the target's token
     after a rejection there, and what the emitted token costs (`verify` then keeps the prefix up to
@@ -278,11 +286,15 @@ def judge(
         q: Draft probabilities the draft tokens were drawn from, shape [k, vocab]; None when
             each draft token is a point mass, q_i = δ(x̃_i) (prompt lookup; module docstring).
         draft_ids: The draft tokens, shape [k] int64, on p's device.
-        rule: "exact", "fuzzy", "pure" or "mixture".
-        divergence_name: The divergence D used by "fuzzy" and "pure" (reported under every rule).
+        rule: "exact", "fuzzy", "pure" or "mixture"; or, in a captured step, its index in RULES
+            as a 0-dim int64 device tensor (with a device `threshold`): every rule is judged and
+            the device selects one (`_judge_on_device`), so a new rule never captures again.
+        divergence_name: The divergence D used by "fuzzy" and "pure" (reported under every rule),
+            or its index in `divergence.DIVERGENCE_NAMES` as a 0-dim int64 device tensor.
         threshold: T ≥ 0: in the divergence's units for "fuzzy"/"pure" (math.inf accepts every
             draft token the target's truncation keeps); nats of KL (sampling) or of regret
-            (greedy) per token for "mixture".
+            (greedy) per token for "mixture". A 0-dim float32 device tensor goes with a device
+            `rule`, which selects `exact` where T = 0.
         sampling: Sampling settings (greedy: argmax tests and corrections).
         generator: Source of the uniform draws u_i and of the correction draw (None when both
             are given).
@@ -293,10 +305,27 @@ def judge(
             from `generator` (given by tests that must reach u = 0, and by `verify`).
         noise: The correction draw's exponential race, shape [k + 1, vocab]
             (`sampling.exponential_noise`); default drawn from `generator`.
+        divergences: D(p°, q°) per draft position, shape [k], when already computed (the device
+            path judges every rule over one computation).
 
     Returns:
         The `Judgement`, on p's device; nothing is read back to the host.
     """
+    if isinstance(rule, torch.Tensor):
+        return _judge_on_device(
+            p,
+            q,
+            draft_ids,
+            rule,
+            divergence_name,
+            threshold,
+            sampling,
+            generator,
+            p_full,
+            q_full,
+            uniforms,
+            noise,
+        )
     k = draft_ids.shape[0]
     positions = torch.arange(k, device=p.device)
     p_draft = p[:k]
@@ -305,12 +334,22 @@ def judge(
     p_compared = (p if p_full is None else p_full)[:k]
     if q is None:
         q_x = torch.ones_like(p_x)
-        div = against_point_mass(divergence_name, p_compared[positions, draft_ids])
+        div = (
+            against_point_mass(divergence_name, p_compared[positions, draft_ids])
+            if divergences is None
+            else divergences
+        )
     else:
         q_x = q[positions, draft_ids]
-        div = divergence(divergence_name, p_compared, q if q_full is None else q_full)
+        div = (
+            divergence(divergence_name, p_compared, q if q_full is None else q_full)
+            if divergences is None
+            else divergences
+        )
     # At T = 0 every rule is the exact one (`pure` included, whose own test would accept nothing).
-    rule = rule if threshold > 0 else "exact"
+    # (A device threshold goes with a device rule: `_judge_on_device` selects `exact` at T = 0.)
+    if not isinstance(threshold, torch.Tensor) and threshold <= 0:
+        rule = "exact"
     # Per position: whether the relaxed test decides it, and the cost of the token it emits; both
     # stay zero under `exact`.
     relaxed = torch.zeros(k, dtype=torch.bool, device=p.device)
@@ -375,6 +414,60 @@ def judge(
     return Judgement(accept, ~(relaxed & (costs > 0)), div, costs, candidates)
 
 
+def _judge_on_device(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_ids: torch.Tensor,
+    rule: torch.Tensor,
+    divergence_name: DivergenceName | torch.Tensor,
+    threshold: float | torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    p_full: torch.Tensor | None,
+    q_full: torch.Tensor | None,
+    uniforms: torch.Tensor | None,
+    noise: torch.Tensor | None,
+) -> Judgement:
+    """`judge` with the rule chosen on the device (`rule`: its index in RULES, 0-dim int64): every
+    rule is judged, with the same draws and one computation of the divergences, and the rule's
+    judgement (`exact`'s where T ≤ 0) is selected elementwise. The draws are shared: only the
+    selected rule's verdict is used, and it sees them as its own. Eagerly this costs the four
+    rules' work, which is why the eager decoders pass the rule by name."""
+    if not sampling.greedy:
+        # `verify`'s order, so that one seed draws the same either way.
+        uniforms = (
+            torch.rand(draft_ids.shape[0], generator=generator, device=p.device)
+            if uniforms is None
+            else uniforms
+        )
+        noise = exponential_noise(p, generator) if noise is None else noise
+    judged: list[Judgement] = []
+    for name in RULES:  # "exact" first: the others reuse its divergences
+        judged.append(
+            judge(
+                p,
+                q,
+                draft_ids,
+                rule=name,
+                divergence_name=divergence_name,
+                threshold=threshold,
+                sampling=sampling,
+                generator=generator,
+                p_full=p_full,
+                q_full=q_full,
+                uniforms=uniforms,
+                noise=noise,
+                divergences=judged[0].divergences if judged else None,
+            )
+        )
+    pick = torch.where(torch.as_tensor(threshold, device=p.device) > 0, rule, 0)
+    fields = (selected(pick, [getattr(j, field) for j in judged]) for field in _JUDGEMENT_FIELDS)
+    return Judgement(*fields)
+
+
+_JUDGEMENT_FIELDS = ("accept", "draft_exact", "divergences", "costs", "candidates")
+"""`Judgement`'s fields in order."""
+
 _GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
 """What `decide` tells `judge` of the sampling settings: greedy or not."""
 
@@ -386,9 +479,9 @@ def decide(
     uniforms: torch.Tensor | None,
     noise: torch.Tensor | None,
     *,
-    rule: Rule,
-    divergence_name: DivergenceName,
-    threshold: float,
+    rule: Rule | torch.Tensor,
+    divergence_name: DivergenceName | torch.Tensor,
+    threshold: float | torch.Tensor,
     greedy: bool,
     p_full: torch.Tensor | None = None,
     q_full: torch.Tensor | None = None,
@@ -537,8 +630,22 @@ def verify(
         p_full=p_full,
         q_full=q_full,
     )
-    block = packed.tolist()
-    width = 2 * k + 1 if q is not None else k + 1
+    return read_verdict(packed.tolist(), k, point_masses=q is None, next_token=next_token)
+
+
+def read_verdict(block: list[float], k: int, *, point_masses: bool, next_token: torch.Tensor) -> Verdict:
+    """The `Verdict` of `decide`'s block once on the host (`verify`, and a captured step's copy).
+
+    Args:
+        block: `decide`'s block as Python floats.
+        k: The draft length.
+        point_masses: The proposal was point masses (q None: no flags of q's rows).
+        next_token: The target's token on the device (`Verdict.next_token`).
+
+    Raises:
+        NonFiniteError: p or q holds a NaN (non-finite logits), flagged in the block.
+    """
+    width = k + 1 if point_masses else 2 * k + 1
     flagged, block = block[:width], block[width:]
     if any(flagged):
         raise non_finite_error("target" if any(flagged[: k + 1]) else "draft")

@@ -6,10 +6,12 @@ One target forward pass per token over the KV cache (no re-encoding of the conte
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import ClassVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import (
@@ -38,6 +40,9 @@ class AutoregressiveDecoder:
         reuse_prefix: Keep the KV cache between replies (see `SpeculativeDecoder`).
         compiled: Run the target's one-token forward passes compiled over a static KV cache
             (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
+        whole_step: Run each step as one function over static buffers
+            (`fsd_chat.decoding.step_graph`): captured as a CUDA graph at construction on CUDA,
+            eager elsewhere (see `SpeculativeDecoder`; `compiled` is then not used).
     """
 
     rule: ClassVar[StepRule] = "autoregressive"
@@ -52,6 +57,7 @@ class AutoregressiveDecoder:
         time_phases: bool = False,
         reuse_prefix: bool = True,
         compiled: bool | None = None,
+        whole_step: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.time_phases = time_phases
@@ -61,10 +67,17 @@ class AutoregressiveDecoder:
         # A static cache is allocated whole: its capacity caps the context. Sized as a speculative
         # decoder's (`compiled_capacity`), so that the two share the target's compiled graph.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+        cuda = target.device.type == "cuda"
         self.target = bind(
-            target, vocab_size or len(tokenizer), compiled=compiled, capacity=compiled_capacity(capped)
+            target,
+            vocab_size or len(tokenizer),
+            compiled=compiled,
+            # Eagerly the cache grows to what a reply needs (`EagerSteps.fit`).
+            capacity=compiled_capacity(capped) if cuda or not whole_step else step_graph.MIN_CAPACITY,
+            static=whole_step,
         )
-        if isinstance(self.target, CompiledModel):
+        self._steps = step_graph.make_steps(self.target, None) if whole_step else None
+        if isinstance(self.target, CompiledModel) or self._steps is not None:
             self.context = capped
         self.eos_token_ids = eos_token_ids(tokenizer, target)
 
@@ -86,6 +99,8 @@ class AutoregressiveDecoder:
     def read_ahead(self, prompt_ids: list[int]) -> None:
         """See `Decoder.read_ahead`."""
         if self.reuse_prefix:
+            if self._steps is not None:
+                step_graph.prepare(self._steps, len(prompt_ids) + 1)
             with frees_memory(self, "reading the conversation ahead"):
                 read_ahead([self.target], prompt_ids, self.controls, self.context)
 
@@ -106,6 +121,12 @@ class AutoregressiveDecoder:
             DeviceMemoryError: the device ran out of memory (the KV cache is freed).
         """
         sampling = sampling or SamplingConfig()
+        steps = self._steps
+        buffer = None
+        if steps is not None:
+            buffer = step_graph.prepare(
+                steps, step_graph.reply_tokens(len(prompt_ids), max_new_tokens, self.context, 0)
+            )
         start = begin(
             [self.target],
             prompt_ids,
@@ -119,14 +140,22 @@ class AutoregressiveDecoder:
             stop_strings=stop_strings,
             time_phases=self.time_phases,
             reuse_prefix=self.reuse_prefix,
+            buffer=buffer,
         )
         prefill_seconds = start.prefill_seconds
+        generator = start.generator
+        if steps is not None:
+            generator = step_graph.start(steps, start.reply, sampling, generator)
         while True:
-            step = target_step(
-                self.target,
+            one_step = (
+                partial(target_step, self.target)
+                if steps is None or start.reply.unread
+                else partial(step_graph.whole_target_step, steps)
+            )
+            step = one_step(
                 start.reply,
                 sampling=sampling,
-                generator=start.generator,
+                generator=generator,
                 clock=start.clock,
                 settings=self.controls.snapshot(),
                 rule=self.rule,

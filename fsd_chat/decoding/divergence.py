@@ -55,7 +55,18 @@ DIVERGENCES: dict[DivergenceName, Callable[[torch.Tensor, torch.Tensor], torch.T
 }
 
 
-def against_point_mass(name: DivergenceName, p_x: torch.Tensor) -> torch.Tensor:
+DIVERGENCE_NAMES: tuple[DivergenceName, ...] = tuple(DIVERGENCES)
+"""The divergences in the order a device index selects them (`selected`)."""
+
+
+def selected(index: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
+    """values[index] for a 0-dim int64 device `index`, without reading it on the host: the
+    candidates are stacked and one is picked on the device (a captured step computes every
+    candidate and selects; `fsd_chat.decoding.step_graph`)."""
+    return torch.stack(values).index_select(0, index.view(1)).squeeze(0)
+
+
+def against_point_mass(name: DivergenceName | torch.Tensor, p_x: torch.Tensor) -> torch.Tensor:
     """D(p, δ_x) against a point mass q = δ_x (a prompt-lookup proposal), from a = p(x) alone.
 
     With q = δ_x every divergence is a function of a = p(x) ∈ [0, 1]:
@@ -78,6 +89,8 @@ def against_point_mass(name: DivergenceName, p_x: torch.Tensor) -> torch.Tensor:
     Raises:
         KeyError: unknown divergence name.
     """
+    if isinstance(name, torch.Tensor):
+        return selected(name, [against_point_mass(each, p_x) for each in DIVERGENCE_NAMES])
     a = p_x.float().clamp(0.0, 1.0)
     if name == "kl":
         return torch.where(a >= 1.0, 0.0, math.inf)
@@ -91,10 +104,14 @@ def against_point_mass(name: DivergenceName, p_x: torch.Tensor) -> torch.Tensor:
     raise KeyError(name)
 
 
-def divergence(name: DivergenceName, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """D(p, q) by name, over the last dimension: [..., vocab] × [..., vocab] -> [...].
+def divergence(name: DivergenceName | torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """D(p, q) by name, over the last dimension: [..., vocab] × [..., vocab] -> [...]. A 0-dim
+    int64 device tensor names it by its index in DIVERGENCE_NAMES: all four are computed, and
+    it selects one on the device.
 
     Raises:
         KeyError: unknown divergence name.
     """
+    if isinstance(name, torch.Tensor):
+        return selected(name, [DIVERGENCES[each](p.float(), q.float()) for each in DIVERGENCE_NAMES])
     return DIVERGENCES[name](p.float(), q.float())

@@ -183,16 +183,126 @@ class CachedModel:
             )
 
 
-class CompiledModel(CachedModel):
+class StaticModel(CachedModel):
+    """A model over a static KV cache (transformers' `StaticCache`), every forward pass eager.
+
+    The cache keeps tensor shapes and addresses fixed: rolling back only moves each layer's write
+    position (`StaticLayer.cumulative_length`, a device tensor), and the slots beyond it are
+    masked out until they are overwritten. A forward pass attends over the whole capacity (the
+    mask hides the slots beyond the sequence), so a capacity far beyond what a reply needs costs
+    attention time on a CPU: `resize` fits it between replies. Its forward passes are what
+    `CompiledModel` compiles, and what `fsd_chat.decoding.step_graph` captures as one graph a
+    step, its positions given on the device (`step_graph.static_forward`).
+
+    Args:
+        model: A causal LM that `compile_refusal` admits (full-attention layers only).
+        vocab_size: See `CachedModel`.
+        capacity: Tokens the static cache holds (the decoder's context is capped to it).
+
+    Raises:
+        UnsupportedCacheError: the model has sliding-window or recurrent layers.
+    """
+
+    _written: int
+    """The layers' write position (`cumulative_length`), which `_move_to` brings back to `seen`;
+    -1 when unknown on the host (a step moved it on the device)."""
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
+        self.capacity = capacity
+        super().__init__(model, vocab_size)
+
+    def reset(self) -> None:
+        """Start a new sequence: the write position goes back to 0 before the next pass (the cache
+        is reused)."""
+        self.seen = 0
+
+    def resize(self, capacity: int) -> None:
+        """Hold `capacity` tokens from now on: a new cache, empty (what the old one held is
+        dropped, `fed` too). Never while graphs captured the old cache's addresses."""
+        if capacity != self.capacity:
+            self.capacity = capacity
+            self.cache = self._new_cache()
+            self.seen = 0
+            self.fed = None
+            self._check_rollback()
+
+    @torch.inference_mode()
+    def clear(self) -> None:
+        """Empty the cache and zero every slot, in place. After non-finite logits: a NaN key or
+        value left in a slot beyond the sequence is masked out of the attention, but its weight
+        0 times NaN is still NaN, so the next sequence would read it."""
+        for layer in self.layers:
+            if layer.keys is not None and layer.values is not None:
+                layer.keys.zero_()
+                layer.values.zero_()
+        self.seen = 0
+        self.fed = None
+
+    def _new_cache(self) -> StaticCache:
+        return StaticCache(config=self.model.config, max_cache_len=self.capacity)
+
+    @torch.inference_mode()
+    def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        """See `CachedModel.forward`; `upto` must not exceed `capacity`."""
+        self._move_to(self.seen)
+        logits = self._eager(seq, upto, keep)
+        self.seen = upto
+        self.fed = seq
+        return logits[:, : self.vocab_size].float()
+
+    def _eager(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        """The eager pass over seq[0, seen:upto], its last `keep` logits (not yet cut to the vocabulary)."""
+        out = self.model(
+            input_ids=seq[:, self.seen : upto],
+            cache=self.cache,
+            cache_position=torch.arange(self.seen, upto, device=self.device),
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        self._written = upto
+        return out.logits[0, -keep:]
+
+    def rollback(self, length: int) -> None:
+        """Go back to `length` tokens (no-op when the cache holds fewer): the write position moves
+        before the next pass."""
+        self.seen = min(self.seen, length)
+
+    def _move_to(self, length: int) -> None:
+        """Put every layer's write position at `length`, where it is not already."""
+        if self._written == length:
+            return
+        for layer in self.layers:
+            if layer.is_initialized:
+                # In place: CUDA graphs captured the tensor's address.
+                layer.cumulative_length.fill_(length)
+        self._written = length
+
+    def _prefix_reusable(self) -> bool:
+        return True  # rolling back only moves the write position
+
+    @torch.inference_mode()
+    def _check_rollback(self) -> None:
+        # Exactly StaticLayer: the sliding-window static layers subclass it.
+        self.layers = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
+        if len(self.layers) < len(self.cache.layers):
+            kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
+            raise UnsupportedCacheError(
+                f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
+            )
+        # One eager pass allocates the layers (`StaticLayer.lazy_initialization`), outside any
+        # compiled graph: their addresses are then marked static, which CUDA graphs need.
+        probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.model(input_ids=probe, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self._written = 1
+
+
+class CompiledModel(StaticModel):
     """A model whose short forward passes are compiled (`torch.compile`, whole graph) over a static
-    KV cache: the target's verify and target-only steps, the draft's steps.
+    KV cache (`StaticModel`): the target's verify and target-only steps, the draft's steps.
 
     A small model's forward pass is mostly framework overhead on a CPU and kernel launches on a
     GPU; compiling it (on CUDA with CUDA graphs, mode "reduce-overhead", as gpt-fast does for both
-    its models and transformers' `generate` does over a `StaticCache`) removes most of both. The
-    static cache (transformers' `StaticCache`) keeps tensor shapes and addresses fixed: rolling back
-    only moves each layer's write position, and the slots beyond it are masked out until they are
-    overwritten.
+    its models and transformers' `generate` does over a `StaticCache`) removes most of both.
 
     **Widths.** A forward pass of w tokens, w ≤ max(widths), is padded to the smallest of `widths`
     that holds it, and each of those widths is one compiled graph. Padding is exact: the padded
@@ -221,9 +331,6 @@ class CompiledModel(CachedModel):
         UnsupportedCacheError: the model has sliding-window or recurrent layers.
     """
 
-    _written: int
-    """The layers' write position (`cumulative_length`), which `_move_to` brings back to `seen`."""
-
     def __init__(
         self,
         model: PreTrainedModel,
@@ -231,22 +338,13 @@ class CompiledModel(CachedModel):
         capacity: int,
         widths: tuple[int, ...] = VERIFY_WIDTHS,
     ) -> None:
-        self.capacity = capacity
         self.widths = widths
-        super().__init__(model, vocab_size)
+        super().__init__(model, vocab_size, capacity)
         self._compiled = compiled_forward(model)
         # The padded inputs: the tokens beyond a pass's own are stale, but valid ids.
         self._ids = torch.zeros((1, widths[-1]), dtype=torch.long, device=self.device)
         # One graph a width for each compiled model, and models of one class share one forward's code.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-
-    def reset(self) -> None:
-        """Start a new sequence: the write position goes back to 0 before the next pass (the cache
-        is reused)."""
-        self.seen = 0
-
-    def _new_cache(self) -> StaticCache:
-        return StaticCache(config=self.model.config, max_cache_len=self.capacity)
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
@@ -274,51 +372,10 @@ class CompiledModel(CachedModel):
                 self._written = -1  # a pass that failed midway may have moved some layers' positions
                 self._move_to(self.seen)
         if logits is None:
-            out = self.model(
-                input_ids=seq[:, self.seen : upto],
-                cache=self.cache,
-                cache_position=torch.arange(self.seen, upto, device=self.device),
-                use_cache=True,
-                logits_to_keep=keep,
-            )
-            logits = out.logits[0, -keep:]
-            self._written = upto
+            logits = self._eager(seq, upto, keep)
         self.seen = upto
         self.fed = seq
         return logits[:, : self.vocab_size].float()
-
-    def rollback(self, length: int) -> None:
-        """Go back to `length` tokens (no-op when the cache holds fewer): the write position moves
-        before the next pass."""
-        self.seen = min(self.seen, length)
-
-    def _move_to(self, length: int) -> None:
-        """Put every layer's write position at `length`, where it is not already."""
-        if self._written == length:
-            return
-        for layer in self._layers:
-            if layer.is_initialized:
-                # In place: CUDA graphs captured the tensor's address.
-                layer.cumulative_length.fill_(length)
-        self._written = length
-
-    def _prefix_reusable(self) -> bool:
-        return True  # rolling back only moves the write position
-
-    @torch.inference_mode()
-    def _check_rollback(self) -> None:
-        # Exactly StaticLayer: the sliding-window static layers subclass it.
-        self._layers = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
-        if len(self._layers) < len(self.cache.layers):
-            kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
-            raise UnsupportedCacheError(
-                f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
-            )
-        # One eager pass allocates the layers (`StaticLayer.lazy_initialization`), outside any
-        # compiled graph: their addresses are then marked static, which CUDA graphs need.
-        probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.model(input_ids=probe, cache=self.cache, use_cache=True, logits_to_keep=1)
-        self._written = 1
 
 
 def compile_failure(exc: BaseException) -> str:
@@ -383,25 +440,31 @@ def bind(
     compiled: bool | None,
     capacity: int,
     widths: tuple[int, ...] = VERIFY_WIDTHS,
+    static: bool = False,
 ) -> CachedModel:
     """`model` bound to its KV cache: a `CompiledModel` when `compiled` asks for it (None: on a
     CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
-    takes long and gains little) and `compile_refusal` admits it, else a `CachedModel` whose
-    `compile_error` says why compiling was refused (None when it was not asked for).
+    takes long and gains little) and `compile_refusal` admits it, a `StaticModel` when `static`
+    asks for one (the whole-step path, `fsd_chat.decoding.step_graph`, which compiles and
+    captures on its own), else a `CachedModel` whose `compile_error` says why compiling (or a
+    static cache) was refused (None when neither was asked for).
 
     Args:
         model: A causal LM.
         vocab_size: See `CachedModel`.
         compiled: Compile (True), do not (False), or on a CUDA device only (None).
         capacity, widths: See `CompiledModel`.
+        static: A `StaticModel` (takes precedence over `compiled`).
 
     Raises:
         UnsupportedCacheError: see `CachedModel`.
     """
     if compiled is None:
         compiled = input_device(model).type == "cuda"
-    reason = compile_refusal(model) if compiled else None
-    if compiled and reason is None:
+    reason = compile_refusal(model) if compiled or static else None
+    if static and reason is None:
+        return StaticModel(model, vocab_size, capacity)
+    if compiled and not static and reason is None:
         return CompiledModel(model, vocab_size, capacity, widths)
     bound = CachedModel(model, vocab_size)
     bound.compile_error = reason

@@ -35,6 +35,8 @@ class Reply:
         eos_token_ids: Tokens that end the reply (not emitted).
         stop_strings: Texts that end the reply once generated (the token completing one is emitted).
         controls: Source of stop requests.
+        buffer: The token buffer to decode in, [1, ≥ context + headroom + 1] int64 (default: one
+            of its own, sized to the reply).
 
     Raises:
         ContextLengthError: the prompt leaves no room for a new token.
@@ -53,6 +55,7 @@ class Reply:
         eos_token_ids: frozenset[int],
         stop_strings: tuple[str, ...],
         controls: Controls,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         if not prompt_ids:
             raise SettingsError("the prompt is empty: give at least one token")
@@ -69,7 +72,9 @@ class Reply:
         # A reply never outgrows the context window, whatever max_new_tokens says: size by both.
         budget = max_new_tokens if context is None else min(max_new_tokens, context)
         capacity = len(prompt_ids) + budget + headroom + 1
-        self.seq = torch.empty((1, capacity), dtype=torch.long, device=device)
+        # A captured step's buffer has a fixed address (`step_graph.CapturedSteps`); it holds a
+        # reply that fills the context window, beyond which no step writes.
+        self.seq = torch.empty((1, capacity), dtype=torch.long, device=device) if buffer is None else buffer
         self.seq[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         # The host's copy of the tokens decided so far (`record`): prompt lookup searches it and a
         # mapped draft spells it, so neither reads the device in a step.
@@ -204,13 +209,15 @@ def begin(
     time_phases: bool,
     reuse_prefix: bool,
     deferred: Sequence[CachedModel] = (),
+    buffer: torch.Tensor | None = None,
 ) -> Start:
     """Start a reply: prefill the models' caches (the target's first) with all prompt tokens but the
     last (each step feeds the last token itself) through `read_prompt`; a stop requested while a
     long prompt is read marks the reply unread. The caches of `deferred` models (some of `models`: a
     draft a paused draft policy will not run for a while) are kept or emptied but not fed: their
     first forward pass reads the tokens they lack at once. `time_phases`: synchronise the device at
-    each phase so that draft, target and other seconds are exact (see `PhaseClock`).
+    each phase so that draft, target and other seconds are exact (see `PhaseClock`). `buffer`: the
+    token buffer of a captured step (see `Reply`).
 
     Raises:
         ContextLengthError, SettingsError: see `Reply`.
@@ -226,6 +233,7 @@ def begin(
         eos_token_ids=eos_token_ids,
         stop_strings=stop_strings,
         controls=controls,
+        buffer=buffer,
     )
     clock = PhaseClock(device, synchronize=time_phases)
     prefix = reply.length - 1
@@ -362,6 +370,22 @@ def target_step(
             raise non_finite_error("target")
         ids = [token_id]
         reply.record(ids)
+    return commit_target(
+        reply, ids, clock=clock, settings=settings, rule=rule, prefill_seconds=prefill_seconds
+    )
+
+
+def commit_target(
+    reply: Reply,
+    ids: list[int],
+    *,
+    clock: PhaseClock,
+    settings: DecodingSettings,
+    rule: StepRule,
+    prefill_seconds: float,
+) -> Step:
+    """The `Step` of a target-only step that emitted `ids` (one token, none for an unread reply),
+    already recorded (`Reply.record`); the time since the clock's last lap is the target's."""
     target_seconds = clock.lap()
     stats = StepStats(
         drafted=0,

@@ -9,6 +9,7 @@ drawn from).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,31 +27,102 @@ def seeded_generator(config: SamplingConfig, device: torch.device | str) -> torc
     return gen
 
 
-def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """A `SamplingConfig`'s values as 0-dim device tensors, the inputs of a captured step
+    (`fsd_chat.decoding.step_graph`): new values are written into them between replays, so a new
+    reply's settings never capture again. `probabilities` applies every truncation to them, each
+    one a no-op at its neutral value (top_k 0, top_p 1, min_p 0).
+
+    Attributes:
+        temperature: float32, > 0 (1 for greedy decoding, whose laws are taken at temperature 1).
+        top_k: int64, 0 for none.
+        top_p: float32, in (0, 1].
+        min_p: float32, in [0, 1).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def allocate(cls, device: torch.device) -> SamplingTensors:
+        """Buffers on `device` holding the neutral values (untruncated, temperature 1)."""
+        ones = torch.ones((), device=device)
+        return cls(
+            ones.clone(), torch.zeros((), dtype=torch.long, device=device), ones.clone(), ones.new_zeros(())
+        )
+
+    def write(self, config: SamplingConfig) -> None:
+        """Put `config`'s values in the buffers, in place (their addresses are captured)."""
+        self.temperature.fill_(1.0 if config.greedy else config.temperature)
+        self.top_k.fill_(config.top_k or 0)
+        self.top_p.fill_(config.top_p)
+        self.min_p.fill_(config.min_p)
+
+    def untruncated(self) -> SamplingTensors:
+        """The same temperature, no truncation: the laws the divergences compare (`acceptance`)."""
+        return replace(
+            self,
+            top_k=torch.zeros_like(self.top_k),
+            top_p=torch.ones_like(self.top_p),
+            min_p=torch.zeros_like(self.min_p),
+        )
+
+
+def probabilities(logits: torch.Tensor, config: SamplingConfig | SamplingTensors) -> torch.Tensor:
     """Next-token probabilities from logits, [..., vocab] -> [..., vocab] float32.
 
     Greedy decoding uses temperature 1 here: the divergence test of FSD compares the models' own
     distributions, while the token choice itself is an argmax (see `draw`).
+
+    A `SamplingConfig` applies the truncations it asks for; `SamplingTensors` (a captured step's
+    inputs) applies all three with the same formulas, each a no-op at its neutral value, so that
+    nothing depends on a value the host would have to read.
     """
     logits = logits.float()
+    if isinstance(config, SamplingTensors):
+        logits = logits / config.temperature
+        vocab = logits.shape[-1]
+        # top-k by rank, so that k can be a device value: the k-th largest logit is the floor.
+        ranks = torch.where(config.top_k > 0, config.top_k, vocab).clamp(1, vocab) - 1
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+        kth = sorted_logits.gather(-1, ranks.expand(*logits.shape[:-1], 1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = _top_p(logits, config.top_p, enabled=config.top_p < 1.0)
+        # log(0) = -inf: min_p 0 drops nothing.
+        return _min_p(logits, config.min_p.log()).softmax(-1)
     if not config.greedy:
         logits = logits / config.temperature
     if config.top_k and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if config.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= config.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = _top_p(logits, config.top_p)
     if config.min_p > 0.0:
-        # min-p (Nguyen et al. 2024; transformers' MinPLogitsWarper): drop tokens less likely than
-        # min_p times the most likely one. Log space: the ratio of probabilities is a logit difference.
-        floor = logits.max(-1, keepdim=True).values + math.log(config.min_p)
-        logits = logits.masked_fill(logits < floor, float("-inf"))
+        logits = _min_p(logits, math.log(config.min_p))
     return logits.softmax(-1)
+
+
+def _top_p(
+    logits: torch.Tensor, top_p: float | torch.Tensor, enabled: bool | torch.Tensor = True
+) -> torch.Tensor:
+    """Drop a token when the tokens ranked above it already reach top_p; the top token always
+    stays. `enabled` False (a device flag in a captured step) drops nothing: at top_p = 1 the
+    cumulative sums' rounding could still reach 1 before the last tokens."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop_sorted = ((sorted_probs.cumsum(-1) - sorted_probs) >= top_p) & enabled
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _min_p(logits: torch.Tensor, log_min_p: float | torch.Tensor) -> torch.Tensor:
+    """min-p (Nguyen et al. 2024; transformers' MinPLogitsWarper): drop tokens less likely than
+    min_p times the most likely one. Log space: the ratio of probabilities is a logit difference."""
+    floor = logits.max(-1, keepdim=True).values + log_min_p
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def draw(

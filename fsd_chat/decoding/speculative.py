@@ -30,7 +30,8 @@ from functools import cache
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fsd_chat.decoding.acceptance import CompiledDecision, Decide, decide, verify
+from fsd_chat.decoding import step_graph
+from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, time_forwards
 from fsd_chat.decoding.events import Step, StepStats
@@ -39,10 +40,12 @@ from fsd_chat.decoding.kv_cache import (
     DRAFT_WIDTHS,
     CachedModel,
     CompiledModel,
+    StaticModel,
     bind,
     compiled_capacity,
     context_length,
 )
+from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
@@ -51,6 +54,7 @@ from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName, SamplingConfig
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.support.errors import NonFiniteError
 
 
 class SpeculativeDecoder:
@@ -83,6 +87,13 @@ class SpeculativeDecoder:
             model taking no time per position; `ModelPair` keeps its own).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
+        whole_step: Run each step, speculative or target-only, as one function over static
+            buffers (`fsd_chat.decoding.step_graph`): captured as CUDA graphs at construction on
+            CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's
+            k is rounded down), eager elsewhere. For a draft model of the target's vocabulary
+            (other proposers keep their usual steps); `compiled` is then not used. The draft
+            policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
+            is not asked.
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back.
@@ -101,6 +112,7 @@ class SpeculativeDecoder:
         reuse_prefix: bool = True,
         timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
+        whole_step: bool = False,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
@@ -116,21 +128,45 @@ class SpeculativeDecoder:
         # A compiled model's static cache is allocated whole: its capacity caps the context.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
         capacity = compiled_capacity(capped)
-        self.target = bind(target, vocab_size, compiled=compiled, capacity=capacity)
+        # The whole step needs a draft model of the target's vocabulary, or prompt lookup.
+        lookup = isinstance(draft, PromptLookup)
+        whole_step = whole_step and vocab_map is None and (draft_model is not None or lookup)
+        cuda = target.device.type == "cuda"
+        # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
+        static_capacity = capacity if cuda else step_graph.MIN_CAPACITY
+        self.target = bind(
+            target,
+            vocab_size,
+            compiled=compiled,
+            capacity=static_capacity if whole_step else capacity,
+            static=whole_step,
+        )
         draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.proposer: Proposer
         if draft_model is None:
             assert not isinstance(draft, PreTrainedModel)  # narrowed for mypy
             self.proposer = draft
         else:
-            model = bind(draft_model, draft_vocab, compiled=compiled, capacity=capacity, widths=DRAFT_WIDTHS)
+            model = bind(
+                draft_model,
+                draft_vocab,
+                compiled=compiled,
+                capacity=static_capacity if whole_step else capacity,
+                widths=DRAFT_WIDTHS,
+                static=whole_step,
+            )
             draft_context = capacity if isinstance(model, CompiledModel) else context_length(draft_model)
             self.proposer = (
                 ModelDraft(model)
                 if vocab_map is None
                 else MappedProposer(MappedDraft(model, vocab_map, draft_context))
             )
-        if any(isinstance(m, CompiledModel) for m in (self.target, *self.proposer.owned_models)):
+        self._steps = (
+            step_graph.make_steps(self.target, next(iter(self.proposer.owned_models), None), lookup=lookup)
+            if whole_step
+            else None
+        )
+        if any(isinstance(m, StaticModel) for m in (self.target, *self.proposer.owned_models)):
             self.context = capped
         # The acceptance rule is compiled with the target: on the same switch, for the same device.
         self._decision: Decide | CompiledDecision = (
@@ -156,7 +192,8 @@ class SpeculativeDecoder:
         """Why a model asked to run compiled runs eagerly: refused (`compile_refusal`) or fallen
         back after a failed compilation; None when neither happened, or none was asked for."""
         rule_error = self._decision.compile_error if isinstance(self._decision, CompiledDecision) else None
-        return self.target.compile_error or self.proposer.compile_error or rule_error
+        step_error = None if self._steps is None else self._steps.compile_error
+        return self.target.compile_error or self.proposer.compile_error or rule_error or step_error
 
     @property
     def cached_models(self) -> tuple[CachedModel, ...]:
@@ -175,6 +212,8 @@ class SpeculativeDecoder:
             kept = self._kept_policy
             paused = kept is not None and kept[1].pause is not None
             deferred = self.proposer.cached_models if paused else ()
+            if self._steps is not None:
+                step_graph.prepare(self._steps, len(prompt_ids) + 1)
             with frees_memory(self, "reading the conversation ahead"):
                 read_ahead(self.cached_models, prompt_ids, self.controls, self.context, deferred)
 
@@ -208,6 +247,11 @@ class SpeculativeDecoder:
         # model's cache is not fed the prompt now; its first forward, on a probe, reads it at once.
         defer = policy.pause is not None
         deferred = self.proposer.cached_models if defer else ()
+        steps = self._steps
+        buffer = None
+        if steps is not None:
+            tokens = step_graph.reply_tokens(len(prompt_ids), max_new_tokens, self.context, MAX_DRAFT_TOKENS)
+            buffer = step_graph.prepare(steps, tokens)
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -222,8 +266,11 @@ class SpeculativeDecoder:
             time_phases=self.time_phases,
             reuse_prefix=self.reuse_prefix,
             deferred=deferred,
+            buffer=buffer,
         )
         reply, generator, clock = start.reply, start.generator, start.clock
+        if steps is not None:
+            generator = step_graph.start(steps, reply, sampling, generator)
         self.proposer.prefill(reply, self.reuse_prefix, defer)
         prefill_seconds = start.prefill_seconds + clock.lap()
         while True:
@@ -235,7 +282,9 @@ class SpeculativeDecoder:
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
-            verify_seconds = step.stats.target_seconds if step.stats.drafted and clock.exact else None
+            # A whole step times its draft and verify passes together.
+            exact = clock.exact and steps is None
+            verify_seconds = step.stats.target_seconds if step.stats.drafted and exact else None
             policy.timed(step.stats.drafted, step.stats.seconds, verify_seconds)
             if policy.pause is not None:
                 step = replace(step, stats=replace(step.stats, paused=policy.pause))
@@ -257,6 +306,10 @@ class SpeculativeDecoder:
     ) -> Step:
         """One step: propose up to `limit` tokens, verify them, emit the accepted prefix and the
         target's token; a plain target step when nothing is proposed (or `limit` is 0)."""
+        if self._steps is not None and not reply.unread:
+            return self._whole_step(
+                self._steps, reply, limit, settings, sampling, generator, clock, prefill_seconds
+            )
         start = reply.length
         seq = reply.seq
         proposal = self.proposer.propose(reply, limit, policy, sampling, generator) if limit else None
@@ -297,10 +350,113 @@ class SpeculativeDecoder:
             q_full=proposal.q_full,
             decision=self._decision,
         )
-        n = verdict.accepted
         # From the device tensor: a Python int written into a CUDA tensor is a host-to-device copy
         # that waits for the queue.
-        seq[0, start + n : start + n + 1].copy_(verdict.next_token)
+        seq[0, start + verdict.accepted : start + verdict.accepted + 1].copy_(verdict.next_token)
+        return self._emit(
+            reply,
+            k,
+            verdict,
+            settings,
+            clock,
+            draft_forwards=proposal.forwards,
+            draft_seconds=draft_seconds,
+            target_seconds=target_seconds,
+            prefill_seconds=prefill_seconds,
+            lookup=proposal.lookup,
+        )
+
+    def _whole_step(
+        self,
+        steps: step_graph.EagerSteps,
+        reply: Reply,
+        limit: int,
+        settings: DecodingSettings,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        clock: PhaseClock,
+        prefill_seconds: float,
+    ) -> Step:
+        """`_step` as one step function (`step_graph`): a speculative step of the largest
+        available draft length ≤ `limit` (with prompt lookup: ≤ the copy the host found), or a
+        target-only step; one read of its block."""
+        start = reply.length
+        lookup = isinstance(self.proposer, PromptLookup)
+        source = 0
+        if lookup and limit:
+            assert isinstance(self.proposer, PromptLookup)  # narrowed for mypy
+            source, limit = find_continuation(reply.host[:start], self.proposer.ngram, limit)
+        lengths = steps.lengths
+        k = limit if lengths is None else max((n for n in lengths if n <= limit), default=0)
+        if k == 0:
+            return step_graph.whole_target_step(
+                steps,
+                reply,
+                sampling=sampling,
+                generator=generator,
+                clock=clock,
+                settings=settings,
+                rule=settings.rule,
+                prefill_seconds=prefill_seconds,
+            )
+        target, draft = steps.target, steps.draft
+        forwards = 0 if draft is None else k
+        if draft is not None and draft.seen < start - 2:
+            # Behind by more than the step's first pass re-feeds (target-only steps while the
+            # policy paused it): caught up eagerly, outside the step.
+            draft.forward(reply.seq, start - 1, keep=1)
+            forwards += 1
+        steps.inputs.write(settings)
+        if lookup:
+            steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
+        block = steps.speculative(k, sampling.greedy, generator).tolist()
+        # What the caches surely hold, should the verdict end the reply (a non-finite law)...
+        step_graph.moved(target, start)
+        if draft is not None:
+            step_graph.moved(draft, start)
+        n = int(block[step_graph.verdict_flags(k, lookup)])
+        try:
+            verdict = read_verdict(
+                block, k, point_masses=lookup, next_token=reply.seq[0, start + n : start + n + 1]
+            )
+        except NonFiniteError:
+            steps.clear()
+            raise
+        # ...and what the step fed (`speculative_step`), which `_emit` rolls back to the accepted prefix.
+        target.seen = start + k
+        if draft is not None:
+            draft.seen = start + k - 1
+        return self._emit(
+            reply,
+            k,
+            verdict,
+            settings,
+            clock,
+            draft_forwards=forwards,
+            draft_seconds=0.0,
+            target_seconds=clock.lap(),
+            prefill_seconds=prefill_seconds,
+            lookup=lookup,
+        )
+
+    def _emit(
+        self,
+        reply: Reply,
+        k: int,
+        verdict: Verdict,
+        settings: DecodingSettings,
+        clock: PhaseClock,
+        *,
+        draft_forwards: int,
+        draft_seconds: float,
+        target_seconds: float,
+        prefill_seconds: float,
+        lookup: bool,
+    ) -> Step:
+        """The `Step` of a verified block whose tokens are in the reply's buffer: recorded, the
+        caches rolled back to the accepted prefix, the stats."""
+        start = reply.length
+        n = verdict.accepted
         reply.record(verdict.token_ids)
         # Both caches must hold exactly the tokens before the last emitted one.
         self.target.rollback(start + n)
@@ -314,7 +470,7 @@ class SpeculativeDecoder:
             accepted_fuzzy=n - accepted_exact,
             emitted=n + 1,
             target_forwards=1,
-            draft_forwards=proposal.forwards,
+            draft_forwards=draft_forwards,
             draft_seconds=draft_seconds,
             target_seconds=target_seconds,
             other_seconds=clock.lap(),
@@ -322,6 +478,6 @@ class SpeculativeDecoder:
             divergence=settings.divergence,
             rule=settings.rule,
             prefill_seconds=prefill_seconds,
-            lookup_hits=int(proposal.lookup),
+            lookup_hits=int(lookup),
         )
         return reply.commit(verdict.token_ids, verdict.origins(), divergences, verdict.costs, stats, clock)

@@ -97,6 +97,7 @@ class ModelPair:
         autoregressive: bool = False,
         time_phases: bool = False,
         compiled: bool | None = None,
+        whole_step: bool = False,
     ) -> Decoder:
         """The decoder a command asked for over this pair, driven by `controls`.
 
@@ -108,19 +109,29 @@ class ModelPair:
                 see `SpeculativeDecoder`).
             compiled: Compile the models' steps over static KV caches (see
                 `SpeculativeDecoder`): True, False, or None for on a CUDA device only.
+            whole_step: Each step as one function over static buffers, captured as CUDA graphs
+                on CUDA (see `SpeculativeDecoder`; off by default until measured on a GPU).
 
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
         """
         if autoregressive:
-            return self.autoregressive(controls, time_phases=time_phases, compiled=compiled)
-        return self.speculative(controls, time_phases=time_phases, compiled=compiled)
+            return self.autoregressive(
+                controls, time_phases=time_phases, compiled=compiled, whole_step=whole_step
+            )
+        return self.speculative(controls, time_phases=time_phases, compiled=compiled, whole_step=whole_step)
 
     def speculative(
-        self, controls: Controls, *, time_phases: bool = False, compiled: bool | None = None
+        self,
+        controls: Controls,
+        *,
+        time_phases: bool = False,
+        compiled: bool | None = None,
+        whole_step: bool = False,
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compiled`: see `SpeculativeDecoder`); without a draft model, over prompt lookup."""
+        `compiled`, `whole_step`: see `SpeculativeDecoder`); without a draft model, over prompt
+        lookup."""
         return SpeculativeDecoder(
             self.target,
             PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
@@ -131,6 +142,7 @@ class ModelPair:
             compiled=compiled,
             timings=self.device_timings,
             vocab_map=self.vocab_map,
+            whole_step=whole_step,
         )
 
     def device_timings(self) -> ForwardTimings:
@@ -142,9 +154,15 @@ class ModelPair:
         return self.timings
 
     def autoregressive(
-        self, controls: Controls, *, time_phases: bool = False, compiled: bool | None = None
+        self,
+        controls: Controls,
+        *,
+        time_phases: bool = False,
+        compiled: bool | None = None,
+        whole_step: bool = False,
     ) -> AutoregressiveDecoder:
-        """A target-only decoder over this pair's target (`compiled`: see `AutoregressiveDecoder`)."""
+        """A target-only decoder over this pair's target (`compiled`, `whole_step`: see
+        `AutoregressiveDecoder`)."""
         return AutoregressiveDecoder(
             self.target,
             self.tokenizer,
@@ -152,4 +170,5 @@ class ModelPair:
             vocab_size=self.vocab_size,
             time_phases=time_phases,
             compiled=compiled,
+            whole_step=whole_step,
         )

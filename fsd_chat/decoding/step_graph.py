@@ -1,0 +1,669 @@
+"""A whole decoding step as tensor operations over static buffers: what a CUDA graph captures.
+
+A speculative step (a draft model sharing the target's vocabulary) is k draft forward passes, the
+target's verify over k + 1 tokens, the acceptance rule (`acceptance.decide`: every rule and
+divergence, greedy or sampled, top-k, top-p and min-p), the correction or bonus token, and the
+position moving on; a target-only step is one forward pass and one draw. Here each is one function
+of device tensors that reads nothing back to the host and writes no Python value into a tensor, so
+that on CUDA it is captured once as a `torch.cuda.CUDAGraph` and replayed (`CapturedSteps`), and on
+the CPU the same function runs eagerly (`EagerSteps`).
+
+**Buffers** (`StepInputs`), written in place, their addresses fixed:
+
+- `seq` [1, capacity] int64: the reply's tokens; a step writes its draft tokens and the target's
+  token at device indices.
+- `position` [1] int64: the index of the last emitted token, which no cache holds yet (the
+  target's cache holds `position` tokens). A step feeds it and moves it on by n + 1.
+- `rule`, `divergence` (0-dim int64, indices in `settings.RULES` and
+  `divergence.DIVERGENCE_NAMES`), `threshold` (0-dim float32) and `sampling` (`SamplingTensors`):
+  moving the dial or changing the rule writes them, and never captures again.
+- The draws (`Draws`): every random number a step uses, drawn at its start from one generator, so
+  that the rest of the step is a pure function of its inputs (which torch.compile can take).
+
+**Output**: `decide`'s float64 block (flags of non-finite laws, n, the target's token, then per
+draft position its token, draft-exact flag, divergence and cost; `acceptance.read_verdict` reads
+it), or for a target-only step [non-finite flag, token]. The host copies it once per step; on CUDA
+the graph's output memory is overwritten by the next replay, so the copy happens first.
+
+**Caches.** Both models run over static caches (`kv_cache.StaticModel`). A forward pass sets
+every layer's write position (`StaticLayer.cumulative_length`) from its device positions before
+it runs, so rolling back is nothing more: the next pass writes over the rejected slots. The
+draft's first pass of a step is two tokens wide (positions position − 1 and position, re-feeding
+a slot whose keys it may already hold): after a fully accepted block the draft lacks the last
+draft token, after a rejection it does not, and a fixed width serves both without a host branch
+(vLLM's and SGLang's draft graphs handle the same case by padding). A draft that fell further
+behind (target-only steps while the policy paused it) is caught up eagerly before the step.
+
+**Prefill** runs eagerly (`reply.read_prompt` over the same caches), outside any graph: a new
+prompt length never compiles or captures anything.
+
+Sources: gpt-fast (`generate.py`: static KV cache, compiled decode step, `multinomial_sample_one_no_sync`),
+vLLM (`vllm/v1/worker/gpu/cudagraph_utils.py`, `vllm/compilation/cuda_graph.py`: warm-up, capture
+into a shared memory pool, replay with inputs written into static buffers), SGLang
+(`eagle_draft_cuda_graph_runner.py`: the whole k-step draft loop in one graph), and PyTorch's CUDA
+graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+
+from fsd_chat.decoding.acceptance import decide
+from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
+from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel, compile_failure
+from fsd_chat.decoding.reply import Reply, commit_target
+from fsd_chat.decoding.sampling import (
+    SamplingTensors,
+    draw,
+    exponential_noise,
+    non_finite,
+    non_finite_error,
+    probabilities,
+)
+from fsd_chat.decoding.settings import RULES, DecodingSettings, Rule, SamplingConfig, StepRule
+from fsd_chat.decoding.timing import PhaseClock
+
+GRAPH_DRAFT_LENGTHS = (1, 2, 4, 6)
+"""Draft lengths captured on CUDA, one graph each (greedy and sampled): the draft policy's k is
+rounded down to one of them. A graph a k, rather than one of the longest k with the unused
+positions masked, because a step costs its k draft passes and its k + 1 verify width whatever
+the mask; four covers the lengths the goodput policy picks on the story and SmolLM2 pairs."""
+MIN_CAPACITY = 64
+"""Smallest static cache of the eager path, in tokens: it grows by doubling to what a reply needs
+(`EagerSteps.fit`), since every pass attends over the whole capacity."""
+WARMUP_CALLS = 2
+"""Eager calls of a step before its capture, on the capture stream (gpt-fast, vLLM): lazy
+initialisations (cuBLAS workspaces, autotuning) must not happen inside a capture."""
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The input buffers of a step (module docstring), on the models' device.
+
+    The settings are device values (`on_device`: what a captured graph reads, written in place
+    between replays) or Python values, which the eager path passes as they are: `judge` then
+    computes the chosen rule alone, not every rule to select one on the device, and skips the
+    truncations that `SamplingConfig` does not ask for. One step function serves both.
+
+    Attributes:
+        seq: [1, capacity] int64, the token buffer.
+        position: [1] int64, the index of the last emitted token, not yet fed.
+        source: [1] int64, where prompt lookup's copy starts (written by the host before a step).
+        rule: The acceptance rule, or its index in RULES (0-dim int64).
+        divergence: The divergence, or its index in DIVERGENCE_NAMES (0-dim int64).
+        threshold: T, or T as a 0-dim float32.
+        sampling: Temperature, top-k, top-p and min-p: the config, or its values (`SamplingTensors`).
+    """
+
+    seq: torch.Tensor
+    position: torch.Tensor
+    source: torch.Tensor
+    rule: Rule | torch.Tensor
+    divergence: DivergenceName | torch.Tensor
+    threshold: float | torch.Tensor
+    sampling: SamplingConfig | SamplingTensors
+
+    @classmethod
+    def allocate(cls, capacity: int, device: torch.device, *, on_device: bool) -> StepInputs:
+        """Buffers for sequences of up to `capacity` tokens, the settings on the device or not."""
+        if not on_device:
+            position = torch.zeros(1, dtype=torch.long, device=device)
+            seq, source = position.new_zeros((1, capacity)), position.clone()
+            return cls(seq, position, source, "exact", "kl", 0.0, SamplingConfig())
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        return cls(
+            seq=torch.zeros((1, capacity), dtype=torch.long, device=device),
+            position=torch.zeros(1, dtype=torch.long, device=device),
+            source=torch.zeros(1, dtype=torch.long, device=device),
+            rule=zero.clone(),
+            divergence=zero.clone(),
+            threshold=torch.zeros((), device=device),
+            sampling=SamplingTensors.allocate(device),
+        )
+
+    def write(self, settings: DecodingSettings) -> None:
+        """The dial and the rule, before a step: in place on the device (a kernel each on a GPU,
+        with the values as its arguments: no host-to-device copy, no synchronisation)."""
+        if isinstance(self.rule, torch.Tensor):
+            assert isinstance(self.divergence, torch.Tensor) and isinstance(self.threshold, torch.Tensor)
+            self.rule.fill_(RULES.index(settings.rule))
+            self.divergence.fill_(DIVERGENCE_NAMES.index(settings.divergence))
+            self.threshold.fill_(settings.threshold)
+        else:
+            self.rule, self.divergence, self.threshold = (
+                settings.rule,
+                settings.divergence,
+                settings.threshold,
+            )
+
+    def write_sampling(self, config: SamplingConfig) -> None:
+        """A reply's sampling settings."""
+        if isinstance(self.sampling, SamplingTensors):
+            self.sampling.write(config)
+        else:
+            self.sampling = config
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the laws the divergences compare differ from the sampled ones: always for
+        device values (any may truncate), else as the config says."""
+        return isinstance(self.sampling, SamplingTensors) or self.sampling.truncates
+
+
+@dataclass(frozen=True, slots=True)
+class Draws:
+    """Every random number of a sampled step, drawn at its start (greedy steps draw none).
+
+    Attributes:
+        draft: The draft positions' exponential races, [k, vocab] (`sampling.draw`).
+        uniforms: The exact test's u_i, [k].
+        noise: The correction's (or the bonus token's) races, [k + 1, vocab].
+    """
+
+    draft: torch.Tensor
+    uniforms: torch.Tensor
+    noise: torch.Tensor
+
+    @classmethod
+    def make(
+        cls, k: int, vocab: int, generator: torch.Generator, device: torch.device, drafted: bool = True
+    ) -> Draws:
+        """Draws for a step of draft length k (k = 0: a target-only step, one race) over `vocab`;
+        `drafted` False: a copy, no draft draws."""
+        draft = exponential_noise(torch.empty((k if drafted else 0, vocab), device=device), generator)
+        uniforms = torch.rand(k, generator=generator, device=device)
+        noise = exponential_noise(torch.empty((k + 1, vocab), device=device), generator)
+        return cls(draft, uniforms, noise)
+
+
+def static_forward(model: StaticModel, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One forward pass over `ids` at device `positions`, its logits.
+
+    Every layer's write position is set from positions[0] first (in place: graphs captured its
+    address), which is the rollback. The positions are given to the model so that it reads
+    nothing back from the device (without them it asks the cache its length).
+
+    Args:
+        model: The model over its static cache.
+        ids: [1, w] int64.
+        positions: [w] int64, consecutive.
+
+    Returns:
+        Logits [w, vocab_size] float32.
+    """
+    first = positions[0]
+    for layer in model.layers:
+        layer.cumulative_length.copy_(first)
+    out = model.model(
+        input_ids=ids,
+        cache=model.cache,
+        cache_position=positions,
+        position_ids=positions.unsqueeze(0),
+        attention_mask=attention_mask(model, positions),
+        use_cache=True,
+    )
+    return out.logits[0, :, : model.vocab_size].float()
+
+
+def attention_mask(model: StaticModel, positions: torch.Tensor) -> torch.Tensor:
+    """The causal mask over the whole static cache, [1, 1, w, capacity], built on the device.
+
+    Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
+    asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
+    `q_offset == 0` unless torch.compile traces it), a host read that a CUDA graph's capture
+    refuses. Boolean (True: attend) for SDPA, additive for the other attention kernels.
+    """
+    allowed = torch.arange(model.capacity, device=positions.device) <= positions.unsqueeze(-1)
+    mask = allowed.view(1, 1, *allowed.shape)
+    if model.model.config._attn_implementation == "sdpa":
+        return mask
+    dtype = model.model.dtype
+    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def speculative_step(
+    target: StaticModel,
+    draft: StaticModel | None,
+    inputs: StepInputs,
+    k: int,
+    greedy: bool,
+    draws: Draws | None,
+) -> torch.Tensor:
+    """One speculative step on the device (module docstring): a draft model of the target's
+    vocabulary proposes, or, with no draft, prompt lookup's copy of seq[0, source : source + k]
+    (`StepInputs.source`, found on the host: `lookup.find_continuation`), whose laws are point
+    masses.
+
+    Precondition: the target's cache holds seq[0, :position], the draft's at least
+    seq[0, :position − 1]; a copy's source ends at or before position + 1. Afterwards position has
+    moved on by n + 1, seq holds the n accepted draft tokens and the target's token after the old
+    position, the target's cache holds seq[0, :position], the draft's seq[0, :old position + 1 +
+    min(n, k − 1)].
+
+    Args:
+        target, draft: The models over their static caches (draft None: a copy).
+        inputs: The buffers.
+        k: Draft length, ≥ 1 (one graph each).
+        greedy: Argmax draws and tests (one graph each); else `draws` are used.
+        draws: The step's random numbers (None when greedy).
+
+    Returns:
+        `acceptance.decide`'s block, shape [6k + 3] float64 ([5k + 3] for a copy).
+    """
+    seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
+    untruncated = inputs.sampling.untruncated() if inputs.truncates else None
+    q_rows: list[torch.Tensor] = []
+    q_full_rows: list[torch.Tensor] = []
+    if draft is None:
+        offsets = torch.arange(k, device=device)
+        seq.index_copy_(0, position + 1 + offsets, seq.index_select(0, inputs.source + offsets))
+    else:
+        _draft_positions(draft, inputs, k, draws, untruncated, q_rows, q_full_rows)
+    verified = position + torch.arange(k + 1, device=device)
+    logits = static_forward(target, seq.index_select(0, verified).view(1, k + 1), verified)
+    p = probabilities(logits, inputs.sampling)
+    block, next_token = decide(
+        p,
+        torch.cat(q_rows) if q_rows else None,
+        seq.index_select(0, verified[1:]),
+        None if draws is None else draws.uniforms,
+        None if draws is None else draws.noise,
+        rule=inputs.rule,
+        divergence_name=inputs.divergence,
+        threshold=inputs.threshold,
+        greedy=greedy,
+        p_full=None if untruncated is None else probabilities(logits[:k], untruncated),
+        q_full=torch.cat(q_full_rows) if q_full_rows else None,
+    )
+    # n follows the flags: of p's k + 1 rows, and of q's k rows for a draft model.
+    accepted = block.narrow(0, verdict_flags(k, draft is None), 1).long()
+    seq.index_copy_(0, position + 1 + accepted, next_token)
+    position.add_(accepted + 1)
+    return block
+
+
+def verdict_flags(k: int, point_masses: bool) -> int:
+    """How many non-finite flags open `decide`'s block (`acceptance.read_verdict`)."""
+    return k + 1 if point_masses else 2 * k + 1
+
+
+def _draft_positions(
+    draft: StaticModel,
+    inputs: StepInputs,
+    k: int,
+    draws: Draws | None,
+    untruncated: SamplingConfig | SamplingTensors | None,
+    q_rows: list[torch.Tensor],
+    q_full_rows: list[torch.Tensor],
+) -> None:
+    """The draft model's k positions: x̃_i ~ q_i written at seq[position + 1 + i], q_i (and the
+    untruncated law, when asked) appended to the lists."""
+    seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
+    # The draft's first pass: two tokens, so that its width does not depend on the last step's n.
+    first = (position - 1).clamp_min(0) + torch.arange(2, device=device)
+    logits = static_forward(draft, seq.index_select(0, first).view(1, 2), first)
+    row = logits.index_select(0, position - first[0])
+    for i in range(k):
+        if i:
+            at = position + i
+            row = static_forward(draft, seq.index_select(0, at).view(1, 1), at)
+        q = probabilities(row, inputs.sampling)
+        q_rows.append(q)
+        if untruncated is not None:
+            q_full_rows.append(probabilities(row, untruncated))
+        token = q.argmax(-1) if draws is None else (q / draws.draft[i]).argmax(-1)
+        seq.index_copy_(0, position + 1 + i, token)
+
+
+def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Draws | None) -> torch.Tensor:
+    """One target-only step on the device: feed seq[position], write the drawn token after it,
+    move position on by one.
+
+    Returns:
+        [non-finite flag, token], float64.
+    """
+    seq, position = inputs.seq[0], inputs.position
+    logits = static_forward(target, seq.index_select(0, position).view(1, 1), position)
+    probs = probabilities(logits, inputs.sampling)
+    token = draw(
+        probs, SamplingConfig() if greedy else _SAMPLED, None, None if draws is None else draws.noise
+    )
+    seq.index_copy_(0, position + 1, token)
+    position.add_(1)
+    return torch.cat([non_finite(probs).double(), token.double()])
+
+
+_SAMPLED = SamplingConfig(temperature=1.0)
+"""What `draw` is told of a sampled step: not greedy (the temperature is already applied)."""
+
+
+class EagerSteps:
+    """The step functions run eagerly, each call's output read at once (the CPU's path).
+
+    Args:
+        target: The target over its static cache.
+        draft: The draft over its static cache (None: target-only decoding).
+        emulate_replay: Hand each output back in a buffer that the next call overwrites with NaN,
+            as a CUDA graph's next replay does (a test's check that nothing keeps an output).
+        device_inputs: The settings as device values, as the captured graphs read them (the
+            CPU tests' way to run that path; `StepInputs`).
+        lookup: With no draft, speculative steps verify prompt lookup's copies.
+    """
+
+    captured = False
+    lengths: tuple[int, ...] | None = None
+    """Draft lengths available (None: any)."""
+    compile_error: str | None = None
+    """Why the step functions run uncompiled although compiling was asked for (`CapturedSteps`)."""
+
+    def __init__(
+        self,
+        target: StaticModel,
+        draft: StaticModel | None,
+        *,
+        emulate_replay: bool = False,
+        device_inputs: bool = False,
+        lookup: bool = False,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.lookup = lookup
+        self.inputs = StepInputs.allocate(1, target.device, on_device=device_inputs)
+        self._emulate = emulate_replay
+        self._last: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        """Empty and zero the caches (`StaticModel.clear`), after a step gave non-finite logits."""
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.clear()
+
+    def bind(self, seq: torch.Tensor) -> None:
+        """Run the steps over `seq` (a reply's buffer; eagerly, any tensor will do)."""
+        self.inputs.seq = seq
+
+    def fit(self, tokens: int) -> None:
+        """Grow the caches to hold `tokens` (doubling from MIN_CAPACITY; never shrinking, which
+        would drop what prefix reuse keeps)."""
+        for model in (self.target, self.draft):
+            if model is not None and model.capacity < tokens:
+                capacity = max(MIN_CAPACITY, model.capacity)
+                while capacity < tokens:
+                    capacity *= 2
+                model.resize(capacity)
+
+    def reseed(self, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
+        """The generator of a reply's draws: the reply's own (`reply.begin` seeded it)."""
+        return generator
+
+    @torch.inference_mode()
+    def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+        """One speculative step; its block (`speculative_step`)."""
+        assert self.draft is not None or self.lookup
+        draws = (
+            None
+            if greedy
+            else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
+        )
+        return self._out(speculative_step(self.target, self.draft, self.inputs, k, greedy, draws))
+
+    @torch.inference_mode()
+    def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+        """One target-only step; its block (`target_step`)."""
+        draws = None if greedy else Draws.make(0, self.target.vocab_size, generator, self.target.device)
+        return self._out(target_step(self.target, self.inputs, greedy, draws))
+
+    def _out(self, block: torch.Tensor) -> torch.Tensor:
+        if not self._emulate:
+            return block
+        if self._last is not None:
+            self._last.fill_(float("nan"))
+        self._last = block.clone()
+        return self._last
+
+
+class CapturedSteps(EagerSteps):
+    """The step functions captured as CUDA graphs at load time and replayed (module docstring).
+
+    One graph per (k, greedy) for k in `lengths`, and two target-only graphs, in one memory pool
+    (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
+    intermediates, as vLLM's and SGLang's do. Each is warmed up (WARMUP_CALLS eager calls on the
+    capture stream) and captured on that stream. Replay is `CUDAGraph.replay`, with no guards:
+    inputs are written into `StepInputs` between replays. The draws come from one CUDA generator
+    registered with every graph (`CUDAGraph.register_generator_state`: each replay advances its
+    Philox offset, and `reseed` seeds it for a reply). The output goes to pinned host memory by
+    one asynchronous copy, then the host waits once, on an event.
+
+    With `compile` the step functions are compiled first (`torch.compile`, `fullgraph`, static
+    shapes, no CUDA graphs of its own: the capture here is the graph), fusing the rule's small
+    operators; a failed compilation captures the eager functions and `compile_error` says why.
+
+    Args:
+        target, draft: The models, over static caches whose addresses stay fixed from now on (no
+            `fit`: `capacity` is theirs).
+        lengths: The draft lengths to capture (each ≤ MAX_DRAFT_TOKENS).
+        compile: Compile the step functions before capturing them.
+        progress: Called with (graphs captured, graphs in all) while capturing (the loading screen).
+        greedy: Which kinds of steps to capture: greedy (True), sampled (False), or both (a
+            reply of the other kind then fails; tests that time one kind's compilation).
+        lookup: With no draft, capture the verification of prompt lookup's copies (one graph
+            per copy length in `lengths`).
+
+    Raises:
+        RuntimeError: CUDA is not available, or a capture failed.
+    """
+
+    captured = True
+
+    def __init__(
+        self,
+        target: StaticModel,
+        draft: StaticModel | None,
+        *,
+        lengths: tuple[int, ...] = GRAPH_DRAFT_LENGTHS,
+        compile: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        greedy: tuple[bool, ...] = (True, False),
+        lookup: bool = False,
+    ) -> None:
+        super().__init__(target, draft, lookup=lookup)
+        device = target.device
+        self.inputs = StepInputs.allocate(target.capacity, device, on_device=True)
+        self.lengths = lengths if draft is not None or lookup else ()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(0)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._done = torch.cuda.Event()
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device=device)
+        speculative: Callable[..., torch.Tensor] = speculative_step
+        target_only: Callable[..., torch.Tensor] = target_step
+        if compile:
+            # One graph per (k, greedy): more than dynamo's default limit of 8 per function.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
+            target_only = torch.compile(target_step, fullgraph=True, dynamic=False)
+        keys = [(k, mode) for k in (0, *self.lengths) for mode in greedy]
+        for done, (k, mode) in enumerate(keys):
+            if progress is not None:
+                progress(done, len(keys))
+            try:
+                self._capture(k, mode, speculative, target_only)
+            except Exception as exc:  # a compiled function that fails is captured eagerly instead
+                if not compile:
+                    raise
+                self.compile_error = compile_failure(exc)
+                speculative, target_only, compile = speculative_step, target_step, False
+                torch.cuda.synchronize()
+                self._capture(k, mode, speculative, target_only)
+        if progress is not None:
+            progress(len(keys), len(keys))
+        # The warm-up calls wrote into the caches and moved the position: nothing is cached now.
+        for model in (target, draft):
+            if model is not None:
+                model.reset()
+                model._written = -1
+
+    @torch.inference_mode()
+    def _capture(
+        self,
+        k: int,
+        greedy: bool,
+        speculative: Callable[..., torch.Tensor],
+        target_only: Callable[..., torch.Tensor],
+    ) -> None:
+        device = self.target.device
+
+        def step() -> torch.Tensor:
+            draws = (
+                None
+                if greedy
+                else Draws.make(k, self.target.vocab_size, self.generator, device, self.draft is not None)
+            )
+            if k == 0:
+                return target_only(self.target, self.inputs, greedy, draws)
+            return speculative(self.target, self.draft, self.inputs, k, greedy, draws)
+
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            for _ in range(WARMUP_CALLS):
+                self.inputs.position.fill_(1)  # in range whatever k: the calls write garbage only
+                step()
+        torch.cuda.current_stream(device).wait_stream(self._stream)
+        torch.cuda.synchronize(device)
+        self.inputs.position.fill_(1)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            out = step()
+        # Pinned: the copy from the device is then asynchronous (and there is nothing to pin for
+        # a CPU tensor: the CPU tests' emulated graphs, tests/test_step_graph.py).
+        pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+        self._graphs[(k, greedy)] = (graph, out, pinned)
+
+    def bind(self, seq: torch.Tensor) -> None:
+        """Nothing: a reply decodes in `inputs.seq` itself (`reply.begin`'s `buffer`)."""
+        assert seq is self.inputs.seq, "a captured step runs over its own buffer"
+
+    def fit(self, tokens: int) -> None:
+        """Nothing: the graphs hold the caches' addresses (`capacity` bounds the context)."""
+
+    def reseed(self, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
+        """The registered generator, seeded for a reply as `sampling.seeded_generator` would."""
+        if sampling.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(sampling.seed)
+        return self.generator
+
+    def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+        """Replay the (k, greedy) graph; its block, on the host."""
+        return self._replay((k, greedy))
+
+    def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+        """Replay a target-only graph; its block, on the host."""
+        return self._replay((0, greedy))
+
+    @torch.inference_mode()  # `pinned` was made in the capture's inference mode
+    def _replay(self, key: tuple[int, bool]) -> torch.Tensor:
+        graph, out, pinned = self._graphs[key]
+        graph.replay()
+        # The one transfer of the step, asynchronous into pinned memory, then one wait: the next
+        # replay (of any graph: they share a pool) may overwrite `out`.
+        pinned.copy_(out, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        return pinned
+
+
+Steps = EagerSteps
+"""The step runner a decoder holds: `EagerSteps` or its captured form, `CapturedSteps`."""
+
+
+def make_steps(
+    target: CachedModel, draft: CachedModel | None, *, compile: bool = False, lookup: bool = False
+) -> EagerSteps | None:
+    """The step runner of a decoder whose models are bound to static caches (`bind(static=True)`):
+    captured on CUDA (`CapturedSteps`, `compile` as there), eager elsewhere; None when a model is
+    not a `StaticModel` (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`:
+    the speculative steps verify prompt lookup's copies (no draft)."""
+    models = (target,) if draft is None else (target, draft)
+    if not all(isinstance(m, StaticModel) for m in models):
+        return None
+    assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
+    if target.device.type == "cuda":
+        return CapturedSteps(target, draft, compile=compile, lookup=lookup)
+    return EagerSteps(target, draft, lookup=lookup)
+
+
+def reply_tokens(prompt: int, max_new_tokens: int, context: int | None, headroom: int) -> int:
+    """The most tokens a reply's buffer holds (as `reply.Reply` sizes it): the caches' need."""
+    budget = max_new_tokens if context is None else min(max_new_tokens, context)
+    return prompt + budget + headroom + 1
+
+
+def prepare(steps: EagerSteps, tokens: int) -> torch.Tensor | None:
+    """Before `reply.begin` (or a read-ahead) of a sequence of up to `tokens` tokens: the caches
+    fitted to it, and a captured step's buffer returned for the reply to decode in (None: the
+    reply has its own). That buffer is about to be overwritten by the new prompt, so the models'
+    record of what they were fed (`CachedModel.fed`, which prefix reuse compares) becomes a copy
+    of it (one device copy a reply)."""
+    steps.fit(tokens)
+    if not steps.captured:
+        return None
+    seq = steps.inputs.seq
+    kept = seq.clone()
+    for model in (steps.target, steps.draft):
+        if model is not None and model.fed is seq:
+            model.fed = kept
+    return seq
+
+
+def start(
+    steps: EagerSteps, reply: Reply, sampling: SamplingConfig, generator: torch.Generator
+) -> torch.Generator:
+    """A prefilled reply's first step is next: the buffers set for it (the buffer bound, the
+    position at its last prompt token, the sampling values), and the generator of its draws."""
+    steps.bind(reply.seq)
+    steps.inputs.position.fill_(reply.length - 1)
+    steps.inputs.write_sampling(sampling)
+    return steps.reseed(sampling, generator)
+
+
+def moved(model: StaticModel, seen: int) -> None:
+    """After a step: `model`'s cache holds `seen` tokens, its write position is unknown on the host."""
+    model.seen = seen
+    model._written = -1
+
+
+def whole_target_step(
+    steps: EagerSteps,
+    reply: Reply,
+    *,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    clock: PhaseClock,
+    settings: DecodingSettings,
+    rule: StepRule,
+    prefill_seconds: float,
+) -> Step:
+    """`reply.target_step` as one step function (`target_step`): one read of its block.
+
+    Raises:
+        NonFiniteError: the target's logits are not finite (the reply ends before this token).
+    """
+    flag, token = steps.target_only(sampling.greedy, generator).tolist()
+    moved(steps.target, reply.length)
+    if flag:
+        steps.clear()
+        raise non_finite_error("target")
+    ids = [int(token)]
+    reply.record(ids)
+    return commit_target(
+        reply, ids, clock=clock, settings=settings, rule=rule, prefill_seconds=prefill_seconds
+    )

@@ -1,0 +1,97 @@
+"""The whole step (`fsd_chat.decoding.step_graph`, `whole_step=True`) against today's steps, in
+tokens/s, interleaved: each round runs every decoder once over the same prompts, in an order that
+rotates from round to round, so that a machine's drifting load falls on all of them alike.
+
+    python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64] [--clock process]
+
+Prints, per decoder pair (today's / whole step), the ratio of tokens/s per round and its median
+with the range over rounds. Greedy decoding of the offline story pair (../shared/models), one
+torch thread on the CPU; on CUDA the whole step is captured as graphs at construction and today's
+steps are compiled (the default there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+
+MODELS = Path(__file__).resolve().parents[1] / ".." / "shared" / "models"
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "Lily had a red ball"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="process: the process's CPU time (one torch thread), steadier on a shared machine",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pair = load_pair(
+        ModelSpec(str(MODELS / "stories260K")),
+        ModelSpec(str(MODELS / "stories260K-draft")),
+        LoadOptions(device=args.device, dtype="float32"),
+    )
+    sampling = SamplingConfig(temperature=args.temperature, seed=0 if args.temperature else None)
+
+    def exact(policy: str) -> DecodingSettings:
+        return DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy=policy)
+
+    fuzzy = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
+    makers: dict[str, Callable[[bool], Decoder]] = {
+        "target-only": lambda whole: pair.autoregressive(Controls(), whole_step=whole),
+        "exact k4": lambda whole: pair.speculative(Controls(exact("fixed")), whole_step=whole),
+        "fuzzy js 0.1 k4": lambda whole: pair.speculative(Controls(fuzzy), whole_step=whole),
+    }
+    decoders = {(name, whole): make(whole) for name, make in makers.items() for whole in (False, True)}
+    ids = [pair.tokenizer(p).input_ids for p in PROMPTS]
+
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+
+    def rate(decoder: Decoder) -> float:
+        tokens, seconds = 0, 0.0
+        for prompt in ids:
+            start = clock()
+            for step in decoder.generate(prompt, max_new_tokens=args.tokens, sampling=sampling):
+                tokens += len(step.tokens)
+            seconds += clock() - start
+        return tokens / seconds
+
+    for decoder in decoders.values():
+        rate(decoder)  # warm-up (first replies, the policies' measurements)
+    rates: dict[tuple[str, bool], list[float]] = {key: [] for key in decoders}
+    keys = list(decoders)
+    for round_ in range(args.rounds):
+        shift = round_ % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            rates[key].append(rate(decoders[key]))
+    print(
+        f"{args.clock} clock, device {args.device}, {args.rounds} rounds, {len(PROMPTS)} prompts × {args.tokens} tokens, {sampling.describe()}"
+    )
+    for name in makers:
+        today, whole = rates[(name, False)], rates[(name, True)]
+        ratios = [w / t for w, t in zip(whole, today, strict=True)]
+        print(
+            f"{name:18} today {statistics.median(today):7.0f} tok/s  whole step {statistics.median(whole):7.0f} tok/s"
+            f"  ratio {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+        )
+
+
+if __name__ == "__main__":
+    main()
