@@ -94,6 +94,8 @@ class SpeculativeDecoder:
             (other proposers keep their usual steps); `compiled` is then not used. The draft
             policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
             is not asked.
+        capture_progress: Called with (graphs captured, graphs in all) while the whole step's
+            graphs are captured (on CUDA, at construction; the loading screen shows it).
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back.
@@ -113,6 +115,7 @@ class SpeculativeDecoder:
         timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
         whole_step: bool = False,
+        capture_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
@@ -162,7 +165,12 @@ class SpeculativeDecoder:
                 else MappedProposer(MappedDraft(model, vocab_map, draft_context))
             )
         self._steps = (
-            step_graph.make_steps(self.target, next(iter(self.proposer.owned_models), None), lookup=lookup)
+            step_graph.make_steps(
+                self.target,
+                next(iter(self.proposer.owned_models), None),
+                lookup=lookup,
+                progress=capture_progress,
+            )
             if whole_step
             else None
         )

@@ -586,19 +586,41 @@ Steps = EagerSteps
 
 
 def make_steps(
-    target: CachedModel, draft: CachedModel | None, *, compile: bool = False, lookup: bool = False
+    target: CachedModel,
+    draft: CachedModel | None,
+    *,
+    compile: bool = False,
+    lookup: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> EagerSteps | None:
     """The step runner of a decoder whose models are bound to static caches (`bind(static=True)`):
-    captured on CUDA (`CapturedSteps`, `compile` as there), eager elsewhere; None when a model is
-    not a `StaticModel` (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`:
-    the speculative steps verify prompt lookup's copies (no draft)."""
+    captured on CUDA (`CapturedSteps`, `compile` and `progress` as there), eager elsewhere (nothing
+    to capture: `progress` is not called); None when a model is not a `StaticModel`
+    (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`: the speculative
+    steps verify prompt lookup's copies (no draft)."""
     models = (target,) if draft is None else (target, draft)
     if not all(isinstance(m, StaticModel) for m in models):
         return None
     assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
     if target.device.type == "cuda":
-        return CapturedSteps(target, draft, compile=compile, lookup=lookup)
+        return CapturedSteps(target, draft, compile=compile, lookup=lookup, progress=progress)
     return EagerSteps(target, draft, lookup=lookup)
+
+
+def capture_text(done: int, total: int) -> str:
+    """Where a capture stands, in a few words (the loading screen's progress line)."""
+    return f"capturing the step graphs (--whole-step): {done}/{total}"
+
+
+def capture_announcer(write: Callable[[str], object]) -> Callable[[int, int], None]:
+    """A capture `progress` for a command without a loading screen (generate, serve): one line
+    through `write` when capturing starts, so that the seconds it takes are explained."""
+
+    def progress(done: int, total: int) -> None:
+        if done == 0:
+            write(f"fsd-chat: {capture_text(done, total)}\n")
+
+    return progress
 
 
 def reply_tokens(prompt: int, max_new_tokens: int, context: int | None, headroom: int) -> int:
