@@ -205,8 +205,9 @@ WHOLE_STEP = Option(
     False,
     "Run each decoding step, speculative or target-only, as one function over static buffers: one "
     "captured CUDA graph a step on CUDA (captured while the models load), eager on the CPU. For a "
-    "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps). Off "
-    "by default until measured on a GPU.",
+    "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps); with "
+    "--compile given, its step functions are compiled before the capture. Off by default until "
+    "measured on a GPU.",
     DECODING,
 )
 AUTOREGRESSIVE = Option(

@@ -42,7 +42,7 @@ class AutoregressiveDecoder:
             (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
         whole_step: Run each step as one function over static buffers
             (`fsd_chat.decoding.step_graph`): captured as a CUDA graph at construction on CUDA,
-            eager elsewhere (see `SpeculativeDecoder`; `compiled` is then not used).
+            eager elsewhere (see `SpeculativeDecoder`, also for `compiled` then).
         capture_progress: See `SpeculativeDecoder`.
     """
 
@@ -79,7 +79,9 @@ class AutoregressiveDecoder:
             static=whole_step,
         )
         self._steps = (
-            step_graph.make_steps(self.target, None, progress=capture_progress) if whole_step else None
+            step_graph.make_steps(self.target, None, compile=compiled is True, progress=capture_progress)
+            if whole_step
+            else None
         )
         if isinstance(self.target, CompiledModel) or self._steps is not None:
             self.context = capped

@@ -91,7 +91,9 @@ class SpeculativeDecoder:
             buffers (`fsd_chat.decoding.step_graph`): captured as CUDA graphs at construction on
             CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's
             k is rounded down), eager elsewhere. For a draft model of the target's vocabulary
-            (other proposers keep their usual steps); `compiled` is then not used. The draft
+            (other proposers keep their usual steps). `compiled` then means: compile the step
+            functions before they are captured (True only, never by default, and on CUDA only:
+            `CapturedSteps(compile=True)`, its artifacts kept in the user's cache). The draft
             policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
             is not asked.
         capture_progress: Called with (graphs captured, graphs in all) while the whole step's
@@ -169,6 +171,7 @@ class SpeculativeDecoder:
                 self.target,
                 next(iter(self.proposer.owned_models), None),
                 lookup=lookup,
+                compile=compiled is True,
                 progress=capture_progress,
             )
             if whole_step
