@@ -71,8 +71,9 @@ class DecodingSettings:
             support, with each position's largest λ such that KL ≤ T: the per-position form of
             transformers' static ensemble, `assistant_ensemble_weight` w, whose λ = 1 − w is fixed).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
-        threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
-            nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
+        threshold: T ≥ 0: greedy, nats of log-probability regret per token under every relaxed
+            rule; sampling, the divergence's units (nats; a probability for tv) for fuzzy/pure and
+            nats of KL per token for mixture. Finite: JSON
             output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS: the draft length of `fixed`, the
