@@ -50,9 +50,8 @@ makes the step a target-only step (one target forward over one token, no draft w
   and the exact test keeps sampling lossless. Reading c takes one host synchronisation per draft
   forward under `latency` (the other policies read nothing: one per step, the verdict's).
 
-  c_d and V(w) are measured once per loaded pair on its device (`time_forwards`; `ModelPair` keeps
-  the timings, a decoder given none measures its own models once) and can be injected (tests pass
-  synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
+  c_d and V(w) are modelled once per loaded pair (`modelled_timings`; `ModelPair` keeps them, a
+  decoder given none models its own) and can be injected (tests pass synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
 
 - `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
@@ -75,8 +74,12 @@ makes the step a target-only step (one target forward over one token, no draft w
   (max_k (k + 1)·V(1) / T_k < MIN_CEILING: nearly as slow per forward as its target) is never
   drafted from, not even to probe, and a draft model's cache is never filled ("draft ≤ 1.04× target").
 
-  The prices follow the steps' own seconds: c_d and V(w) come from the timing pass (the shape of
-  the cost in k), and two running factors scale them to what steps actually take: the target's
+  The prices c_d and V(w) are modelled from the models' shapes and sizes (`modelled_timings`),
+  never read from a clock: under a lossy rule an undrafted position is a target token, so a k
+  that followed the machine's load would change the text from run to run. The policy's every
+  decision is then a function of the acceptance counts alone, and a seed gives the same reply on
+  any run. Only timings measured on the machine and handed in as such (`ForwardTimings.measured`,
+  from `time_forwards`: an experiment, not the app) follow the steps' own seconds: two running factors scale them to what steps actually take: the target's
   (a target-only step's seconds / V(1), and a drafting step's verify forward / V(k + 1) where that
   lap is its own: on the CPU, or with a synchronisation per phase) and drafting's (a drafting
   step's seconds / (k·c_d + V(k + 1))), each a geometric mean discounted by `TIME_FORGET` a
@@ -239,6 +242,61 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
     return ForwardTimings(
         draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), measured=True
     )
+
+
+FORWARD_SECONDS = 2e-4
+"""`modelled_timings`: a forward's fixed host cost (seconds): Python, dispatch, the cache's
+bookkeeping. Fitted, with the four below, to `time_forwards` on this project's CPU (one thread,
+float32): SmolLM2-135M (30 layers, 134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair
+(5 and 2 layers of width 64: V(1) 0.77 ms, draft 0.45 ms); within 15% of each measured width."""
+
+LAYER_SECONDS = 1.1e-4
+"""`modelled_timings`: seconds of one decoder layer's fixed cost per forward (its dozen operators'
+dispatch, which dominates a small model)."""
+
+TOKEN_LAYER_SECONDS = 3.5e-6
+"""`modelled_timings`: seconds of one decoder layer's work per token beyond its weights (attention,
+norms, activations): what a verify width costs a narrow model."""
+
+BYTE_SECONDS = 6e-11
+"""`modelled_timings`: seconds to read one byte of weights (about 16 GB/s): a forward over a few
+tokens is bound by its weight read."""
+
+TOKEN_SECONDS = 2.4e-11
+"""`modelled_timings`: seconds of one weight's multiply-adds for one token (about 80 GFLOP/s): what
+each more token of a verify width costs."""
+
+
+def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
+    """The modelled seconds of `model`'s forward over `width` new tokens (`modelled_timings`): a
+    fixed cost, per layer, per byte of weights read, and per token (per weight and per layer). The weights
+    count every parameter but an input embedding that is not also the output head (a gather reads
+    `width` rows of it, not the whole table)."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    gathered = (
+        embedding.weight
+        if embedding is not None and (head is None or head.weight is not embedding.weight)
+        else None
+    )
+    weights = [p for p in model.parameters() if p is not gathered]
+    read = sum(p.numel() * p.element_size() for p in weights)
+    count = sum(p.numel() for p in weights)
+    layers = model.config.get_text_config().num_hidden_layers
+    per_token = count * TOKEN_SECONDS + layers * TOKEN_LAYER_SECONDS
+    return FORWARD_SECONDS + layers * LAYER_SECONDS + read * BYTE_SECONDS + width * per_token
+
+
+def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> ForwardTimings:
+    """The draft and verify forward times from the models alone (`model_forward_seconds`): the
+    same on every run and under any load, so that the draft lengths `goodput` and `latency` choose,
+    and with them the text a lossy rule writes, do not depend on a clock (an undrafted position is
+    the target's token). Only ratios matter to the policies (they compare E_k / T_k with
+    1 / V(1)), and those follow the models' shapes and sizes on any device; a draft position also
+    pays its softmax over the vocabulary, included in its forward's head. Prompt lookup: 0 s."""
+    verify = tuple(model_forward_seconds(target, width) for width in MEASURED_WIDTHS)
+    draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
+    return ForwardTimings(draft=draft_seconds, widths=MEASURED_WIDTHS, verify=verify, measured=False)
 
 
 def _bin(confidence: float) -> int:
