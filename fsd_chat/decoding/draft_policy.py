@@ -62,8 +62,8 @@ makes the step a target-only step (one target forward over one token, no draft w
   with a prior at ½), a block of k yields E_k = 1 + G_1 + … + G_k tokens, G_i = â_1···â_i
   (Leviathan et al. 2023, eq. 1, with an acceptance per position: acceptance comes in runs, a draft
   that got the first tokens right tends to get the next ones right too, so one â for every
-  position undercounts long blocks) in
-  T_k = k·c_d + V(k + 1) seconds, target-only decoding 1 token in V(1). The step drafts the k ≥ 1
+  position undercounts long blocks) in T_k = k·c_d + V(k + 1) + s seconds (s: a drafting step's
+  own work, `ForwardTimings.step`), target-only decoding 1 token in V(1). The step drafts the k ≥ 1
   that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
   E_k·V(1) / T_k > 1); when it does not, even at an optimistic acceptance (`PAUSE_OPTIMISM`
   standard deviations above the mean: a pause costs several steps, a drafting step that does not
@@ -178,14 +178,18 @@ class ForwardTimings:
         widths: Verify widths in tokens, increasing, from 1 to at least MAX_DRAFT_TOKENS + 1.
         verify: Seconds of a target forward over each of `widths` tokens.
         measured: Measured on this machine (`time_forwards`): `goodput` then scales these by the
-            seconds its steps take. False for timings written by hand (tests, a device described
-            rather than measured), which are taken as they are.
+            seconds its steps take. False for timings modelled (`modelled_timings`) or written by
+            hand (tests), which are taken as they are.
+        step: Seconds a drafting step spends beyond its forwards, against a target-only step's
+            (the acceptance rule, the draft's draws, the rollback): what makes a small pair's
+            speculation dearer than its forwards say.
     """
 
     draft: float
     widths: tuple[int, ...]
     verify: tuple[float, ...]
     measured: bool = False
+    step: float = 0.0
 
     def verify_table(self) -> list[float]:
         """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
@@ -244,11 +248,13 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
     )
 
 
-FORWARD_SECONDS = 2e-4
+FORWARD_SECONDS = 4e-4
 """`modelled_timings`: a forward's fixed host cost (seconds): Python, dispatch, the cache's
-bookkeeping. Fitted, with the four below, to `time_forwards` on this project's CPU (one thread,
-float32): SmolLM2-135M (30 layers, 134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair
-(5 and 2 layers of width 64: V(1) 0.77 ms, draft 0.45 ms); within 15% of each measured width."""
+bookkeeping, the softmax and the read of its result. Fitted, with the five below, to the forwards
+and steps of fixed-k decoding on this project's CPU (one thread, float32): SmolLM2-135M (30 layers,
+134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair (5 and 2 layers of width 64: a
+target-only step 1.1–1.2 ms, a draft position 0.5–0.7 ms, a drafting step's rule and rollback
+0.3–0.45 ms)."""
 
 LAYER_SECONDS = 1.1e-4
 """`modelled_timings`: seconds of one decoder layer's fixed cost per forward (its dozen operators'
@@ -265,6 +271,10 @@ tokens is bound by its weight read."""
 TOKEN_SECONDS = 2.4e-11
 """`modelled_timings`: seconds of one weight's multiply-adds for one token (about 80 GFLOP/s): what
 each more token of a verify width costs."""
+
+
+STEP_SECONDS = 3.5e-4
+"""`modelled_timings`: seconds a drafting step spends beyond its forwards (`ForwardTimings.step`)."""
 
 
 def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
@@ -296,7 +306,9 @@ def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> 
     pays its softmax over the vocabulary, included in its forward's head. Prompt lookup: 0 s."""
     verify = tuple(model_forward_seconds(target, width) for width in MEASURED_WIDTHS)
     draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
-    return ForwardTimings(draft=draft_seconds, widths=MEASURED_WIDTHS, verify=verify, measured=False)
+    return ForwardTimings(
+        draft=draft_seconds, widths=MEASURED_WIDTHS, verify=verify, measured=False, step=STEP_SECONDS
+    )
 
 
 def _bin(confidence: float) -> int:
@@ -474,6 +486,7 @@ class GoodputPolicy(FixedPolicy):
     def __init__(self, timings: ForwardTimings, kind: str) -> None:
         self._draft = timings.draft
         self._verify = timings.verify_table()
+        self._step = timings.step
         self._kind = kind
         self._learns = timings.measured
         # Discounted accepted / observed draft tokens at each position of a block.
@@ -537,8 +550,8 @@ class GoodputPolicy(FixedPolicy):
         return best_k, best
 
     def _seconds(self, k: int) -> float:
-        """T_k: the timing pass's seconds of a step drafting k tokens (k = 0: V(1))."""
-        return k * self._draft + self._verify[k + 1]
+        """T_k: the seconds of a step drafting k tokens (k = 0: V(1))."""
+        return k * self._draft + self._verify[k + 1] + (self._step if k else 0.0)
 
     def limit(self, settings: DecodingSettings, room: int) -> int:
         """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap."""
