@@ -76,7 +76,8 @@ TARGET = Option(
     ("--target",),
     str,
     None,
-    "Target model: a Hugging Face Hub id, a local directory, a GGUF file (path, folder, or Hub repo_id:file.gguf).",
+    "Target model: a Hugging Face Hub id, a local directory, a GGUF file (path, folder, or Hub repo_id:file.gguf), "
+    "or default (the default chat model, SmolLM2-135M-Instruct, fetched once).",
     MODELS,
 )
 DRAFT = Option(
