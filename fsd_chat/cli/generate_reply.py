@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step
-from fsd_chat.decoding.settings import SamplingRequest
+from fsd_chat.decoding.settings import SamplingRequest, default_threshold
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
@@ -84,6 +84,7 @@ def run_generate(
     autoregressive: bool,
     threads: int | None = None,
     compiled: bool | None = None,
+    threshold_given: bool = True,
 ) -> int:
     """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
     130 (Ctrl-C) or 143 (SIGTERM) when a signal ended the reply early, which is then written out as
@@ -103,6 +104,8 @@ def run_generate(
         )
     if pair.device.type == "cpu":
         apply_threads(threads)
+    # T not given: the setup's default (greedy: a regret bound with its own scale).
+    settings = default_threshold(settings, threshold_given, resolved.config.greedy)
     controls = Controls(settings)
     decoder = pair.decoder(controls, autoregressive=autoregressive, compiled=compiled)
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw, vocab_size=pair.vocab_size)
