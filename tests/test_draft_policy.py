@@ -521,3 +521,19 @@ def test_goodput_replies_do_not_follow_the_clock(
     measured_quiet = _goodput_reply(pair, sampling, measured=True)
     _loaded_clock(monkeypatch, 1)
     assert _goodput_reply(pair, sampling, measured=True)[1] != measured_quiet[1]
+
+
+def test_a_draft_too_dear_to_probe_stays_paused() -> None:
+    """A draft whose catch-up after a pause costs more than PROBE_BUDGET of a target step per
+    missed token is never probed once paused (a paused draft costs nothing); a cheap one probes."""
+    # CAPPED pauses and probes whatever the acceptance at k ≤ 4.
+    dear = replace(CAPPED, catch_up=0.05)  # 5% of V(1) a missed token
+    cheap = replace(CAPPED, catch_up=0.01)
+    settings = DecodingSettings(draft_tokens=4)
+    for timings, probes in ((dear, False), (cheap, True)):
+        policy = GoodputPolicy(timings, "mapped")
+        for _ in range(3):  # drafting that never pays
+            if policy.limit(settings, 100):
+                policy.observe(1, 0)
+        assert policy.pause is not None
+        assert any(policy.limit(settings, 100) for _ in range(PROBE_MOST + 1)) == probes

@@ -153,6 +153,13 @@ TIME_FORGET = 0.8
 """`goodput`: the weight a running time factor keeps from one step of its kind to the next (it follows
 the last 1 / (1 − TIME_FORGET) = 5 steps or so: a load that shifts shows within a few steps)."""
 
+PROBE_BUDGET = 0.03
+"""`goodput`: the most a paused draft's probes may add to a target-only step, as a share of it. A
+probe of a draft model first feeds its cache every token it missed while paused: when that alone
+costs more than this per paused token (a draft over about 30% of its target's size on a CPU), no
+interval keeps probes within budget, and a pause lasts as long as the decoder (the conversation):
+a paused draft then costs nothing, as a user who sees `paused` expects."""
+
 MIN_CEILING = 1.1
 """`goodput`: the least speed-up over target-only decoding a draft must promise with every token
 accepted (at the best k) to be drafted from at all. Real acceptance is lower (at 90% a k = 1 block
@@ -183,6 +190,8 @@ class ForwardTimings:
         step: Seconds a drafting step spends beyond its forwards, against a target-only step's
             (the acceptance rule, the draft's draws, the rollback): what makes a small pair's
             speculation dearer than its forwards say.
+        catch_up: Seconds a draft model's cache takes per token it missed while paused (the
+            marginal token of a wide draft forward; 0 for prompt lookup, which keeps no cache).
     """
 
     draft: float
@@ -190,6 +199,7 @@ class ForwardTimings:
     verify: tuple[float, ...]
     measured: bool = False
     step: float = 0.0
+    catch_up: float = 0.0
 
     def verify_table(self) -> list[float]:
         """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
@@ -306,8 +316,14 @@ def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> 
     pays its softmax over the vocabulary, included in its forward's head. Prompt lookup: 0 s."""
     verify = tuple(model_forward_seconds(target, width) for width in MEASURED_WIDTHS)
     draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
+    catch_up = 0.0 if draft is None else model_forward_seconds(draft, 2) - draft_seconds
     return ForwardTimings(
-        draft=draft_seconds, widths=MEASURED_WIDTHS, verify=verify, measured=False, step=STEP_SECONDS
+        draft=draft_seconds,
+        widths=MEASURED_WIDTHS,
+        verify=verify,
+        measured=False,
+        step=STEP_SECONDS,
+        catch_up=catch_up,
     )
 
 
@@ -504,6 +520,8 @@ class GoodputPolicy(FixedPolicy):
         # forward as its target. Then no step drafts, not even a probe, whatever the acceptance.
         _, ceiling = self._best(torch.ones(MAX_DRAFT_TOKENS, dtype=torch.float64), MAX_DRAFT_TOKENS)
         self._hopeless = ceiling < MIN_CEILING
+        # Probes of this draft cost more than PROBE_BUDGET however rare: a pause is final.
+        self._final_pause = timings.catch_up > PROBE_BUDGET * self._verify[1]
         if self._hopeless:
             self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
 
@@ -592,6 +610,8 @@ class GoodputPolicy(FixedPolicy):
             self.pause = f"lookup accepts {self.estimate:.0%}"
         else:
             self.pause = f"{self._who()} {self.best(self._cap)[1]:.2f}× target"
+        # No probe could keep within PROBE_BUDGET: the draft is not run again (see `limit`).
+        self._hopeless = self._hopeless or self._final_pause
 
     def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Fold the step's seconds into the time factors: a target-only step's, or a drafting
