@@ -91,7 +91,8 @@ class ChatScreen(Screen[None]):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [*CHAT_BINDINGS]
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]] | None] = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
+    # Textual declares it an instance variable of type list (ClassVar would not type-check).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]  # noqa: RUF012
     """Narrower than the dial (60 cells) and the strip's full figures side by side: the two take a
     line each (app.tcss)."""
 
