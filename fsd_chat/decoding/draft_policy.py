@@ -278,6 +278,12 @@ BYTE_SECONDS = 6e-11
 """`modelled_timings`: seconds to read one byte of weights (about 16 GB/s): a forward over a few
 tokens is bound by its weight read."""
 
+WIDE_READ = 1.5
+"""`modelled_timings`: how much dearer the weight read of a forward over 2 or more tokens is than a
+1-token forward's: torch's CPU matrix-vector kernels read the weights faster than its
+matrix-matrix ones. Measured with SmolLM2-135M in float32: V(1) 36–37 ms, V(4) 54–63 ms, V(6)
+62–67 ms, so a lookup block of k must be accepted about half the time to pay."""
+
 TOKEN_SECONDS = 2.4e-11
 """`modelled_timings`: seconds of one weight's multiply-adds for one token (about 80 GFLOP/s): what
 each more token of a verify width costs."""
@@ -289,7 +295,8 @@ STEP_SECONDS = 3.5e-4
 
 def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
     """The modelled seconds of `model`'s forward over `width` new tokens (`modelled_timings`): a
-    fixed cost, per layer, per byte of weights read, and per token (per weight and per layer). The weights
+    fixed cost, per layer, per byte of weights read (`WIDE_READ` times dearer over 2 or more tokens),
+    and per token (per weight and per layer). The weights
     count every parameter but an input embedding that is not also the output head (a gather reads
     `width` rows of it, not the whole table)."""
     embedding = model.get_input_embeddings()
@@ -304,7 +311,8 @@ def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
     count = sum(p.numel() for p in weights)
     layers = model.config.get_text_config().num_hidden_layers
     per_token = count * TOKEN_SECONDS + layers * TOKEN_LAYER_SECONDS
-    return FORWARD_SECONDS + layers * LAYER_SECONDS + read * BYTE_SECONDS + width * per_token
+    read_seconds = read * BYTE_SECONDS * (1.0 if width == 1 else WIDE_READ)
+    return FORWARD_SECONDS + layers * LAYER_SECONDS + read_seconds + width * per_token
 
 
 def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> ForwardTimings:
@@ -316,7 +324,8 @@ def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> 
     pays its softmax over the vocabulary, included in its forward's head. Prompt lookup: 0 s."""
     verify = tuple(model_forward_seconds(target, width) for width in MEASURED_WIDTHS)
     draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
-    catch_up = 0.0 if draft is None else model_forward_seconds(draft, 2) - draft_seconds
+    # The marginal token of a wide forward (past the 1-token forward's cheaper read).
+    catch_up = 0.0 if draft is None else model_forward_seconds(draft, 3) - model_forward_seconds(draft, 2)
     return ForwardTimings(
         draft=draft_seconds,
         widths=MEASURED_WIDTHS,
