@@ -24,6 +24,7 @@ from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.draft_policy import ForwardTimings
 from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair
@@ -68,7 +69,7 @@ def main() -> None:
     for index, item in enumerate(items):
         ids = prompt_ids(pair.tokenizer, [Message("user", item.text)])
         runs: dict[str, tuple[GenerationStats, list[Step]]] = {}
-        order = [("spec", spec), ("alone", alone)]
+        order: list[tuple[str, Decoder]] = [("spec", spec), ("alone", alone)]
         for name, decoder in order if index % 2 == 0 else order[::-1]:
             stats, steps = GenerationStats(), []
             for step in decoder.generate(ids, max_new_tokens=args.max_new_tokens, sampling=SamplingConfig()):
