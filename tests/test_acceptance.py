@@ -31,8 +31,11 @@ def teacher_forced(pair: ModelPair) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return p, q, ids[0, 1:]
 
 
-def accepted_positions(teacher_forced, rule: str, divergence: str, threshold: float) -> set[int]:
-    """Positions whose next text token the rule accepts, each tested as a block of k = 1."""
+def accepted_positions(
+    teacher_forced, rule: str, divergence: str, threshold: float, sampling: SamplingConfig = GREEDY
+) -> set[int]:
+    """Positions whose next text token the rule accepts, each tested as a block of k = 1 (the
+    same uniform draws for every call under sampling: a fixed seed)."""
     p, q, tokens = teacher_forced
     generator = torch.Generator().manual_seed(0)
     accepted = set()
@@ -44,7 +47,7 @@ def accepted_positions(teacher_forced, rule: str, divergence: str, threshold: fl
             rule=rule,
             divergence_name=divergence,
             threshold=threshold,
-            sampling=GREEDY,
+            sampling=sampling,
             generator=generator,
         )
         if verdict.accepted:
@@ -73,13 +76,31 @@ def test_fuzzy_at_zero_is_the_exact_test(teacher_forced) -> None:
 
 
 def test_pure_rule_ignores_the_exact_test(teacher_forced) -> None:
-    exact = accepted_positions(teacher_forced, "exact", "tv", 0.0)
+    # Sampling (temperature 1, p and q as computed): the same seed gives every call the same u_i.
+    sampled = SamplingConfig(temperature=1.0)
+    exact = accepted_positions(teacher_forced, "exact", "tv", 0.0, sampled)
     assert exact  # the exact test accepts some of the text, which pure at a tiny T > 0 does not...
-    assert accepted_positions(teacher_forced, "pure", "tv", 1e-6) == set()
+    assert accepted_positions(teacher_forced, "pure", "tv", 1e-6, sampled) == set()
     # ...while T = 0 is exact speculative decoding under every rule, pure included.
-    assert accepted_positions(teacher_forced, "pure", "tv", 0.0) == exact
+    assert accepted_positions(teacher_forced, "pure", "tv", 0.0, sampled) == exact
     n = teacher_forced[2].shape[0]
-    assert accepted_positions(teacher_forced, "pure", "tv", 1.0) == set(range(n))
+    assert accepted_positions(teacher_forced, "pure", "tv", 1.0, sampled) == set(range(n))
+
+
+@pytest.mark.parametrize("rule", ["fuzzy", "pure", "mixture"])
+@pytest.mark.parametrize("divergence", ["kl", "js"])
+def test_greedy_rules_accept_by_regret(teacher_forced, rule: str, divergence: str) -> None:
+    """Greedy: every relaxed rule accepts exactly the tokens within T nats of the argmax's
+    log-probability, whatever the divergence, and the first steps of the dial already move it."""
+    p, _, tokens = teacher_forced
+    regret = p.max(-1).values.log() - p[torch.arange(tokens.shape[0]), tokens].log()
+    counts = []
+    for threshold in (0.05, 0.1, 0.5, 2.0):
+        accepted = accepted_positions(teacher_forced, rule, divergence, threshold)
+        assert accepted == {i for i in range(tokens.shape[0]) if regret[i] <= threshold}
+        counts.append(len(accepted))
+    exact = len(accepted_positions(teacher_forced, "exact", divergence, 0.0))
+    assert exact < counts[-1] and counts == sorted(counts)
 
 
 def test_verdict_origins_and_correction() -> None:
@@ -95,9 +116,10 @@ def test_verdict_origins_and_correction() -> None:
     assert verdict.token_ids[-1] == 1 and verdict.next_origin == Origin.TARGET_RESAMPLED
     assert verdict.origins() == [Origin.DRAFT_EXACT, Origin.TARGET_RESAMPLED]
     assert verdict.divergences == pytest.approx([0.0, 0.7])
-    # Raising T above TV = 0.7 accepts position 1 as fuzzy, then a bonus from the last row.
+    # Greedy tests the regret: raising T above log(0.8 / 0.1) = 2.08 nats accepts position 1 as
+    # fuzzy, then a bonus from the last row.
     verdict = verify(
-        p, q, drafts, rule="fuzzy", divergence_name="tv", threshold=0.75, sampling=GREEDY, generator=gen
+        p, q, drafts, rule="fuzzy", divergence_name="tv", threshold=2.1, sampling=GREEDY, generator=gen
     )
     assert verdict.origins() == [Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY, Origin.TARGET_BONUS]
     assert verdict.token_ids[-1] == 2

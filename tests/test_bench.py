@@ -167,7 +167,9 @@ def test_mixture_stays_within_its_budget(report: tuple[dict, Path], temperature:
 def test_cost_rises_with_threshold(report: tuple[dict, Path], temperature: float) -> None:
     data, _ = report
     costs = [_config(data, temperature, "fuzzy", t)["quality"]["cost_per_token"] for t in (0.0, 0.2, 0.7)]
-    assert costs[0] == 0.0 < costs[1] < costs[2]
+    assert costs[0] == 0.0 < costs[1]
+    # Greedy, T bounds the regret: a short sweep may meet no token between 0.2 and 0.7 nats.
+    assert costs[1] < costs[2] if temperature else costs[1] <= costs[2]
 
 
 def test_hf_ensemble_costs_something_and_is_a_curve(report: tuple[dict, Path]) -> None:
@@ -246,8 +248,9 @@ def test_acceptance_grows_with_threshold(report: tuple[dict, Path], temperature:
     data, _ = report
     rates = [_config(data, temperature, "fuzzy", t)["acceptance_rate"] for t in (0.0, 0.2, 0.7)]
     assert rates[0] <= rates[1] <= rates[2]
-    # js ≤ ln 2 < 0.7: every draft token is accepted, most of them only by the divergence test.
-    assert rates[2] == 1.0
+    # Sampling: js ≤ ln 2 < 0.7, so every draft token is accepted, most of them only by the
+    # divergence test. Greedy: T bounds the regret, and tokens further from the argmax are refused.
+    assert rates[2] == 1.0 if temperature else rates[0] < rates[2] < 1.0
     assert _config(data, temperature, "fuzzy", 0.7)["fuzzy_share"] > 0
     assert _config(data, temperature, "fuzzy", 0.0)["fuzzy_share"] == 0.0
 

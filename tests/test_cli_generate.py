@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from fsd_chat.cli import main
+from fsd_chat.decoding.settings import DEFAULT_GREEDY_THRESHOLD, DEFAULT_THRESHOLD
 from tests.test_bench_cli import CLI
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -282,8 +283,25 @@ def test_a_signal_ends_the_reply_with_its_summary(
         assert 0 < summary["stats"]["tokens"] == len(summary["token_ids"]) < 400
     else:
         assert out.endswith("\n") and out.strip()
-        match = re.search(r"fsd-chat: interrupted after (\d+) tokens \([\d.]+ tok/s\)\n", errors)
+        match = re.search(r"fsd-chat: interrupted after (\d+) tokens? \([\d.]+ tok/s\)\n", errors)
         assert match is not None and 0 < int(match.group(1)) < 400, errors
+
+
+@pytest.mark.parametrize(
+    ("flags", "threshold"),
+    [
+        ([], DEFAULT_GREEDY_THRESHOLD),  # greedy (the story pair's own sampling): the regret default
+        (["-T", "0"], 0.0),  # given, even 0: kept
+        (["--temperature", "1"], DEFAULT_THRESHOLD),  # sampling: the divergence's default
+    ],
+)
+def test_the_default_threshold_follows_the_setup(
+    target_dir: Path, draft_dir: Path, capsys, flags: list[str], threshold: float
+) -> None:
+    args = ["generate", *pair_args(target_dir, draft_dir), "--json", "--max-new-tokens", "4", *flags, "Once"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    assert json.loads(out.splitlines()[-1])["settings"]["threshold"] == threshold
 
 
 @pytest.mark.parametrize("mode", [[], ["--autoregressive"]])

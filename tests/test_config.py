@@ -41,7 +41,14 @@ def test_options_and_keymap(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("threshold = ", "invalid TOML"),
-        ("thresold = 0.1", "unknown setting\\(s\\) thresold; known: autoregressive, compile, device"),
+        (
+            "thresold = 0.1",
+            "unknown setting\\(s\\) thresold \\(did you mean thresold → threshold\\?\\); known: autoregressive, compile",
+        ),
+        (
+            "tempreature = 0.7",
+            "unknown setting\\(s\\) tempreature \\(did you mean tempreature → temperature\\?\\)",
+        ),
         ("resume = 'abcd'", "unknown setting\\(s\\) resume"),  # per run, not a default
         ('threshold = "high"', "threshold = 'high' has the wrong type"),
         ("draft_tokens = true", "draft_tokens = True has the wrong type"),

@@ -9,6 +9,8 @@ measured timings' shape is checked.
 
 from __future__ import annotations
 
+import itertools
+import random
 from dataclasses import replace
 
 import pytest
@@ -29,6 +31,7 @@ from fsd_chat.decoding.draft_policy import (
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
 from tests.decoding_helpers import collect, count_fed
@@ -472,3 +475,65 @@ def test_a_reply_that_starts_paused_feeds_the_draft_on_its_first_probe(
     assert run.steps[0].stats.paused is not None and run.stats.drafted > 0  # it probed
     assert len(fed) == run.stats.draft_forwards  # no prefill pass of its own
     assert fed[0] > len(prompt_ids)  # the first probe read the prompt and the paused steps at once
+
+
+def _goodput_reply(
+    pair: ModelPair, sampling: SamplingConfig, measured: bool = False
+) -> tuple[list[int], list[int]]:
+    """The tokens and the per-step draft lengths of one reply under goodput and a lossy rule
+    (`measured`: the pair's timings handed in as if timed on this machine)."""
+    settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.5, draft_policy="goodput")
+    decoder = pair.speculative(Controls(settings))
+    if measured:
+        timings = replace(pair.device_timings(), measured=True)
+        decoder.timings = lambda: timings
+    run = collect(
+        decoder.generate(pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=160, sampling=sampling)
+    )
+    return [t.id for s in run.steps for t in s.tokens], [s.stats.drafted for s in run.steps]
+
+
+def _loaded_clock(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Every clock read of the decoder advances by a random 0–50 ms: a machine under a load that
+    comes and goes (the story pair's steps take about 1 ms)."""
+    rng = random.Random(seed)
+    ticks = itertools.accumulate(rng.uniform(0.0, 0.05) for _ in itertools.count())
+    monkeypatch.setattr(PhaseClock, "now", lambda self: next(ticks))
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)], ids=["greedy", "sampled"]
+)
+def test_goodput_replies_do_not_follow_the_clock(
+    pair: ModelPair, monkeypatch: pytest.MonkeyPatch, sampling: SamplingConfig
+) -> None:
+    """The same prompt, settings and seed give the same reply however long the steps take: goodput
+    decides k from acceptance counts and modelled forward costs, never from a clock (under a
+    lossy rule an undrafted position is a target token, so a k that followed the load would change
+    the text)."""
+    quiet = _goodput_reply(pair, sampling)
+    assert any(quiet[1]), "the policy drafts on this pair"
+    for seed in (1, 2):
+        with monkeypatch.context() as patch:
+            _loaded_clock(patch, seed)
+            assert _goodput_reply(pair, sampling) == quiet
+    # The check has teeth: timings that follow the clock (as the app's did) change the draft lengths.
+    measured_quiet = _goodput_reply(pair, sampling, measured=True)
+    _loaded_clock(monkeypatch, 1)
+    assert _goodput_reply(pair, sampling, measured=True)[1] != measured_quiet[1]
+
+
+def test_a_draft_too_dear_to_probe_stays_paused() -> None:
+    """A draft whose catch-up after a pause costs more than PROBE_BUDGET of a target step per
+    missed token is never probed once paused (a paused draft costs nothing); a cheap one probes."""
+    # CAPPED pauses and probes whatever the acceptance at k ≤ 4.
+    dear = replace(CAPPED, catch_up=0.05)  # 5% of V(1) a missed token
+    cheap = replace(CAPPED, catch_up=0.01)
+    settings = DecodingSettings(draft_tokens=4)
+    for timings, probes in ((dear, False), (cheap, True)):
+        policy = GoodputPolicy(timings, "mapped")
+        for _ in range(3):  # drafting that never pays
+            if policy.limit(settings, 100):
+                policy.observe(1, 0)
+        assert policy.pause is not None
+        assert any(policy.limit(settings, 100) for _ in range(PROBE_MOST + 1)) == probes

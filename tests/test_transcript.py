@@ -21,6 +21,7 @@ from fsd_chat.conversation.transcript import (
     write_atomic,
 )
 from fsd_chat.decoding.events import Origin
+from fsd_chat.tui.widgets.conversation import provenance_content
 
 
 def session() -> Session:
@@ -127,8 +128,8 @@ def test_a_change_of_rule_is_named_with_what_the_new_rule_reads() -> None:
         "w0 <sup>⟨mixture T 0.160⟩</sup>w1 w2 <sup>⟨pure tv T 0.160⟩</sup>w3 <sup>⟨exact⟩</sup>w4 "
     )
     assert (
-        "under fuzzy js T 0.100 for 3 tokens → mixture T 0.160 for 4 tokens → pure tv T 0.160 for 1 tokens → "
-        "exact for 1 tokens · stopped"
+        "under fuzzy js T 0.100 for 3 tokens → mixture T 0.160 for 4 tokens → pure tv T 0.160 for 1 token → "
+        "exact for 1 token · stopped"
     ) in reply_summary(record) + " · stopped"
     one = ReplyRecord(runs=record.runs[:1], stats={**record.stats, "spans": record.stats["spans"][:1]})
     assert reply_summary(one).endswith("fuzzy 12% · under fuzzy js T 0.100")
@@ -217,3 +218,18 @@ def test_dash_is_standard_output_and_escapes_are_shown_on_a_terminal(
     export_transcript(text, None)
     shown = capsys.readouterr().out
     assert shown == "title ␛]0;pwned␇ clear ␛[2J\ttab\n" and "\x1b" not in shown
+
+
+def test_a_change_inside_a_word_is_marked_where_the_word_ends() -> None:
+    # T moved between "L" and "uminaria": the mark waits for the word's end, in the export and on screen.
+    runs = [
+        OriginRun("The L", Origin.TARGET, 0.05, "js", "fuzzy"),
+        OriginRun("uminaria was", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy"),
+        OriginRun(" bright", Origin.TARGET, 0.1, "js", "fuzzy"),
+    ]
+    record = ReplyRecord(runs=runs, stats={})
+    assert provenance_html(record) == "The Luminaria<sup>⟨T 0.100⟩</sup> was bright"
+    assert provenance_content(runs).plain == "The Luminaria⟨T 0.10⟩ was bright"
+    # A change at a word's start stays where it is.
+    runs[1] = OriginRun(" uminaria", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy")
+    assert provenance_content(runs).plain == "The L⟨T 0.10⟩ uminaria bright"

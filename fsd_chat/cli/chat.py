@@ -127,6 +127,7 @@ def chat(
         load=specs[2],
         store=store,
         settings=settings,
+        threshold_given=o.THRESHOLD.get(v) is not None,
         sampling=sampling,
         max_new_tokens=o.MAX_NEW_TOKENS.of(v),
         raw=o.RAW.of(v),

@@ -35,6 +35,7 @@ def generate(
         text,
         *specs,
         settings=settings,
+        threshold_given=o.THRESHOLD.get(values) is not None,
         sampling=sampling,
         max_new_tokens=o.MAX_NEW_TOKENS.of(values),
         raw=o.RAW.of(values),

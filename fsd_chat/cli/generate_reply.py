@@ -13,12 +13,12 @@ from rich.markup import escape
 from rich.text import Text
 
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step, step_graph
-from fsd_chat.decoding.settings import SamplingRequest
+from fsd_chat.decoding.settings import SamplingRequest, default_threshold
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.support.interrupts import exit_status, interrupts
-from fsd_chat.support.text import TextError, decode_utf8, require_utf8, to_json, visible
+from fsd_chat.support.text import TextError, counted, decode_utf8, require_utf8, to_json, visible
 from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.theme_files import default_origin_styles
 
@@ -84,6 +84,7 @@ def run_generate(
     autoregressive: bool,
     threads: int | None = None,
     compiled: bool | None = None,
+    threshold_given: bool = True,
     whole_step: bool = False,
 ) -> int:
     """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
@@ -104,6 +105,8 @@ def run_generate(
         )
     if pair.device.type == "cpu":
         apply_threads(threads)
+    # T not given: the setup's default (greedy: a regret bound with its own scale).
+    settings = default_threshold(settings, threshold_given, resolved.config.greedy)
     controls = Controls(settings)
     decoder = pair.decoder(
         controls,
@@ -167,7 +170,7 @@ def run_generate(
                 f"fuzzy {totals.fuzzy_share:.0%} · "
             )
             console.print(
-                f"[dim]{totals.tokens} tokens · {totals.tokens_per_second:.1f} tok/s · {drafting}"
+                f"[dim]{counted(totals.tokens, 'token')} · {totals.tokens_per_second:.1f} tok/s · {drafting}"
                 f"cost {totals.cost_per_token:.4f} nats/token · "
                 f"{resolved.config.describe()} ({escape(resolved.source)})"
                 + (
@@ -181,7 +184,7 @@ def run_generate(
     if status and not as_json:
         # On stderr, so that a piped reply stays the reply alone; on a terminal, after its stats.
         sys.stderr.write(
-            f"fsd-chat: interrupted after {totals.tokens} tokens ({totals.tokens_per_second:.1f} tok/s)\n"
+            f"fsd-chat: interrupted after {counted(totals.tokens, 'token')} ({totals.tokens_per_second:.1f} tok/s)\n"
         )
     if decoder.compile_error:
         sys.stderr.write(

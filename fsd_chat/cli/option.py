@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from difflib import get_close_matches
 from typing import Any, Generic, TypeVar, cast
 
 import typer
@@ -174,5 +175,12 @@ def config_values(config: UserConfig, options: Iterable[Option[Any]]) -> dict[st
         raise ConfigError(f"{where}: the setting {former[0]} is now called {FORMER_SETTINGS[former[0]]}")
     unknown = sorted(set(config.options) - set(known))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {some(unknown)}; known: {', '.join(sorted(known))}")
+        # A misspelt name (`tempreature`) is named with the known one it is closest to.
+        nearest = [
+            f"{name} → {match[0]}" for name in unknown if (match := get_close_matches(name, known, n=1))
+        ]
+        hint = f" (did you mean {some(nearest)}?)" if nearest else ""
+        raise ConfigError(
+            f"{where}: unknown setting(s) {some(unknown)}{hint}; known: {', '.join(sorted(known))}"
+        )
     return {name: known[name].from_config(value, where) for name, value in config.options.items()}

@@ -16,6 +16,7 @@ from fsd_chat.cli.option import Option, one_of
 from fsd_chat.decoding.settings import (
     DEFAULT_DRAFT_POLICY,
     DEFAULT_DRAFT_TOKENS,
+    DEFAULT_GREEDY_THRESHOLD,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_THRESHOLD,
     DIVERGENCE_NAMES,
@@ -76,7 +77,8 @@ TARGET = Option(
     ("--target",),
     str,
     None,
-    "Target model: a Hugging Face Hub id, a local directory, a GGUF file (path, folder, or Hub repo_id:file.gguf).",
+    "Target model: a Hugging Face Hub id, a local directory, a GGUF file (path, folder, or Hub repo_id:file.gguf), "
+    "or default (the default chat model, SmolLM2-135M-Instruct, fetched once).",
     MODELS,
 )
 DRAFT = Option(
@@ -141,8 +143,10 @@ THRESHOLD = Option(
     "threshold",
     ("--threshold", "-T"),
     float,
-    DEFAULT_THRESHOLD,
-    "Threshold T: divergence units for fuzzy/pure, nats per token for mixture; 0 = exact SD.",
+    None,
+    "Threshold T: greedy, nats of regret per token under every rule; sampling, divergence units for "
+    f"fuzzy/pure and nats per token for mixture; 0 = exact SD. Default: {DEFAULT_GREEDY_THRESHOLD:g} "
+    f"greedy, {DEFAULT_THRESHOLD:g} sampling.",
     DECODING,
     _checked_by(DecodingSettings, "threshold"),
 )
@@ -310,7 +314,9 @@ def decoding_settings(values: Mapping[str, object]) -> DecodingSettings:
     return DecodingSettings(
         rule=cast(Rule, RULE.of(values)),
         divergence=cast(DivergenceName, DIVERGENCE.of(values)),
-        threshold=THRESHOLD.of(values),
+        # Not given: the sampling default, which a greedy model's resolved sampling replaces
+        # (`default_threshold`, once the target's generation_config is read).
+        threshold=DEFAULT_THRESHOLD if (given := THRESHOLD.get(values)) is None else given,
         draft_tokens=DRAFT_TOKENS.of(values),
         draft_policy=cast(DraftPolicyName, DRAFT_POLICY.of(values)),
     )

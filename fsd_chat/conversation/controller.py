@@ -41,6 +41,7 @@ from fsd_chat.decoding.settings import (
     DecodingSettings,
     SamplingConfig,
     SamplingRequest,
+    default_threshold,
 )
 from fsd_chat.models.chat_template import (
     ChatTemplateError,
@@ -66,6 +67,8 @@ class ChatOptions:
     Attributes:
         target, draft, load: The models and how to load them.
         settings: Decoding settings at the start (the dial moves them).
+        threshold_given: T was given (a flag, config.toml, a resumed session); else the setup's
+            default replaces it once the sampling is known (`default_threshold`).
         sampling: The sampling asked for; the rest comes from the target's generation_config.
         max_new_tokens: Cap per reply.
         raw: Plain-text turns even for chat models.
@@ -87,6 +90,7 @@ class ChatOptions:
     store: SessionStore
     load: LoadOptions = field(default_factory=LoadOptions)
     settings: DecodingSettings = field(default_factory=DecodingSettings)
+    threshold_given: bool = True
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     raw: bool = False
@@ -207,6 +211,10 @@ class ChatController:
         resolved = o.sampling.resolve(pair.target.generation_config, Path(o.target.source).name)
         self.sampling: SamplingConfig = resolved.config
         """The sampling in force: the request over the target's generation_config."""
+        # T not given: the setup's default (greedy: a regret bound with its own scale).
+        start = default_threshold(o.settings, o.threshold_given, self.sampling.greedy)
+        if start != o.settings:
+            controls.update(threshold=start.threshold)
         self.sampling_source = resolved.source + (
             f"; not applied: {', '.join(resolved.not_applied)}" if resolved.not_applied else ""
         )

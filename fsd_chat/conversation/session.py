@@ -6,6 +6,7 @@ No UI and no torch: the TUI builds sessions, `store` persists them, `transcript`
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -59,6 +60,43 @@ def describe_setting(setting: Setting, previous: Setting | None = None, digits: 
     if rule in THRESHOLD_RULES and (whole or previous is None or previous[2] != threshold):
         parts.append(f"T {threshold:.{digits}f}")
     return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Part of a reply as shown: text of one origin, or (origin None) a ⟨…⟩ mark's words."""
+
+    text: str
+    origin: Origin | None
+
+
+def marked_pieces(runs: Sequence[OriginRun], previous: Setting | None = None, digits: int = 3) -> list[Piece]:
+    """`runs`' text with a mark naming each change of setting (`describe_setting`, from `previous`,
+    the setting before the runs). A change that falls inside a word (a token that continues the
+    word before it: `L` then `uminaria`) is marked where the word ends, so that the mark never
+    splits a word (`Luminaria⟨tv⟩ was`); changes that meet before a boundary share one mark."""
+    pieces: list[Piece] = []
+    pending: list[str] = []
+    last = ""  # the last character shown
+    for run in runs:
+        change = "" if previous is None else describe_setting(run.setting, previous, digits)
+        previous = run.setting
+        if change:
+            pending.append(change)
+        text = run.text
+        if pending and last.isalnum() and text[:1].isalnum():
+            end = next((i for i, c in enumerate(text) if not c.isalnum()), len(text))
+            pieces.append(Piece(text[:end], run.origin))
+            text = text[end:]
+        if pending and text:
+            pieces.append(Piece(" · ".join(pending), None))
+            pending = []
+        if text:
+            pieces.append(Piece(text, run.origin))
+            last = text[-1]
+    if pending:
+        pieces.append(Piece(" · ".join(pending), None))
+    return pieces
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,12 +26,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fsd_chat.conversation.session import ReplyRecord, Session, Setting, describe_setting, final_dial
+from fsd_chat.conversation.session import (
+    ReplyRecord,
+    Session,
+    Setting,
+    describe_setting,
+    final_dial,
+    marked_pieces,
+)
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models.options import quantization_note
 from fsd_chat.support.errors import FsdChatError
-from fsd_chat.support.text import visible
+from fsd_chat.support.text import counted, visible
 
 MARKS: dict[Origin, tuple[str, str]] = {
     Origin.DRAFT_EXACT: ("", ""),
@@ -43,7 +50,8 @@ MARKS: dict[Origin, tuple[str, str]] = {
 """How each origin is marked in the provenance view."""
 
 LEGEND = (
-    "plain: draft token accepted by the exact test · <ins>underlined</ins>: draft token kept by the relaxed "
+    "plain: the target's own token (`target`: a step that drafted nothing, e.g. while the draft policy was "
+    "paused) or a draft token the exact test accepted; both follow the target · <ins>underlined</ins>: draft token kept by the relaxed "
     "test where its law departs from the target's (cost > 0) · <b>bold</b>: target token resampled after a rejection · "
     "<i>italic</i>: target bonus token · <sup>⟨…⟩</sup>: the settings changed here"
 )
@@ -106,7 +114,7 @@ def reply_summary(record: ReplyRecord) -> str:
     s = record.stats
     if not s:
         return "no tokens"
-    parts = [f"{s['tokens']} tokens", f"{s['tokens_per_second']:.1f} tokens/s"]
+    parts = [counted(s["tokens"], "token"), f"{s['tokens_per_second']:.1f} tokens/s"]
     if "first_token_seconds" in s:  # absent from sessions saved before it was measured
         parts.append(f"first token {s['first_token_seconds']:.2f} s")
     if s["drafted"]:
@@ -119,7 +127,7 @@ def reply_summary(record: ReplyRecord) -> str:
         if "cost" in s:  # absent from sessions saved before costs were measured
             parts.append(cost_summary(s["cost"], s["tokens"]))
         if s.get("lookup_hits"):
-            parts.append(f"lookup hits {s['lookup_hits']} of {s['steps']} steps")
+            parts.append(f"lookup hits {s['lookup_hits']} of {counted(s['steps'], 'step')}")
     if record.stop_reason == "stopped":
         parts.append("stopped")
     elif record.stop_reason:
@@ -146,7 +154,7 @@ def dial_summary(stats: dict[str, Any]) -> str:
         previous = setting
     if len(parts) == 1:
         return f"under {parts[0][0]}"
-    return "under " + " → ".join(f"{label} for {tokens} tokens" for label, tokens in parts)
+    return "under " + " → ".join(f"{label} for {counted(tokens, 'token')}" for label, tokens in parts)
 
 
 def _escape(text: str) -> str:
@@ -157,14 +165,12 @@ def _escape(text: str) -> str:
 def provenance_html(record: ReplyRecord) -> str:
     """The reply with each run marked by origin, and ⟨…⟩ where the settings changed."""
     out: list[str] = []
-    previous = None
-    for run in record.runs:
-        change = "" if previous is None else describe_setting(run.setting, previous)
-        if change:
-            out.append(f"<sup>⟨{html.escape(change)}⟩</sup>")
-        previous = run.setting
-        start, end = MARKS[run.origin]
-        out.append(f"{start}{_escape(run.text)}{end}")
+    for piece in marked_pieces(record.runs):
+        if piece.origin is None:
+            out.append(f"<sup>⟨{html.escape(piece.text)}⟩</sup>")
+        else:
+            start, end = MARKS[piece.origin]
+            out.append(f"{start}{_escape(piece.text)}{end}")
     return "".join(out)
 
 

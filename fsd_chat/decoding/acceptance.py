@@ -15,13 +15,20 @@ Rules (Holsman, Huang, Dhingra, "Fuzzy Speculative Decoding", ACL Findings 2025,
   correction is drawn from p.
 - `mixture`: exact speculative sampling against r_i = (1 − λ_i)·p_i + λ_i·q̄_i, q̄_i = q_i
   restricted to p_i's support and renormalised, with the largest λ_i ∈ [0, 1] such that
-  KL(r_i ‖ p_i) ≤ T (see `mixture_weight`). Greedy: accept iff the log-probability regret
-  log p_i(argmax p_i) − log p_i(x̃_i) ≤ T. Every token's cost is ≤ T. It is the per-position form
+  KL(r_i ‖ p_i) ≤ T (see `mixture_weight`). Greedy: see below. Every token's cost is ≤ T. It is the per-position form
   of transformers' static ensemble (`assistant_ensemble_weight` w, transformers ≥ 5.23), which
   verifies against (1 − λ)p + λq with one fixed λ = 1 − w at every position, whatever that costs
   there; `mixture` picks each position's λ_i, the largest within the budget T.
 
 At T = 0 every rule is `exact` (lossless), `pure` included.
+
+**Greedy.** Every relaxed rule (`fuzzy`, `pure`, `mixture`) accepts x̃_i iff its regret
+log p_i(argmax p_i) − log p_i(x̃_i) ≤ T (so the three coincide; argmax p_i has regret 0). The
+draft token is deterministic, so the regret is the very cost the emitted token is charged: T is a
+per-token cost bound in nats, and each step of the dial admits tokens whose log-probability is
+within T of the target's choice. D(p_i, q_i) would be dead over most of the dial: a greedy lookup
+proposes a point mass, and JS(p, δ_x̃) ≤ T holds only once p(x̃) is above about ½, where x̃ is
+already the argmax, until T reaches about 0.22 nats (docs/decoding.md, "The dial's scale").
 
 **Truncated sampling (top-k, top-p, min-p).** p and q are the laws after truncation, and they may
 have different supports: q can put mass on tokens p excludes, and KL(p‖q), KL(q‖p) and every
@@ -291,10 +298,10 @@ def judge(
             the device selects one (`_judge_on_device`), so a new rule never captures again.
         divergence_name: The divergence D used by "fuzzy" and "pure" (reported under every rule),
             or its index in `divergence.DIVERGENCE_NAMES` as a 0-dim int64 device tensor.
-        threshold: T ≥ 0: in the divergence's units for "fuzzy"/"pure" (math.inf accepts every
-            draft token the target's truncation keeps); nats of KL (sampling) or of regret
-            (greedy) per token for "mixture". A 0-dim float32 device tensor goes with a device
-            `rule`, which selects `exact` where T = 0.
+        threshold: T ≥ 0: greedy, nats of regret per token under every relaxed rule; sampling,
+            in the divergence's units for "fuzzy"/"pure" (math.inf accepts every draft token the
+            target's truncation keeps), nats of KL per token for "mixture". A 0-dim float32
+            device tensor goes with a device `rule`, which selects `exact` where T = 0.
         sampling: Sampling settings (greedy: argmax tests and corrections).
         generator: Source of the uniform draws u_i and of the correction draw (None when both
             are given).
@@ -360,7 +367,9 @@ def judge(
         if rule != "exact":
             # log p(argmax) − log p(x̃): +inf for a token the target's truncation removed.
             regret = p_draft.max(-1).values.log() - p_x.log()
-            passes = (regret <= threshold) if rule == "mixture" else (div <= threshold) & (p_x > 0)
+            # Every relaxed rule tests the regret, the cost of the token it would emit: D(p, q) of
+            # a greedy draft is dead over most of the dial (module docstring, Greedy).
+            passes = regret <= threshold
             accept = passes if rule == "pure" else exact | passes
             # Deterministic: the draft token is the target's own choice when it is the argmax (no
             # cost, `draft-exact`), else the relaxed test chose it. A rejected position's

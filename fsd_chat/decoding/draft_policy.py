@@ -50,9 +50,8 @@ makes the step a target-only step (one target forward over one token, no draft w
   and the exact test keeps sampling lossless. Reading c takes one host synchronisation per draft
   forward under `latency` (the other policies read nothing: one per step, the verdict's).
 
-  c_d and V(w) are measured once per loaded pair on its device (`time_forwards`; `ModelPair` keeps
-  the timings, a decoder given none measures its own models once) and can be injected (tests pass
-  synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
+  c_d and V(w) are modelled once per loaded pair (`modelled_timings`; `ModelPair` keeps them, a
+  decoder given none models its own) and can be injected (tests pass synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
 
 - `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
@@ -63,8 +62,8 @@ makes the step a target-only step (one target forward over one token, no draft w
   with a prior at ½), a block of k yields E_k = 1 + G_1 + … + G_k tokens, G_i = â_1···â_i
   (Leviathan et al. 2023, eq. 1, with an acceptance per position: acceptance comes in runs, a draft
   that got the first tokens right tends to get the next ones right too, so one â for every
-  position undercounts long blocks) in
-  T_k = k·c_d + V(k + 1) seconds, target-only decoding 1 token in V(1). The step drafts the k ≥ 1
+  position undercounts long blocks) in T_k = k·c_d + V(k + 1) + s seconds (s: a drafting step's
+  own work, `ForwardTimings.step`), target-only decoding 1 token in V(1). The step drafts the k ≥ 1
   that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
   E_k·V(1) / T_k > 1); when it does not, even at an optimistic acceptance (`PAUSE_OPTIMISM`
   standard deviations above the mean: a pause costs several steps, a drafting step that does not
@@ -75,8 +74,12 @@ makes the step a target-only step (one target forward over one token, no draft w
   (max_k (k + 1)·V(1) / T_k < MIN_CEILING: nearly as slow per forward as its target) is never
   drafted from, not even to probe, and a draft model's cache is never filled ("draft ≤ 1.04× target").
 
-  The prices follow the steps' own seconds: c_d and V(w) come from the timing pass (the shape of
-  the cost in k), and two running factors scale them to what steps actually take: the target's
+  The prices c_d and V(w) are modelled from the models' shapes and sizes (`modelled_timings`),
+  never read from a clock: under a lossy rule an undrafted position is a target token, so a k
+  that followed the machine's load would change the text from run to run. The policy's every
+  decision is then a function of the acceptance counts alone, and a seed gives the same reply on
+  any run. Only timings measured on the machine and handed in as such (`ForwardTimings.measured`,
+  from `time_forwards`: an experiment, not the app) follow the steps' own seconds: two running factors scale them to what steps actually take: the target's
   (a target-only step's seconds / V(1), and a drafting step's verify forward / V(k + 1) where that
   lap is its own: on the CPU, or with a synchronisation per phase) and drafting's (a drafting
   step's seconds / (k·c_d + V(k + 1))), each a geometric mean discounted by `TIME_FORGET` a
@@ -150,6 +153,13 @@ TIME_FORGET = 0.8
 """`goodput`: the weight a running time factor keeps from one step of its kind to the next (it follows
 the last 1 / (1 − TIME_FORGET) = 5 steps or so: a load that shifts shows within a few steps)."""
 
+PROBE_BUDGET = 0.03
+"""`goodput`: the most a paused draft's probes may add to a target-only step, as a share of it. A
+probe of a draft model first feeds its cache every token it missed while paused: when that alone
+costs more than this per paused token (a draft over about 30% of its target's size on a CPU), no
+interval keeps probes within budget, and a pause lasts as long as the decoder (the conversation):
+a paused draft then costs nothing, as a user who sees `paused` expects."""
+
 MIN_CEILING = 1.1
 """`goodput`: the least speed-up over target-only decoding a draft must promise with every token
 accepted (at the best k) to be drafted from at all. Real acceptance is lower (at 90% a k = 1 block
@@ -175,14 +185,21 @@ class ForwardTimings:
         widths: Verify widths in tokens, increasing, from 1 to at least MAX_DRAFT_TOKENS + 1.
         verify: Seconds of a target forward over each of `widths` tokens.
         measured: Measured on this machine (`time_forwards`): `goodput` then scales these by the
-            seconds its steps take. False for timings written by hand (tests, a device described
-            rather than measured), which are taken as they are.
+            seconds its steps take. False for timings modelled (`modelled_timings`) or written by
+            hand (tests), which are taken as they are.
+        step: Seconds a drafting step spends beyond its forwards, against a target-only step's
+            (the acceptance rule, the draft's draws, the rollback): what makes a small pair's
+            speculation dearer than its forwards say.
+        catch_up: Seconds a draft model's cache takes per token it missed while paused (the
+            marginal token of a wide draft forward; 0 for prompt lookup, which keeps no cache).
     """
 
     draft: float
     widths: tuple[int, ...]
     verify: tuple[float, ...]
     measured: bool = False
+    step: float = 0.0
+    catch_up: float = 0.0
 
     def verify_table(self) -> list[float]:
         """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
@@ -238,6 +255,84 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
     fastest = [min(s) for s in samples]
     return ForwardTimings(
         draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), measured=True
+    )
+
+
+FORWARD_SECONDS = 4e-4
+"""`modelled_timings`: a forward's fixed host cost (seconds): Python, dispatch, the cache's
+bookkeeping, the softmax and the read of its result. Fitted, with the five below, to the forwards
+and steps of fixed-k decoding on this project's CPU (one thread, float32): SmolLM2-135M (30 layers,
+134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair (5 and 2 layers of width 64: a
+target-only step 1.1–1.2 ms, a draft position 0.5–0.7 ms, a drafting step's rule and rollback
+0.3–0.45 ms)."""
+
+LAYER_SECONDS = 1.1e-4
+"""`modelled_timings`: seconds of one decoder layer's fixed cost per forward (its dozen operators'
+dispatch, which dominates a small model)."""
+
+TOKEN_LAYER_SECONDS = 3.5e-6
+"""`modelled_timings`: seconds of one decoder layer's work per token beyond its weights (attention,
+norms, activations): what a verify width costs a narrow model."""
+
+BYTE_SECONDS = 6e-11
+"""`modelled_timings`: seconds to read one byte of weights (about 16 GB/s): a forward over a few
+tokens is bound by its weight read."""
+
+WIDE_READ = 1.5
+"""`modelled_timings`: how much dearer the weight read of a forward over 2 or more tokens is than a
+1-token forward's: torch's CPU matrix-vector kernels read the weights faster than its
+matrix-matrix ones. Measured with SmolLM2-135M in float32: V(1) 36–37 ms, V(4) 54–63 ms, V(6)
+62–67 ms, so a lookup block of k must be accepted about half the time to pay."""
+
+TOKEN_SECONDS = 2.4e-11
+"""`modelled_timings`: seconds of one weight's multiply-adds for one token (about 80 GFLOP/s): what
+each more token of a verify width costs."""
+
+
+STEP_SECONDS = 3.5e-4
+"""`modelled_timings`: seconds a drafting step spends beyond its forwards (`ForwardTimings.step`)."""
+
+
+def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
+    """The modelled seconds of `model`'s forward over `width` new tokens (`modelled_timings`): a
+    fixed cost, per layer, per byte of weights read (`WIDE_READ` times dearer over 2 or more tokens),
+    and per token (per weight and per layer). The weights
+    count every parameter but an input embedding that is not also the output head (a gather reads
+    `width` rows of it, not the whole table)."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    gathered = (
+        embedding.weight
+        if embedding is not None and (head is None or head.weight is not embedding.weight)
+        else None
+    )
+    weights = [p for p in model.parameters() if p is not gathered]
+    read = sum(p.numel() * p.element_size() for p in weights)
+    count = sum(p.numel() for p in weights)
+    layers = model.config.get_text_config().num_hidden_layers
+    per_token = count * TOKEN_SECONDS + layers * TOKEN_LAYER_SECONDS
+    read_seconds = read * BYTE_SECONDS * (1.0 if width == 1 else WIDE_READ)
+    return FORWARD_SECONDS + layers * LAYER_SECONDS + read_seconds + width * per_token
+
+
+def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> ForwardTimings:
+    """The draft and verify forward times from the models alone (`model_forward_seconds`): the
+    same on every run and under any load, so that the draft lengths `goodput` and `latency` choose,
+    and with them the text a lossy rule writes, do not depend on a clock (an undrafted position is
+    the target's token). Only ratios matter to the policies (they compare E_k / T_k with
+    1 / V(1)), and those follow the models' shapes and sizes on any device; a draft position also
+    pays its softmax over the vocabulary, included in its forward's head. Prompt lookup: 0 s."""
+    verify = tuple(model_forward_seconds(target, width) for width in MEASURED_WIDTHS)
+    draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
+    # The marginal token of a wide forward (past the 1-token forward's cheaper read).
+    catch_up = 0.0 if draft is None else model_forward_seconds(draft, 3) - model_forward_seconds(draft, 2)
+    return ForwardTimings(
+        draft=draft_seconds,
+        widths=MEASURED_WIDTHS,
+        verify=verify,
+        measured=False,
+        step=STEP_SECONDS,
+        catch_up=catch_up,
     )
 
 
@@ -416,6 +511,7 @@ class GoodputPolicy(FixedPolicy):
     def __init__(self, timings: ForwardTimings, kind: str) -> None:
         self._draft = timings.draft
         self._verify = timings.verify_table()
+        self._step = timings.step
         self._kind = kind
         self._learns = timings.measured
         # Discounted accepted / observed draft tokens at each position of a block.
@@ -433,6 +529,8 @@ class GoodputPolicy(FixedPolicy):
         # forward as its target. Then no step drafts, not even a probe, whatever the acceptance.
         _, ceiling = self._best(torch.ones(MAX_DRAFT_TOKENS, dtype=torch.float64), MAX_DRAFT_TOKENS)
         self._hopeless = ceiling < MIN_CEILING
+        # Probes of this draft cost more than PROBE_BUDGET however rare: a pause is final.
+        self._final_pause = timings.catch_up > PROBE_BUDGET * self._verify[1]
         if self._hopeless:
             self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
 
@@ -479,8 +577,8 @@ class GoodputPolicy(FixedPolicy):
         return best_k, best
 
     def _seconds(self, k: int) -> float:
-        """T_k: the timing pass's seconds of a step drafting k tokens (k = 0: V(1))."""
-        return k * self._draft + self._verify[k + 1]
+        """T_k: the seconds of a step drafting k tokens (k = 0: V(1))."""
+        return k * self._draft + self._verify[k + 1] + (self._step if k else 0.0)
 
     def limit(self, settings: DecodingSettings, room: int) -> int:
         """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap."""
@@ -521,6 +619,8 @@ class GoodputPolicy(FixedPolicy):
             self.pause = f"lookup accepts {self.estimate:.0%}"
         else:
             self.pause = f"{self._who()} {self.best(self._cap)[1]:.2f}× target"
+        # No probe could keep within PROBE_BUDGET: the draft is not run again (see `limit`).
+        self._hopeless = self._hopeless or self._final_pause
 
     def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Fold the step's seconds into the time factors: a target-only step's, or a drafting

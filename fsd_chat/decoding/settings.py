@@ -40,6 +40,13 @@ DEFAULT_THRESHOLD = 0.05
 """Default T (js, nats): the smallest threshold with a measurable speed-up over exact SD on the
 CPU-scale pair (README, "Choosing the defaults"); below it fuzzy acceptances are too rare to pay."""
 
+DEFAULT_GREEDY_THRESHOLD = 0.5
+"""Default T under greedy decoding, where it bounds each kept draft token's regret in nats
+(`fsd_chat.decoding.acceptance`, Greedy): the top of the greedy dial, the largest step that kept
+every reply whole on the default chat (SmolLM2-135M-Instruct, prompt lookup), at 0.002 nats per
+token and 99% of tokens the target's own (docs/benchmarks.md, "The dial on the default chat")."""
+
+
 MAX_DRAFT_TOKENS = 32
 
 DEFAULT_LOOKUP_NGRAM = 3
@@ -71,8 +78,9 @@ class DecodingSettings:
             support, with each position's largest λ such that KL ≤ T: the per-position form of
             transformers' static ensemble, `assistant_ensemble_weight` w, whose λ = 1 − w is fixed).
         divergence: D used by fuzzy/pure: "kl", "reverse-kl", "js" or "tv".
-        threshold: T ≥ 0: in the divergence's units (nats; a probability for tv) for fuzzy/pure;
-            nats per token (KL, or log-probability regret when greedy) for mixture. Finite: JSON
+        threshold: T ≥ 0: greedy, nats of log-probability regret per token under every relaxed
+            rule; sampling, the divergence's units (nats; a probability for tv) for fuzzy/pure and
+            nats of KL per token for mixture. Finite: JSON
             output has no infinity, and the dial could not be turned down from it (T at the
             divergence's upper bound, ln 2 for js or 1 for tv, already accepts every draft token).
         draft_tokens: Draft length k, 1..MAX_DRAFT_TOKENS: the draft length of `fixed`, the
@@ -285,3 +293,10 @@ def check_max_new_tokens(value: int) -> int:
     if not 1 <= value <= MAX_NEW_TOKENS_LIMIT:
         raise SettingsError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS_LIMIT:,}, got {value}")
     return value
+
+
+def default_threshold(settings: DecodingSettings, given: bool, greedy: bool) -> DecodingSettings:
+    """`settings` with the setup's default T where none was given (by a flag, config.toml or a
+    resumed session): greedy decoding reads T as a regret bound, whose useful range differs from the
+    divergences' (`DEFAULT_GREEDY_THRESHOLD`)."""
+    return settings if given or not greedy else replace(settings, threshold=DEFAULT_GREEDY_THRESHOLD)

@@ -33,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, time_forwards
+from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, modelled_timings
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import (
     COMPILED_CONTEXT,
@@ -82,9 +82,10 @@ class SpeculativeDecoder:
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
             share with the last sequence (see `begin`; a mapped draft compares its own spelling,
             see `MappedDraft.begin`).
-        timings: The device's draft and verify forward times, asked for when the `latency` policy
-            is first used (default: measured on these models then, once, a proposer without a draft
-            model taking no time per position; `ModelPair` keeps its own).
+        timings: The draft and verify forward times, asked for when the `latency` or `goodput`
+            policy is first used (default: modelled from these models, `modelled_timings`, so that
+            no clock decides a draft length; a proposer without a draft model taking no time per
+            position).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
         whole_step: Run each step, speculative or target-only, as one function over static
@@ -184,8 +185,7 @@ class SpeculativeDecoder:
             CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
         )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
-        common = min(vocab_size, draft_vocab)
-        self.timings = timings or cache(lambda: time_forwards(target, draft_model, common))
+        self.timings = timings or cache(lambda: modelled_timings(target, draft_model))
         self._kept_policy: tuple[DraftPolicyName, DraftPolicy] | None = None
 
     def _policy(self, name: DraftPolicyName) -> DraftPolicy:

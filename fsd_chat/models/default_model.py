@@ -31,6 +31,22 @@ HOW_TO_GET = (
 """How to get the default model, for the message that asks for a target model."""
 
 
+DEFAULT_TARGET = "default"
+"""The name `--target` (generate, chat, bench, serve) takes for the default chat model."""
+
+
+def resolve_target(name: str) -> str:
+    """`name`, or the default model's file (fetched first if absent) for `DEFAULT_TARGET`; a file
+    or folder of that name in the working directory is taken as itself (`./default`).
+
+    Raises:
+        ModelLoadError: the default model could not be fetched.
+    """
+    if name != DEFAULT_TARGET or Path(name).exists():
+        return name
+    return str(fetch_default_model())
+
+
 def default_model_path() -> Path:
     """Where the default model lives once fetched (it may not exist yet)."""
     return cache_dir() / "models" / Path(MEMBER).name

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fsd_chat.models.default_model import resolve_target
 from fsd_chat.support.errors import ModelLoadError
 
 Quantization = Literal["none", "8bit", "4bit"]
@@ -103,9 +104,14 @@ def pair_specs(
     dtype: str,
     trust_remote_code: bool,
 ) -> tuple[ModelSpec, ModelSpec, LoadOptions]:
-    """Model options -> (target spec, draft spec, load options)."""
+    """Model options -> (target spec, draft spec, load options); target "default" is the default
+    chat model (`resolve_target`: fetched first if absent).
+
+    Raises:
+        ModelLoadError: the default model could not be fetched.
+    """
     return (
-        ModelSpec(target, quantize_target),
+        ModelSpec(resolve_target(target), quantize_target),
         ModelSpec(draft, quantize_draft),
         LoadOptions(device=device, dtype=dtype, trust_remote_code=trust_remote_code),
     )

@@ -15,7 +15,7 @@ from transformers import (
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import ForwardTimings, time_forwards
+from fsd_chat.decoding.draft_policy import ForwardTimings, modelled_timings
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
@@ -37,7 +37,7 @@ class ModelPair:
             vocabulary, the draft's too.
         device: The device inputs go to (the draft's; the target's first shard).
         dtype: Compute dtype of the unquantized weights.
-        timings: The draft and verify forward times on this device (`device_timings`), once measured.
+        timings: The draft and verify forward times (`device_timings`), once modelled.
         vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
         coverage: With a vocab_map, the share of the target's probability mass its paired tokens
             hold (`fsd_chat.decoding.vocab_map.coverage`).
@@ -162,11 +162,11 @@ class ModelPair:
         )
 
     def device_timings(self) -> ForwardTimings:
-        """The pair's draft and verify forward times on its device: measured on the first call
-        (by the `latency` draft policy), then kept for every decoder of the pair."""
+        """The pair's draft and verify forward times, modelled from the models on the first call
+        (`modelled_timings`: no clock, so a seed gives the same reply under any load), then kept
+        for every decoder of the pair."""
         if self.timings is None:
-            draft_vocab = self.vocab_size if self.vocab_map is None else self.vocab_map.draft_vocab
-            self.timings = time_forwards(self.target, self.draft, min(self.vocab_size, draft_vocab))
+            self.timings = modelled_timings(self.target, self.draft)
         return self.timings
 
     def autoregressive(

@@ -147,3 +147,8 @@ def to_json(value: object, *, indent: int | None = None) -> str:
     exactly and still cannot drive a terminal."""
     dumped = json.dumps(_finite(value), ensure_ascii=False, allow_nan=False, indent=indent)
     return _JSON_UNESCAPED_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", dumped)
+
+
+def counted(count: int, noun: str) -> str:
+    """`count` and the noun in the number it takes: "1 token", "0 tokens", "2,048 tokens"."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"

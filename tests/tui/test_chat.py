@@ -11,15 +11,18 @@ from textual.widgets import Markdown, Static
 from fsd_chat.conversation.session import ReplyRecord
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.events import Origin, StopReason
-from fsd_chat.decoding.settings import DecodingSettings
+from fsd_chat.decoding.settings import DecodingSettings, SamplingRequest
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.screens.chat import ChatScreen
 from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
-from fsd_chat.tui.widgets.dial import THRESHOLD_STEP, ThresholdDial
+from fsd_chat.tui.widgets.dial import REGRET_RANGE, REGRET_STEP, THRESHOLD_STEP, ThresholdDial
 from fsd_chat.tui.widgets.prompt import PromptInput
 from tests.tui.helpers import SIZE, GatedDecoder, make_app, wait_for, wait_for_chat
 
 PROMPT = "Once upon a time"
+
+SAMPLED = SamplingRequest(temperature=1.0, seed=0)
+"""Sampling, where T is in the divergence's units (the story pair itself decodes greedily)."""
 
 
 def engine_runs(decoder: GatedDecoder) -> list[tuple[str, Origin]]:
@@ -88,7 +91,8 @@ async def test_reply_streams_with_the_engines_origins(pair: ModelPair, tmp_path:
 @pytest.mark.slow
 async def test_the_dial_mid_reply_is_told_as_it_happened(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
-    app = make_app(pair, tmp_path, gate=gate, max_new_tokens=60)
+    # Sampling: the dial steps through the divergence's units (greedy: regret nats, see test_widgets).
+    app = make_app(pair, tmp_path, gate=gate, max_new_tokens=60, sampling=SAMPLED)
     async with app.run_test(size=SIZE) as pilot:
         screen = await start(pilot)
         decoder = gate[0]
@@ -159,7 +163,7 @@ async def test_escape_stops_and_keeps_the_partial_reply(pair: ModelPair, tmp_pat
 
 
 async def test_dial_keys_and_keymap(pair: ModelPair, tmp_path: Path) -> None:
-    app = make_app(pair, tmp_path, keymap={"raise-threshold": "ctrl+k"})
+    app = make_app(pair, tmp_path, keymap={"raise-threshold": "ctrl+k"}, sampling=SAMPLED)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         dial = app.screen.query_one(ThresholdDial)
@@ -179,6 +183,20 @@ async def test_dial_keys_and_keymap(pair: ModelPair, tmp_path: Path) -> None:
         await pilot.press("right", "right")  # focused dial: one tv step each
         assert math.isclose(app.controls.snapshot().threshold, 2 * THRESHOLD_STEP["tv"])
         assert "T 0.10" in str(dial.render()) and "tv fuzzy" in str(dial.render())
+
+
+async def test_a_greedy_chat_dials_regret_nats(pair: ModelPair, tmp_path: Path) -> None:
+    """The story pair decodes greedily: T is a regret bound, and each key moves it a regret step."""
+    app = make_app(pair, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        dial = app.screen.query_one(ThresholdDial)
+        await pilot.press("ctrl+up")
+        assert math.isclose(app.controls.snapshot().threshold, 0.1 + REGRET_STEP)
+        for _ in range(10):
+            await pilot.press("ctrl+up")
+        assert app.controls.snapshot().threshold == REGRET_RANGE
+        assert "regret nats/tok fuzzy" in dial.render().plain
         assert dial.settings == app.controls.snapshot()
 
 
@@ -317,7 +335,7 @@ async def test_newline_key_and_command_palette(pair: ModelPair, tmp_path: Path) 
 async def test_the_stats_strip_shows_the_cost_and_follows_the_dial(pair: ModelPair, tmp_path: Path) -> None:
     gate: list[GatedDecoder] = []
     start_settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.0, draft_tokens=4)
-    app = make_app(pair, tmp_path, gate=gate, max_new_tokens=120, settings=start_settings)
+    app = make_app(pair, tmp_path, gate=gate, max_new_tokens=120, settings=start_settings, sampling=SAMPLED)
     async with app.run_test(size=SIZE) as pilot:
         screen = await start(pilot)
         decoder = gate[0]
@@ -339,7 +357,7 @@ async def test_the_stats_strip_shows_the_cost_and_follows_the_dial(pair: ModelPa
         await pilot.press("ctrl+g")
         settings = app.controls.snapshot()
         assert settings.rule == "mixture" and settings.threshold == 0.3
-        assert "mixture nats/tok" in screen.query_one(ThresholdDial).render().plain
+        assert "KL nats/tok mixture" in screen.query_one(ThresholdDial).render().plain
         for _ in range(30):
             await pilot.press("ctrl+up")
         assert app.controls.snapshot().threshold == 0.5

@@ -22,8 +22,8 @@ from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, Draft
 from fsd_chat.tui.theme_files import DEFAULT_THEME, ThemeSpec, load_themes
 from fsd_chat.tui.themes import default_variables, to_textual
 from fsd_chat.tui.widgets.conversation import ReplyView, UserMessage
-from fsd_chat.tui.widgets.dial import BAR_CELLS, ThresholdDial, dial_scale
-from fsd_chat.tui.widgets.stats import WINDOW, StatsStrip
+from fsd_chat.tui.widgets.dial import BAR_CELLS, REGRET_RANGE, REGRET_STEP, ThresholdDial, dial_scale
+from fsd_chat.tui.widgets.stats import FULL_WIDTH, WINDOW, StatsStrip
 
 SIZE = (100, 24)
 MARKUP = "[bold red]x[/] [@click=app.bell]y[/] [link=file:///etc]z[/link] [/]"
@@ -246,10 +246,10 @@ async def test_an_error_replaces_the_statistics(reply: tuple[ReplyView, Pilot[No
 
 @pytest.fixture
 async def strip() -> AsyncIterator[tuple[StatsStrip, Pilot[None]]]:
-    """A stats strip with no steps yet."""
+    """A stats strip with no steps yet, wide enough for its full figures."""
     widget = StatsStrip()
     app = WidgetHost(widget)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(FULL_WIDTH, 24)) as pilot:
         yield widget, pilot
 
 
@@ -313,12 +313,41 @@ async def test_the_cost_takes_the_theme_colour_of_its_size(
     assert colour_of(figures(widget), figure) == hex_colour(pilot.app.theme_variables[colour])
 
 
+async def test_the_cost_and_fuzzy_share_count_from_the_replys_first_token(
+    strip: tuple[StatsStrip, Pilot[None]],
+) -> None:
+    widget, pilot = strip
+    # A fuzzy start, then more than a window of exact steps: the reply's cost is still shown.
+    widget.add([Step((), stats(emitted=4, drafted=4, fuzzy=4, cost=0.8))])
+    widget.add([Step((), stats(emitted=4, drafted=4, exact=4)) for _ in range(WINDOW)])
+    await pilot.pause()
+    tokens = 4 * (WINDOW + 1)
+    line = shown(figures(widget))[0]
+    assert f"cost {0.8 / tokens:.3f}/tok" in line and f"fuzzy {4 / tokens:4.0%}" in line
+    widget.begin_reply()  # the next reply counts afresh
+    widget.add([Step((), stats(emitted=4, drafted=4, exact=4))])
+    await pilot.pause()
+    assert "cost 0 " in shown(figures(widget))[0]
+
+
+async def test_at_80_columns_the_strip_abbreviates_but_keeps_tau_fuzzy_and_the_pause() -> None:
+    widget = StatsStrip()
+    async with WidgetHost(widget).run_test(size=(80, 24)) as pilot:
+        widget.add([Step((), stats(emitted=4, drafted=4, exact=3, fuzzy=1, cost=0.4))])
+        widget.add([Step((), replace(stats(emitted=1), paused="mapped draft 0.87× target"))])
+        await pilot.pause()
+        line = shown(figures(widget))[0]
+        assert line == "250 tok/s cost 0.080/tok τ 2.50 fuzzy 20% ⏸ mapped draft 0.87× target"
+        assert len(line) <= 80 - 10  # beside the sparkline
+
+
 async def test_the_strip_says_why_speculation_is_paused(strip: tuple[StatsStrip, Pilot[None]]) -> None:
     widget, pilot = strip
     why = "draft 0.87× [b]target[/b]"  # not markup: shown literally
     widget.add([Step((), replace(stats(emitted=1), paused=why))])
     await pilot.pause()
-    assert shown(figures(widget))[0] == f"  100 tok/s  cost 0  paused: {why}"
+    # τ and the fuzzy share stay; nothing was drafted, so no acceptance.
+    assert shown(figures(widget))[0] == f"  100 tok/s  cost 0  acc    –  τ 1.00  fuzzy   0%  paused: {why}"
     assert colour_of(figures(widget), f"paused: {why}") == hex_colour(pilot.app.theme_variables["warning"])
     widget.add([Step((), stats(emitted=4, drafted=4, exact=3))])  # a probe that paid: drafting again
     await pilot.pause()
@@ -349,6 +378,15 @@ def test_the_dial_range_and_step_of_each_rule(
     settings: DecodingSettings, top: float, step_size: float
 ) -> None:
     assert dial_scale(settings) == pytest.approx((top, step_size))
+    # Greedy: a regret bound in nats per token under every rule and divergence.
+    assert dial_scale(settings, greedy=True) == (REGRET_RANGE, REGRET_STEP)
+
+
+async def test_the_dial_names_the_regret_scale_when_greedy(dial: tuple[ThresholdDial, Pilot[None]]) -> None:
+    widget, _ = dial
+    widget.greedy = True
+    line = await dial_line(dial, DecodingSettings(threshold=REGRET_RANGE / 2, draft_policy="goodput"))
+    assert line == f"T {REGRET_RANGE / 2:.2f} ▕████    ▏ regret nats/tok fuzzy · k ≤ 5 goodput"
 
 
 async def dial_line(dial: tuple[ThresholdDial, Pilot[None]], settings: DecodingSettings) -> str:
@@ -362,10 +400,10 @@ async def dial_line(dial: tuple[ThresholdDial, Pilot[None]], settings: DecodingS
 @pytest.mark.parametrize(
     ("rule", "policy", "line"),
     [
-        ("fuzzy", "fixed", "T 0.35 ▕████    ▏ js fuzzy · k 5"),
-        ("pure", "heuristic", "T 0.35 ▕████    ▏ js pure · k 5 heuristic"),
-        ("exact", "latency", "T 0.35 ▕████    ▏ js exact · k ≤ 5 latency"),
-        ("exact", "goodput", "T 0.35 ▕████    ▏ js exact · k ≤ 5 goodput"),
+        ("fuzzy", "fixed", "T 0.35 ▕████    ▏ js nats fuzzy · k 5"),
+        ("pure", "heuristic", "T 0.35 ▕████    ▏ js nats pure · k 5 heuristic"),
+        ("exact", "latency", "T 0.35 ▕████    ▏ js nats exact · k ≤ 5 latency"),
+        ("exact", "goodput", "T 0.35 ▕████    ▏ js nats exact · k ≤ 5 goodput"),
     ],
 )
 async def test_the_dial_shows_the_settings_in_force(
@@ -397,11 +435,11 @@ async def test_the_dial_under_the_mixture_rule_and_autoregressive(
     dial: tuple[ThresholdDial, Pilot[None]],
 ) -> None:
     line = await dial_line(dial, DecodingSettings(rule="mixture", threshold=0.25, draft_tokens=3))
-    assert line == "T 0.25 ▕████    ▏ mixture nats/tok · k 3"
+    assert line == "T 0.25 ▕████    ▏ KL nats/tok mixture · k 3"
     widget, pilot = dial
     widget.paused = "draft 0.80× target"
     await pilot.pause()
-    assert shown(widget)[0].strip() == "T 0.25 ▕████    ▏ mixture nats/tok · k 0 paused"
+    assert shown(widget)[0].strip() == "T 0.25 ▕████    ▏ KL nats/tok mixture · k 0 paused"
     widget.autoregressive = True
     await pilot.pause()
     assert shown(widget)[0].strip() == "T  —  autoregressive: no drafting"

@@ -43,6 +43,7 @@ from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
+from fsd_chat.support.text import counted
 from fsd_chat.tui.keys import CHAT_BINDINGS
 from fsd_chat.tui.messages import (
     PrefillProgress,
@@ -74,6 +75,10 @@ SHOWN_TURNS = 10
 """Turns kept on screen (up to twice as many before the oldest are put away)."""
 
 
+NARROW_BELOW = 164
+"""Columns below which the dial and the stats strip take a line each (`ChatScreen.-narrow`)."""
+
+
 class ChatScreen(Screen[None]):
     """The main screen: it renders what its `ChatController` (`chat`) decides.
 
@@ -86,6 +91,10 @@ class ChatScreen(Screen[None]):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [*CHAT_BINDINGS]
+    # Textual declares it an instance variable of type list (ClassVar would not type-check).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]  # noqa: RUF012
+    """Narrower than the dial (60 cells) and the strip's full figures side by side: the two take a
+    line each (app.tcss)."""
 
     def __init__(
         self,
@@ -139,6 +148,7 @@ class ChatScreen(Screen[None]):
         """Show the session so far, the settings, and focus the prompt."""
         dial = self.query_one(ThresholdDial)
         dial.autoregressive = self.chat.options.autoregressive
+        dial.greedy = self.chat.sampling.greedy
         dial.settings = self.controls.snapshot()
         self._show_turns()
         self.query_one("#conversation", VerticalScroll).anchor()
@@ -184,7 +194,7 @@ class ChatScreen(Screen[None]):
         elif not self._hidden:
             earlier.remove()
         for button in conversation.query_children("#earlier").results(Button):
-            button.label = f"Show {self._hidden} earlier turns"
+            button.label = f"Show {counted(self._hidden, 'earlier turn')}"
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         """Show every earlier turn (the per-frame work then grows with them)."""
@@ -209,6 +219,7 @@ class ChatScreen(Screen[None]):
             self.query_one(PromptInput).give_back(event.text)
             return
         reply = ReplyView(sent.record)
+        self.query_one(StatsStrip).begin_reply()
         self._sent_widgets = (UserMessage(sent.question.content), reply)
         self.streaming = reply
         self._buffer = StepBuffer()
@@ -362,11 +373,11 @@ class ChatScreen(Screen[None]):
 
     def action_raise_threshold(self) -> None:
         """T up one step of the dial in use (capped at the dial's top)."""
-        self._update_controls(raise_threshold(self.controls.snapshot()))
+        self._update_controls(raise_threshold(self.controls.snapshot(), self.chat.sampling.greedy))
 
     def action_lower_threshold(self) -> None:
         """T down one step (not below 0); from above the dial's top, to the top."""
-        self._update_controls(lower_threshold(self.controls.snapshot()))
+        self._update_controls(lower_threshold(self.controls.snapshot(), self.chat.sampling.greedy))
 
     def action_exact(self) -> None:
         """T = 0: exact speculative decoding."""
@@ -374,11 +385,11 @@ class ChatScreen(Screen[None]):
 
     def action_cycle_divergence(self) -> None:
         """The next divergence; T stays, capped at the new divergence's dial range."""
-        self._update_controls(cycle_divergence(self.controls.snapshot()))
+        self._update_controls(cycle_divergence(self.controls.snapshot(), self.chat.sampling.greedy))
 
     def action_cycle_rule(self) -> None:
         """The next acceptance rule (fuzzy, mixture, pure, exact); T stays, capped at its dial's top."""
-        self._update_controls(cycle_rule(self.controls.snapshot()))
+        self._update_controls(cycle_rule(self.controls.snapshot(), self.chat.sampling.greedy))
 
     def action_stop(self) -> None:
         """Stop the streaming reply after the step in progress; the partial reply is kept."""

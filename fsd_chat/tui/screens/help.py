@@ -20,22 +20,29 @@ COLOURS: dict[Origin, str] = {
     Origin.DRAFT_FUZZY: "draft token kept where the relaxed test decided (D ≤ T, or mixture's blend): the text may depart from the target",
     Origin.TARGET_RESAMPLED: "token drawn from the target after it rejected a draft token",
     Origin.TARGET_BONUS: "the target's extra token after all k draft tokens were accepted",
-    Origin.TARGET: "plain target token: autoregressive mode, and a reply's last token when no room is left to draft",
+    Origin.TARGET: "the target's own token, from a step that drafted nothing: the draft policy paused (k 0; on the default chat most steps), no lookup match, autoregressive mode, or no room left to draft",
 }
 
 DIAL = """\
 ## The dial
 
-`T 0.05 ▕▊         ▏ js · fuzzy · k 5` — the threshold **T** of Fuzzy Speculative Decoding, a bar
-over the divergence's useful range, the divergence **D** and the acceptance rule in force.
+`T 0.50 ▕████    ▏ regret nats/tok fuzzy · k ≤ 5 goodput` — the threshold **T** of Fuzzy
+Speculative Decoding, a bar over the dial's range, the unit T is in, and the acceptance rule in force.
+
+**Greedy decoding** (a model without sampling settings, such as the default chat's): T is a bound
+in nats on each kept draft token's regret, how much less likely it is than the target's own choice
+(log p(argmax) − log p(token)): 0.25 keeps a token at least 78% as likely as the target's choice,
+0.5 one at least 61% as likely. It is the cost the token is charged, under every rule. The dial
+stops at 0.5 nats, the largest step measured to keep replies whole (docs/decoding.md, "The dial's
+scale").
 
 For every draft token the target model checks the draft's proposal. With the **fuzzy** rule a
 draft token is kept when the exact speculative test accepts it **or** when the divergence between
 the target's and the draft's next-token distributions is at most T. Raising T keeps more draft
 tokens: faster replies (higher acceptance, longer accepted runs τ) that may drift from what the
 target alone would write. A change applies from the next decoding step and is marked ⟨…⟩ in the
-reply. Each divergence has its own units and step: kl and reverse-kl in nats (0–2 on the dial),
-js in nats (0–ln 2), tv a probability (0–1).
+reply. When sampling, each divergence has its own units and step: kl and reverse-kl in nats (0–2
+on the dial), js in nats (0–ln 2), tv a probability (0–1).
 
 **T = 0** (ctrl+r) is exact speculative decoding under every rule, pure included: only the exact
 test accepts, so the replies follow the target model's own distribution — lossless, only faster than decoding with the target alone.
@@ -55,7 +62,7 @@ dial reads in the same units as the cost figure. Under truncated sampling, fuzzy
 the models' untruncated laws, so T means the same with or without top-k, top-p and min-p.
 
 What T costs, in nats per token (sampling at temperature 1 · greedy), measured on the offline pair
-with k = 5 (README, "The divergences' scales"); under mixture every token costs at most T:
+with k = 5 (docs/benchmarks.md, "The divergences' scales"); under mixture every token costs at most T:
 
 | divergence | T 0.02 | T 0.05 | T 0.1 | T 0.2 | T 0.4 |
 |---|---|---|---|---|---|
@@ -64,9 +71,10 @@ with k = 5 (README, "The divergences' scales"); under mixture every token costs 
 | kl | 0.004 · 0.000 | 0.011 · 0.000 | 0.023 · 0.006 | 0.068 · 0.021 | 0.126 · 0.065 |
 | reverse-kl | 0.001 · 0.000 | 0.004 · 0.000 | 0.011 · 0.006 | 0.033 · 0.019 | 0.085 · 0.053 |
 
-The stats strip shows tokens/s, acceptance rate, mean accepted length τ (tokens per target
-forward pass), the share of fuzzy-accepted tokens and the cost per token over the last 16 steps,
-and a sparkline of tokens per step.
+The stats strip shows tokens/s, acceptance rate and mean accepted length τ (tokens per target
+forward pass) over the last 16 steps, the share of fuzzy-accepted tokens and the cost per token
+since the reply's first token, why drafting is paused when it is, and a sparkline of tokens per
+step. In a narrow terminal the figures are abbreviated (⏸: paused).
 """
 
 

@@ -28,7 +28,7 @@ from fsd_chat.conversation.session import (
     ReplyBuilder,
     ReplyRecord,
     Setting,
-    describe_setting,
+    marked_pieces,
 )
 from fsd_chat.conversation.transcript import reply_summary
 from fsd_chat.decoding.events import Step
@@ -45,13 +45,12 @@ def provenance_content(
     """`runs`' text, each run in its origin's colour, with a ⟨…⟩ mark naming what changed where
     the setting changed (from `previous`, the setting of the run before them; see
     `describe_setting`), and a stop mark if `stopped`."""
-    parts: list[Content | tuple[str, str] | str] = []
-    for run in runs:
-        change = "" if previous is None else describe_setting(run.setting, previous, digits=2)
-        if change:
-            parts.append((f"⟨{change}⟩", "bold reverse $accent"))
-        previous = run.setting
-        parts.append((run.text, origin_style(run.origin)))
+    parts: list[Content | tuple[str, str] | str] = [
+        (f"⟨{piece.text}⟩", "bold reverse $accent")
+        if piece.origin is None
+        else (piece.text, origin_style(piece.origin))
+        for piece in marked_pieces(runs, previous, digits=2)
+    ]
     if stopped:
         parts.append((" ⏹ stopped", "bold $warning"))
     return Content.assemble(*parts)

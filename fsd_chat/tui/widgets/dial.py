@@ -1,4 +1,4 @@
-"""The threshold dial: `T 0.30 ▕████▍    ▏ js · fuzzy · k 5` (Textual has no slider widget), its
+"""The threshold dial: `T 0.30 ▕████▍    ▏ js nats fuzzy · k 5` (Textual has no slider widget), its
 range and step for each rule and divergence, and the arithmetic of its keys.
 
 It shows the `DecodingSettings` in force; left/right (when focused) and the chat keys move T
@@ -37,16 +37,39 @@ THRESHOLD_STEP: dict[DivergenceName, float] = {
 """One nudge of T, sized to the divergence's typical spread between a draft and a target."""
 
 MIXTURE_RANGE = 0.5
-"""Top of the dial under the mixture rule, in nats per token (a per-token KL or regret budget)."""
+"""Top of the dial under the mixture rule when sampling, in nats per token (a per-token KL budget)."""
 MIXTURE_STEP = 0.01
 """One nudge of the mixture rule's budget: its useful costs are 0.01–0.1 nats per token."""
 
+REGRET_RANGE = 0.5
+"""Top of the dial under greedy decoding, where every relaxed rule accepts a draft token whose
+log-probability is within T nats of the target's argmax (`fsd_chat.decoding.acceptance`, Greedy):
+the largest step measured to keep replies whole (no loop the target alone would not write) on
+MT-Bench and tinystories-retell with the default chat model (a retell looped from 0.75 on, in two
+runs) and on TinyStories with the story pair (whole to 1.0) (docs/bench-dial-smollm2.json,
+docs/bench-dial-story.json; docs/benchmarks.md, "The dial on the default chat")."""
+REGRET_STEP = 0.25
+"""One nudge of the regret bound (a factor e^0.25 ≈ 1.28 in how much less likely than the argmax
+a kept draft token may be): each step raised acceptance and τ on MT-Bench and on the story pair."""
 
-def dial_scale(settings: DecodingSettings) -> tuple[float, float]:
-    """(top, step) of the dial for the rule and divergence in force, in T's units."""
+
+def dial_scale(settings: DecodingSettings, greedy: bool = False) -> tuple[float, float]:
+    """(top, step) of the dial for the rule, divergence and decoding in force, in T's units."""
+    if greedy:
+        return REGRET_RANGE, REGRET_STEP
     if settings.rule == "mixture":
         return MIXTURE_RANGE, MIXTURE_STEP
     return DIAL_RANGE[settings.divergence], THRESHOLD_STEP[settings.divergence]
+
+
+def threshold_unit(settings: DecodingSettings, greedy: bool = False) -> str:
+    """What T measures, as the dial names it: "regret nats/tok" (greedy, every rule), "KL
+    nats/tok" (the mixture rule's budget), "tv" (a probability), else the divergence in nats."""
+    if greedy:
+        return "regret nats/tok"
+    if settings.rule == "mixture":
+        return "KL nats/tok"
+    return "tv" if settings.divergence == "tv" else f"{settings.divergence} nats"
 
 
 RULE_CYCLE: tuple[Rule, ...] = ("fuzzy", "mixture", "pure", "exact")
@@ -61,19 +84,19 @@ class DialChange(TypedDict, total=False):
     rule: Rule
 
 
-def raise_threshold(settings: DecodingSettings) -> DialChange:
+def raise_threshold(settings: DecodingSettings, greedy: bool = False) -> DialChange:
     """T up one step of the dial in use, capped at the dial's top (no change at or above it).
     T is rounded to 6 decimals so that repeated steps do not accumulate float noise."""
-    top, step = dial_scale(settings)
+    top, step = dial_scale(settings, greedy)
     if settings.threshold >= top:
         return {}
     return {"threshold": round(min(settings.threshold + step, top), 6)}
 
 
-def lower_threshold(settings: DecodingSettings) -> DialChange:
+def lower_threshold(settings: DecodingSettings, greedy: bool = False) -> DialChange:
     """T down one step, not below 0; from above the dial's top (a T set on the command line), to
     the top."""
-    top, step = dial_scale(settings)
+    top, step = dial_scale(settings, greedy)
     return {"threshold": round(max(min(settings.threshold - step, top), 0.0), 6)}
 
 
@@ -81,19 +104,19 @@ EXACT: DialChange = {"threshold": 0.0}
 """T = 0: exact speculative decoding, whatever the rule."""
 
 
-def cycle_divergence(settings: DecodingSettings) -> DialChange:
+def cycle_divergence(settings: DecodingSettings, greedy: bool = False) -> DialChange:
     """The next divergence (in `DIVERGENCE_NAMES`' order, wrapping); T stays, capped at the new
     divergence's dial top."""
     names = DIVERGENCE_NAMES
     following = names[(names.index(settings.divergence) + 1) % len(names)]
-    top, _ = dial_scale(replace(settings, divergence=following))
+    top, _ = dial_scale(replace(settings, divergence=following), greedy)
     return {"divergence": following, "threshold": min(settings.threshold, top)}
 
 
-def cycle_rule(settings: DecodingSettings) -> DialChange:
+def cycle_rule(settings: DecodingSettings, greedy: bool = False) -> DialChange:
     """The next acceptance rule (`RULE_CYCLE`, wrapping); T stays, capped at its dial's top."""
     following = RULE_CYCLE[(RULE_CYCLE.index(settings.rule) + 1) % len(RULE_CYCLE)]
-    top, _ = dial_scale(replace(settings, rule=following))
+    top, _ = dial_scale(replace(settings, rule=following), greedy)
     return {"rule": following, "threshold": min(settings.threshold, top)}
 
 
@@ -125,15 +148,17 @@ class ThresholdDial(Widget, can_focus=True):
     autoregressive: reactive[bool] = reactive(False)
     paused: reactive[str | None] = reactive(None)
     """Why the draft policy takes target-only steps (`StepStats.paused`; None: it drafts)."""
+    greedy: reactive[bool] = reactive(False)
+    """Greedy decoding: T is a regret bound (`dial_scale`, `threshold_unit`)."""
 
     def render(self) -> Content:
         """The dial line."""
         s = self.settings
         if self.autoregressive:
             return Content.assemble(("T  —  ", "$text-muted"), ("autoregressive: no drafting", "$text-muted"))
-        top, _ = dial_scale(s)
-        # The mixture rule's T is a budget in nats per token and ignores the divergence.
-        rule = "mixture nats/tok" if s.rule == "mixture" else f"{s.divergence} {s.rule}"
+        top, _ = dial_scale(s, self.greedy)
+        # The unit T is in, then the rule.
+        rule = f"{threshold_unit(s, self.greedy)} {s.rule}"
         return Content.assemble(
             (f"T {s.threshold:.2f} ", "bold"),
             ("▕", "$text-muted"),

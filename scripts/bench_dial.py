@@ -1,0 +1,177 @@
+"""The dial's steps on one setup: acceptance, τ, cost, greedy agreement and loops at each T, against
+T = 0 and the target alone, to place the dial's top where replies break (docs/decoding.md, "The
+dial's scale"; docs/benchmarks.md).
+
+Every prompt is decoded by every configuration in turn (the order rotated per prompt), so the
+per-prompt ratios of tokens/s are paired; each median ratio has its distribution-free 95% interval
+(`median_ci95`). Greedy agreement: the share of T = 0's reply that the reply at T repeats before it
+first departs, averaged over prompts. A loop: a reply that ends at the token cap on a repeated
+stretch (its last `LOOP_SPAN` tokens repeat with a period ≤ `LOOP_PERIOD`) where the reply at T = 0
+does not. One torch thread, float32, the app's draft policy (goodput) unless told otherwise.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_dial.py --target default --draft lookup \\
+        --preset tinystories-retell --preset mt-bench --output docs/bench-dial-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from fsd_chat.bench.prompts import load_prompt_set
+from fsd_chat.bench.stats import median_ci95
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
+from fsd_chat.decoding.events import StopReason
+from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
+from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.default_model import default_model_path
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+
+LOOP_SPAN = 48
+"""Tokens at a reply's end inspected for a loop."""
+LOOP_PERIOD = 16
+"""Longest period (tokens) of a repeated stretch counted as a loop."""
+
+
+def loops(ids: list[int], capped: bool) -> bool:
+    """Whether the reply ended at the cap on a stretch that repeats with a short period."""
+    tail = ids[-LOOP_SPAN:]
+    if not capped or len(tail) < LOOP_SPAN:
+        return False
+    return any(all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, LOOP_PERIOD + 1))
+
+
+def agreement(reply: list[int], reference: list[int]) -> float:
+    """The share of `reference` that `reply` repeats before it first departs."""
+    same = 0
+    for a, b in zip(reply, reference, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same / max(len(reference), 1)
+
+
+def _interval(values: list[float]) -> list[float] | None:
+    interval = median_ci95(values)
+    return None if interval is None else [interval[0], interval[1]]
+
+
+def main() -> None:
+    """Measure, print and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="default", help="a model, or 'default' (the default chat model)")
+    parser.add_argument("--draft", default="lookup")
+    parser.add_argument("--preset", action="append", required=True)
+    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--thresholds", default="0,0.25,0.5,0.75,1,1.25,1.5,2")
+    parser.add_argument("--rule", default="fuzzy")
+    parser.add_argument("--divergence", default="js")
+    parser.add_argument("--policy", default=DEFAULT_DRAFT_POLICY)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target = str(default_model_path()) if args.target == "default" else args.target
+    pair = load_pair(ModelSpec(target), ModelSpec(args.draft), LoadOptions(device="cpu", dtype="float32"))
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    names = ["target alone", *(f"T {t:g}" for t in thresholds)]
+    greedy = SamplingConfig()
+    report: dict[str, object] = {
+        "target": args.target,
+        "draft": args.draft,
+        "rule": args.rule,
+        "divergence": args.divergence,
+        "policy": args.policy,
+        "sampling": "greedy",
+        "max_new_tokens": args.max_new_tokens,
+        "sets": {},
+    }
+    for preset in args.preset:
+        prompt_set = load_prompt_set(preset, data_dir=args.data_dir, limit=args.prompts)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        totals = {name: GenerationStats() for name in names}
+        replies: dict[str, list[tuple[list[int], bool]]] = {name: [] for name in names}
+        for index, item in enumerate(prompt_set.items):
+            messages = [Message("user", item.text)]
+            ids = prompt_ids(pair.tokenizer, messages) if args.chat else pair.tokenizer(item.text).input_ids
+            order = names[index % len(names) :] + names[: index % len(names)]
+            for name in order:
+                threshold = 0.0 if name == "target alone" else float(name.removeprefix("T "))
+                controls = Controls(
+                    DecodingSettings(
+                        rule=args.rule,
+                        divergence=args.divergence,
+                        threshold=threshold,
+                        draft_policy=args.policy,
+                    )
+                )
+                decoder = pair.decoder(controls, autoregressive=name == "target alone")
+                stats, out, capped = GenerationStats(), [], False
+                for step in decoder.generate(
+                    ids,
+                    max_new_tokens=args.max_new_tokens,
+                    sampling=greedy,
+                    stop_strings=prompt_set.stop_strings,
+                ):
+                    stats.add(step)
+                    totals[name].add(step)
+                    out += [t.id for t in step.tokens]
+                    capped = step.stop_reason == StopReason.MAX_NEW_TOKENS
+                rates[name].append(stats.tokens_per_second)
+                replies[name].append((out, capped))
+            print(f"{preset} prompt {index + 1}/{len(prompt_set.items)}", flush=True)
+        rows: dict[str, object] = {}
+        reference = replies["T 0"]
+        for name in names:
+            t = totals[name]
+            new_loops = sum(
+                loops(ids, capped) and not loops(*ref)
+                for (ids, capped), ref in zip(replies[name], reference, strict=True)
+            )
+            to_exact = [r / a for r, a in zip(rates[name], rates["T 0"], strict=True)]
+            to_target = [r / a for r, a in zip(rates[name], rates["target alone"], strict=True)]
+            rows[name] = {
+                "tokens_per_second": statistics.median(rates[name]),
+                "ratio_to_T0": statistics.median(to_exact),
+                "ratio_to_T0_ci95": _interval(to_exact),
+                "ratio_to_target": statistics.median(to_target),
+                "ratio_to_target_ci95": _interval(to_target),
+                "acceptance": t.acceptance_rate,
+                "tau": t.mean_accepted_length,
+                "fuzzy_share": t.fuzzy_share,
+                "cost_per_token": t.cost_per_token,
+                "greedy_agreement": statistics.mean(
+                    agreement(ids, ref[0]) for (ids, _), ref in zip(replies[name], reference, strict=True)
+                ),
+                "identical_replies": sum(
+                    ids == ref[0] for (ids, _), ref in zip(replies[name], reference, strict=True)
+                ),
+                "new_loops": new_loops,
+                "tokens": t.tokens,
+                "paused_steps": t.paused_steps,
+                "steps": t.steps,
+            }
+            row = rows[name]
+            assert isinstance(row, dict)
+            print(
+                f"{preset:>18} {name:>12}: {row['tokens_per_second']:6.1f} tok/s ×{row['ratio_to_T0']:.2f} T0 "
+                f"{row['ratio_to_T0_ci95']} ×{row['ratio_to_target']:.2f} target  acc {row['acceptance']:.3f} "
+                f"τ {row['tau']:.3f} fuzzy {row['fuzzy_share']:.3f} cost {row['cost_per_token']:.4f} "
+                f"agree {row['greedy_agreement']:.2f} same {row['identical_replies']} loops {new_loops}",
+                flush=True,
+            )
+        sets = report["sets"]
+        assert isinstance(sets, dict)
+        sets[preset] = {"prompts": len(prompt_set.items), "rows": rows}
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
