@@ -12,7 +12,10 @@ Its phases, each with a line of progress and its seconds:
 3. its bench in bfloat16: target-only, exact, fuzzy and mixture, under fixed k and the chat's
    default draft policy, against hf-static and hf-assisted (bench's table, its advice line, and
    its report.json under --real-output);
-4. the scaled story pair, and 5. a short bench of it in bfloat16 (target-only decoding and exact SD
+4. the same fsd-chat rows with `--whole-step` (one captured CUDA graph a step; its report.json
+   under --whole-step-output), then one table of both: each row's tok/s today and as whole steps,
+   and against hf-static, issue 36's goals read off it;
+5. the scaled story pair, and 6. a short bench of it in bfloat16 (target-only decoding and exact SD
    against transformers' `generate` with a static cache and its assisted generation; --output).
 With no CUDA device it says so in one line and exits 0.
 
@@ -81,6 +84,62 @@ def _cuda_device() -> str | None:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _rate_table(junit: Path) -> Table | None:
+    """The tok/s the CUDA tests recorded (JUnit properties "<decoder> graphs" and "<decoder>
+    compiled", `test_whole_step_graphs_speed`): whole-step graphs beside today's compiled steps, one
+    row a decoder (None when no test recorded any)."""
+    rates: dict[str, dict[str, float]] = {}
+    for prop in ET.parse(junit).getroot().iter("property"):
+        name, _, kind = (prop.get("name") or "").rpartition(" ")
+        if name and kind in ("graphs", "compiled"):
+            rates.setdefault(name, {})[kind] = float(prop.get("value") or "nan")
+    if not rates:
+        return None
+    table = Table(
+        "decoder", "whole step tok/s", "compiled tok/s", "ratio", title="whole step vs compiled steps"
+    )
+    for name, rate in rates.items():
+        graphs, compiled = rate.get("graphs"), rate.get("compiled")
+        ratio = f"{graphs / compiled:.2f}" if graphs and compiled else "?"
+        table.add_row(Text(name), f"{graphs or 0:.0f}", f"{compiled or 0:.0f}", ratio)
+    return table
+
+
+def whole_step_table(today: Path, whole: Path) -> Table:
+    """The real-cost pair's fsd-chat rows, today's steps (`today`'s report.json) beside whole steps
+    (`whole`'s), with hf-static's tok/s: each row's tok/s (mean over its replies), the ratio of the
+    two, and the whole step's tok/s over hf-static's (issue 36's goals: target-only ≥ 1.2× hf-static,
+    exact at its best k ≥ 1.8× target-only, the default policy ≥ its best fixed k, fuzzy or mixture
+    ≥ 1.15× exact). A row missing from either report shows "-"."""
+    reports = [json.loads(path.read_text(encoding="utf-8")) for path in (today, whole)]
+    rates = [
+        {c["label"]: c["tokens_per_second"] for c in r["configs"] if c["status"] == "ok"} for r in reports
+    ]
+    static = rates[0].get("hf-static")
+    table = Table(
+        "configuration",
+        "today tok/s",
+        "whole step tok/s",
+        "whole / today",
+        "whole / hf-static",
+        title="the real-cost pair: whole steps (--whole-step) vs today's steps",
+    )
+    labels = [c["label"] for c in reports[1]["configs"]] + [c["label"] for c in reports[0]["configs"]]
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for label in dict.fromkeys(labels):  # in order, once each
+        before, after = rates[0].get(label), rates[1].get(label)
+        if label.startswith("hf-") and after is None:
+            table.add_row(Text(label), cell(before), "-", "-", "-")
+            continue
+        ratio = f"{after / before:.2f}" if after and before else "-"
+        over_static = f"{after / static:.2f}" if after and static else "-"
+        table.add_row(Text(label), cell(before), cell(after), ratio, over_static)
+    return table
 
 
 def _test_table(junit: Path) -> tuple[Table, int]:
@@ -181,10 +240,18 @@ def bench_command(args: argparse.Namespace, target: str, draft: str) -> list[str
     ]
 
 
-def real_bench_command(args: argparse.Namespace, target: str, draft: str) -> list[str]:
+def real_bench_command(
+    args: argparse.Namespace, target: str, draft: str, *, whole_step: bool = False
+) -> list[str]:
     """The `fsd-chat bench` command line of the real-cost pair: target-only, exact, fuzzy and
     mixture, under fixed k and the chat's default policy, against hf-static and hf-assisted, in
-    bfloat16 (one threshold per rule)."""
+    bfloat16 (one threshold per rule). `whole_step`: fsd-chat's rows alone, with `--whole-step`
+    (transformers' rows would be the same as without it), into --whole-step-output."""
+    if whole_step:
+        command = real_bench_command(args, target, draft)
+        command[command.index("--baselines") + 1] = "autoregressive,exact"
+        command[command.index("--output") + 1] = str(args.whole_step_output)
+        return [*command, "--whole-step"]
     return [
         *(sys.executable, "-m", "fsd_chat", "bench", "--target", target, "--draft", draft),
         *("--device", args.device, "--dtype", args.dtype),
@@ -240,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-real", action="store_true", help="skip the real-cost pair")
     parser.add_argument(
+        "--whole-step-output",
+        type=Path,
+        default=CACHE / "gpu-check-real-whole-step",
+        help="the real-cost pair's report folder with --whole-step",
+    )
+    parser.add_argument(
         "--real-output",
         type=Path,
         default=CACHE / "gpu-check-real",
@@ -261,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         None if args.no_real else real_cost_pair(args.models, args.builder, args.real_target, args.real_draft)
     )
     failed = 0
-    total = 2 + (0 if args.no_real else 2)
+    total = 2 + (0 if args.no_real else 3)
     number = 0
     if on_cuda:
         total += 1
@@ -283,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(tests, env={**os.environ, "FSD_CHAT_MODELS": str(args.models)})
             table, failed = _test_table(junit)
             console.print(table)
+            rates = _rate_table(junit)
+            if rates is not None:
+                console.print(rates)
 
     benches = 0
     # The real-cost pair first: the figures a user's pair would see, printed even if the check
@@ -302,6 +378,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             console.print(
                 Text(f"gpu-check: the real-cost pair's report is {args.real_output / 'report.json'}")
+            )
+        number += 1
+        with phase(console, number, total, f"bench of the real-cost pair in {args.dtype}, --whole-step"):
+            command = real_bench_command(args, str(real_target), str(real_draft), whole_step=True)
+            benches += subprocess.run(command).returncode != 0
+            reports = (args.real_output / "report.json", args.whole_step_output / "report.json")
+            if all(path.is_file() for path in reports):
+                console.print(whole_step_table(*reports))
+            console.print(
+                Text(f"gpu-check: the whole-step report is {args.whole_step_output / 'report.json'}")
             )
     number += 1
     with phase(console, number, total, "building the scaled story pair"):

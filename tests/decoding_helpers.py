@@ -54,7 +54,8 @@ def collect(steps: Iterable[Step], prompt_ids: list[int] | None = None) -> Colle
 
 
 def count_fed(model: CachedModel) -> list[int]:
-    """Count the tokens fed to `model` per forward pass (a wrapper around the real forward)."""
+    """Count the tokens fed to `model` per forward pass (wrappers around the real forward, and
+    prefill where it does not go through forward)."""
     fed: list[int] = []
     forward = model.forward
 
@@ -63,4 +64,12 @@ def count_fed(model: CachedModel) -> list[int]:
         return forward(seq, upto, keep)
 
     model.forward = counting  # type: ignore[method-assign]
+    if type(model).prefill is not CachedModel.prefill:  # a prefill of its own, not through forward
+        prefill = model.prefill
+
+        def counting_prefill(seq: torch.Tensor, upto: int) -> None:
+            fed.append(upto - model.seen)
+            prefill(seq, upto)
+
+        model.prefill = counting_prefill  # type: ignore[method-assign]
     return fed

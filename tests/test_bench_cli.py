@@ -163,3 +163,45 @@ def test_quick_measures_the_chats_policy_and_ends_with_advice_from_its_table(
         assert f"{best['speedup']['autoregressive']:.2f}× the target alone" in advice
     else:
         assert advice.startswith("advice: run the target alone")
+
+
+@pytest.mark.slow  # two small sweeps
+def test_whole_step_rows_decode_as_the_usual_ones(
+    target_dir: Path, draft_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench --whole-step` builds fsd-chat's decoders (target-only and exact) with whole steps,
+    says so in report.json, and its greedy rows decode as the same rows without it."""
+    from fsd_chat.decoding import step_graph
+
+    made: list[int] = []
+    make_steps = step_graph.make_steps
+
+    def recording(*args: object, **kwargs: object) -> step_graph.EagerSteps | None:
+        steps = make_steps(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(steps is not None)
+        return steps
+
+    monkeypatch.setattr(step_graph, "make_steps", recording)
+    threads = torch.get_num_threads()
+    reports = []
+    for flag in ("--no-whole-step", "--whole-step"):
+        out = tmp_path / flag
+        main(
+            [
+                "bench", "--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
+                "--prompts", "tinystories", "--data-dir", str(DATA_DIR), "--limit", "2",
+                "--max-new-tokens", "16", "--rules", "none", "--baselines", "autoregressive,exact",
+                "--draft-tokens", "4", "--draft-policies", "fixed", "--temperature", "0",
+                "--repeats", "1", "--output", str(out), flag,
+            ]
+        )  # fmt: skip
+        reports.append(json.loads((out / "report.json").read_text(encoding="utf-8")))
+    torch.set_num_threads(threads)
+    plain, whole = reports
+    assert plain["sweep"]["whole_step"] is False and whole["sweep"]["whole_step"] is True
+    # Two configurations × (a warm-up and two prompts), each a decoder with whole steps.
+    assert made == [True] * 6
+    for before, after in zip(plain["configs"], whole["configs"], strict=True):
+        assert (before["method"], after["method"]) in {("autoregressive",) * 2, ("exact",) * 2}
+        assert after["quality"]["greedy_agreement"] == before["quality"]["greedy_agreement"] == 1.0
+        assert after["acceptance_rate"] == before["acceptance_rate"]

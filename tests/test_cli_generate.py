@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -301,3 +302,34 @@ def test_the_default_threshold_follows_the_setup(
     code, out, _ = run_cli(args, capsys)
     assert code == 0
     assert json.loads(out.splitlines()[-1])["settings"]["threshold"] == threshold
+
+
+@pytest.mark.parametrize("mode", [[], ["--autoregressive"]])
+def test_whole_step_flag_reaches_the_decoder_and_keeps_the_reply(
+    target_dir: Path, draft_dir: Path, mode: list[str], capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--whole-step` builds the decoder's whole-step runner (eager on the CPU), and its greedy
+    reply is the usual decoder's, token for token, with the same acceptances."""
+    from fsd_chat.decoding import step_graph
+
+    made: list[step_graph.EagerSteps | None] = []
+    make_steps = step_graph.make_steps
+
+    def recording(*args: Any, **kwargs: Any) -> step_graph.EagerSteps | None:
+        made.append(make_steps(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(step_graph, "make_steps", recording)
+    args = ["generate", *pair_args(target_dir, draft_dir), *mode, "-T", "0", "--draft-policy", "fixed"]
+    args += ["--temperature", "0", "--max-new-tokens", "40", "--json", "Once upon a time"]
+    summaries = []
+    for flag in ("--no-whole-step", "--whole-step"):
+        code, out, err = run_cli([*args[:-1], flag, args[-1]], capsys)
+        assert code == 0 and err == ""  # nothing captured on the CPU, nothing announced
+        summaries.append(json.loads(out.splitlines()[-1]))
+    assert len(made) == 1 and type(made[0]) is step_graph.EagerSteps  # the --whole-step run's only
+    plain, whole = summaries
+    assert whole["token_ids"] == plain["token_ids"] and len(whole["token_ids"]) == 40
+    for stat in ("drafted", "accepted_exact", "steps"):
+        assert whole["stats"][stat] == plain["stats"][stat]
+    assert (whole["stats"]["drafted"] > 0) == (mode == [])

@@ -23,7 +23,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, bind
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, count_fed
 from tests.test_cli_generate import pair_args, run_cli
 from tests.test_host_syncs import host_reads  # noqa: F401 (a fixture)
 from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two
@@ -71,20 +71,55 @@ def test_prefix_is_reused_across_replies(pair: ModelPair) -> None:
     first = collect(reusing.generate(first_prompt, max_new_tokens=40, sampling=SamplingConfig()))
     second_prompt = [*first_prompt, *first.ids, *pair.tokenizer(" The end.").input_ids[1:]]
     seen_before = target.seen
-    fed: list[int] = []
-    forward = target.forward
-
-    def counting(seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        fed.append(upto - target.seen)
-        return forward(seq, upto, keep)
-
-    target.forward = counting
+    fed = count_fed(target)
     got = collect(reusing.generate(second_prompt, max_new_tokens=40, sampling=SamplingConfig()))
     fresh = decoder(pair, "exact", False)
     want = collect(fresh.generate(second_prompt, max_new_tokens=40, sampling=SamplingConfig()))
     assert got.ids == want.ids
     # The prefill fed only what the first reply left out of the cache.
     assert seen_before > len(first_prompt) and fed[0] == len(second_prompt) - 1 - seen_before
+
+
+@pytest.mark.parametrize("kind", ["target-only", "exact"])
+def test_no_prompt_length_compiles_a_graph(pair: ModelPair, kind: str) -> None:
+    """Prompts of every length up to max(widths) prefill eagerly (`CompiledModel.prefill`): the
+    compiled forwards see only decoding steps' widths (1 for a target-only step, the padded k + 1
+    of a verify, the draft's 1 and 2), target-only decoding builds no graph past the first reply's,
+    and the replies are the eager decoder's."""
+    compiled, eager = decoder(pair, kind, True), decoder(pair, kind, False)
+    models: list[CompiledModel] = compiled.owned_models  # type: ignore[attr-defined]
+    widths: list[int] = []
+    for model in models:
+        inner = model._compiled
+
+        def recording(*args: Any, inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+            widths.append(kwargs["input_ids"].shape[1])
+            return inner(*args, **kwargs)
+
+        model._compiled = recording
+    story = (
+        "Once upon a time there was a little dog who liked to run in the park with his friend "
+        "Tom. One day they found a big red ball under a tree and played with it until the sun went down"
+    )
+    words = story.split(" ")
+    lengths: set[int] = set()
+    stats = torch._dynamo.utils.counters["stats"]
+    for n in range(1, len(words) + 1):
+        ids = pair.tokenizer(" ".join(words[:n])).input_ids
+        lengths.add(len(ids))
+        got = collect(compiled.generate(ids, max_new_tokens=6, sampling=SamplingConfig()))
+        assert got.ids == collect(eager.generate(ids, max_new_tokens=6, sampling=SamplingConfig())).ids
+        if n == 1:
+            graphs = stats["unique_graphs"]  # the first reply compiled whatever its steps needed
+    assert compiled.compile_error is None
+    assert max(lengths) > max(models[0].widths) and min(lengths) <= 2  # every padded width was a prompt's
+    # k 5 verifies up to 6 tokens (fewer at the reply's end), padded to 8; prompts reached 16 and 33.
+    assert set(widths) <= ({1} if kind == "target-only" else {1, 2, 4, 8})
+    if kind == "target-only":
+        assert len(widths) == 6 * len(words)  # one compiled pass a token, none for a prompt
+        # (A speculative reply's last steps verify fewer tokens, a width the first one may not
+        # have compiled: only the one-token step's graph is surely there after one reply.)
+        assert stats["unique_graphs"] == graphs
 
 
 def test_sampled_steps_read_the_device_once(pair: ModelPair, host_reads: collections.Counter[str]) -> None:  # noqa: F811

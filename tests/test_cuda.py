@@ -25,7 +25,7 @@ from fsd_chat.decoding.acceptance import CompiledDecision
 from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.settings import Rule
+from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY, Rule
 from fsd_chat.decoding.step_graph import CapturedSteps
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
@@ -312,9 +312,10 @@ def test_whole_step_graphs_synchronise_once_a_step(pair32: ModelPair, kind: str)
 
 def test_whole_step_graphs_speed(pair32: ModelPair, record_property: Callable[[str, object], None]) -> None:
     """Tokens/s of the story pair (float32, greedy, 3 prompts × 120 tokens after a warm-up
-    reply), recorded in the JUnit report for `make gpu-check`: target-only and exact k 4, as
-    whole-step graphs and as today's compiled steps. Asserts only that the graphs' target-only
-    decoding is not slower than today's (the issue's goal is ≥ 3×)."""
+    reply), recorded in the JUnit report for `make gpu-check` (its table of properties): target-only,
+    exact k 4, fuzzy js T 0.05 k 4, mixture T 0.05 k 4 and exact under the chat's default draft
+    policy, each as whole-step graphs and as today's compiled steps. Asserts only that the graphs'
+    target-only decoding is not slower than today's (the issue's goal is ≥ 3×)."""
 
     def rate(decoder: Decoder) -> float:
         collect(decoder.generate(pair32.tokenizer(PROMPTS[0]).input_ids, max_new_tokens=32))
@@ -325,13 +326,25 @@ def test_whole_step_graphs_speed(pair32: ModelPair, record_property: Callable[[s
             seconds += time.perf_counter() - start
         return tokens / seconds
 
-    settings = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed")
     rates = {
         "target-only graphs": rate(pair32.autoregressive(Controls(), whole_step=True)),
         "target-only compiled": rate(pair32.autoregressive(Controls())),
-        "exact k4 graphs": rate(pair32.speculative(Controls(settings), whole_step=True)),
-        "exact k4 compiled": rate(pair32.speculative(Controls(settings))),
     }
+    speculative = {
+        "exact k4": DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed"),
+        "fuzzy js 0.05 k4": DecodingSettings(
+            rule="fuzzy", divergence="js", threshold=0.05, draft_tokens=4, draft_policy="fixed"
+        ),
+        "mixture 0.05 k4": DecodingSettings(
+            rule="mixture", threshold=0.05, draft_tokens=4, draft_policy="fixed"
+        ),
+        f"exact {DEFAULT_DRAFT_POLICY}": DecodingSettings(
+            rule="exact", threshold=0.0, draft_policy=DEFAULT_DRAFT_POLICY
+        ),
+    }
+    for name, settings in speculative.items():
+        rates[f"{name} graphs"] = rate(pair32.speculative(Controls(settings), whole_step=True))
+        rates[f"{name} compiled"] = rate(pair32.speculative(Controls(settings)))
     for name, value in rates.items():
         record_property(name, round(value, 1))
     print(rates)

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
-from scripts.gpu_check import _test_table, main
+from scripts.gpu_check import _rate_table, _test_table, main
 from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.test_bench import DATA_DIR
 
@@ -40,25 +40,35 @@ def test_on_the_cpu_the_benches_report_every_method(
     """The check's phases on the CPU with the tiny pair, and the real-cost pair built at tiny
     shapes by the shared builder: each bench's report has its methods, each with tok/s and ×AR,
     its advice line, and no configuration compiled during its measured runs."""
-    out, real = tmp_path / "bench", tmp_path / "real"
+    out, real, whole = tmp_path / "bench", tmp_path / "real", tmp_path / "whole"
     code = main(
         [
             *("--device", "cpu", "--dtype", "float32"),
             *("--target", str(TARGET_DIR), "--draft", str(DRAFT_DIR), "--data-dir", str(DATA_DIR)),
             *("--limit", "1", "--max-new-tokens", "8", "--output", str(out), "--real-output", str(real)),
+            *("--whole-step-output", str(whole)),
             *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
         ]
     )
     assert code == 0
     printed = capfd.readouterr().out  # the benches run in subprocesses: their output, too
-    for phase in range(1, 5):
-        assert f"gpu-check {phase}/4: " in printed and f"gpu-check {phase}/4: done in " in printed
+    for phase in range(1, 6):
+        assert f"gpu-check {phase}/5: " in printed and f"gpu-check {phase}/5: done in " in printed
     scaled = json.loads((out / "report.json").read_text())
     assert {c["method"] for c in scaled["configs"]} == {"autoregressive", "exact", "hf-static", "hf-assisted"}
     report = json.loads((real / "report.json").read_text())
     rows = {(c["method"], c["draft_policy"]) for c in report["configs"]}
     fsd = {(m, p) for m in ("exact", "fuzzy", "mixture") for p in ("fixed", DEFAULT_DRAFT_POLICY)}
     assert rows == {("autoregressive", "fixed"), ("hf-static", "fixed"), ("hf-assisted", "fixed"), *fsd}
+    # The same fsd-chat rows as whole steps, and one table of both.
+    whole_report = json.loads((whole / "report.json").read_text())
+    assert whole_report["sweep"]["whole_step"] is True
+    assert {(c["method"], c["draft_policy"]) for c in whole_report["configs"]} == {
+        ("autoregressive", "fixed"),
+        *fsd,
+    }
+    assert "whole steps (--whole-step) vs today's steps" in printed
+    assert all(c["tokens_per_second"] > 0 for c in whole_report["configs"])
     for data in (scaled, report):
         assert data["advice"].startswith("advice: ") and data["advice"] in printed
         assert report["sweep"]["max_new_tokens"] == 8 and report["sweep"]["prompt_count"] == 1
@@ -109,3 +119,33 @@ def test_the_table_counts_what_pytest_reported(tmp_path: Path) -> None:
     assert "test_ok" in text and "passed" in text
     assert "failed: AssertionError: one is not two" in text
     assert "skipped: no GPU" in text
+
+
+def test_the_rate_table_pairs_whole_steps_with_compiled_steps(tmp_path: Path) -> None:
+    (tmp_path / "test_rates.py").write_text(
+        "def test_speed(record_property):\n"
+        "    record_property('exact k4 graphs', 900.0)\n"
+        "    record_property('exact k4 compiled', 450.0)\n"
+        "    record_property('unrelated', 1)\n"
+    )
+    junit = tmp_path / "out.xml"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "test_rates.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+    )
+    table = _rate_table(junit)
+    assert table is not None and table.row_count == 1
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "exact k4" in text and "900" in text and "450" in text and "2.00" in text

@@ -189,10 +189,13 @@ class PairRunner:
         pair: The loaded pair (its setup is the configurations'), for fsd-chat's decoders.
         hf: The same pair loaded apart, for transformers' methods (see the module docstring); None:
             `pair` itself (when no compiled decoder has touched it, as in a timing pass).
+        whole_step: fsd-chat's decoders run each step as one function over static buffers
+            (`--whole-step`: a captured graph a step on CUDA), target-only decoding included.
     """
 
-    def __init__(self, pair: ModelPair, hf: ModelPair | None = None) -> None:
+    def __init__(self, pair: ModelPair, hf: ModelPair | None = None, *, whole_step: bool = False) -> None:
         self.pair = pair
+        self.whole_step = whole_step
         self.hf = hf or pair
         # Prompt lookup has no draft model; a mapped draft's EOS ids are in its own vocabulary:
         # only the target's end a reply then.
@@ -278,7 +281,14 @@ class PairRunner:
         if config.draft_policy in ("latency", "goodput"):
             self.pair.device_timings()  # its timing passes, once per pair, are no part of a run
         # Exact phase times on CUDA: the report splits draft, target and other seconds.
-        return self.pair.decoder(controls, autoregressive=config.method == "autoregressive", time_phases=True)
+        # A decoder a reply, as for every method: under --whole-step on CUDA its graphs are
+        # captured here, before the meters start (untimed, as the chat captures them at load).
+        return self.pair.decoder(
+            controls,
+            autoregressive=config.method == "autoregressive",
+            time_phases=True,
+            whole_step=self.whole_step,
+        )
 
     def _run(
         self,

@@ -147,10 +147,13 @@ def run_bench(
     trust_remote_code: bool,
     budget: TimeBudget | None = None,
     cut_after: float | None = None,
+    whole_step: bool = False,
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
     cut the sweep short (what was measured is reported all the same). `cut_after`: each
-    configuration's time budget for its measured replies (None: `cut_budget`'s).
+    configuration's time budget for its measured replies (None: `cut_budget`'s). `whole_step`:
+    every fsd-chat row decodes whole steps (`--whole-step`; transformers' rows are unchanged),
+    said in the report's title and its sweep record.
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -276,6 +279,7 @@ def run_bench(
             hf_pairs=hf_pairs,
             cut_after=cut_after,
             warmup_cut_after=warmup_cut_after,
+            whole_step=whole_step,
         )
     write_outputs(
         output,
@@ -288,12 +292,14 @@ def run_bench(
             "not_applied": list(model_sampling.not_applied),
             "cut_after_seconds": cut_after,
             "warmup_cut_after_seconds": warmup_cut_after,
+            "whole_step": whole_step,
         },
         records=result.records,
         cut_after=cut_after,
         interrupted=result.interrupted,
         title=f"fsd-chat bench · {Path(target).name} / {Path(draft).name} · {prompt_set.name} "
-        f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)",
+        f"({len(prompt_set.items)} prompts, ≤{max_new_tokens} tokens)"
+        + (" · whole step" if whole_step else ""),
     )
     return result.exit_status
 

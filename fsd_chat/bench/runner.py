@@ -100,6 +100,7 @@ def run_sweep(
     hf_pairs: dict[Setup, ModelPair] | None = None,
     cut_after: float | None = None,
     warmup_cut_after: float | None = None,
+    whole_step: bool = False,
 ) -> SweepResult:
     """Run every configuration on every prompt `repeats` times; quality is scored by the target
     of the first setup (so that quantized or low-precision setups are judged by one reference).
@@ -114,11 +115,14 @@ def run_sweep(
         cut_after: Each configuration's time budget in seconds for its measured replies together
             (None: none; see the module docstring).
         warmup_cut_after: The same for its warm-up reply, which compiles (None: `cut_after`).
+        whole_step: fsd-chat's decoders run whole steps (see `PairRunner`).
     """
     notify = on_run or (lambda _config, _phase: None)
     scorer = next(iter(pairs.values()))
     hf = hf_pairs or {}
-    runners = {setup: PairRunner(pair, hf=hf.get(setup)) for setup, pair in pairs.items()}
+    runners = {
+        setup: PairRunner(pair, hf=hf.get(setup), whole_step=whole_step) for setup, pair in pairs.items()
+    }
     ids = [prompt_ids(scorer.tokenizer, [Message("user", item.text)]) for item in prompt_set.items]
     runs: list[Measurement] = []
     records = {config: ConfigurationRecord() for config in configs}

@@ -119,6 +119,11 @@ QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
     DTYPES,
     o.THREADS,
     o.TRUST_REMOTE_CODE,
+    o.WHOLE_STEP.replace(
+        help="fsd-chat's rows (target-only, exact, fuzzy, mixture) decode each step as one function over "
+        "static buffers: one captured CUDA graph a step on CUDA, eager on the CPU. transformers' rows are "
+        "unchanged; compare with a run without it."
+    ),
 )
 def bench(
     prompts: Annotated[
@@ -236,6 +241,7 @@ def bench(
         if quick
         else None,
         cut_after=cut_after,
+        whole_step=o.WHOLE_STEP.of(values),
     )
     if status:
         raise typer.Exit(status)

@@ -140,6 +140,7 @@ def chat(
         user_themes_dir=user_themes_dir(),
         threads=o.THREADS.get(v),
         compiled=o.COMPILE.of(v),
+        whole_step=o.WHOLE_STEP.of(v),
     )
     app = FsdChatApp(options)
     app.run()

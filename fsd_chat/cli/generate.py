@@ -43,6 +43,7 @@ def generate(
         autoregressive=o.AUTOREGRESSIVE.of(values),
         threads=o.THREADS.get(values),
         compiled=o.COMPILE.of(values),
+        whole_step=o.WHOLE_STEP.of(values),
     )
     if status:
         raise typer.Exit(status)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step, step_graph
 from fsd_chat.decoding.settings import SamplingRequest, default_threshold
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair
@@ -85,6 +85,7 @@ def run_generate(
     threads: int | None = None,
     compiled: bool | None = None,
     threshold_given: bool = True,
+    whole_step: bool = False,
 ) -> int:
     """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
     130 (Ctrl-C) or 143 (SIGTERM) when a signal ended the reply early, which is then written out as
@@ -107,7 +108,13 @@ def run_generate(
     # T not given: the setup's default (greedy: a regret bound with its own scale).
     settings = default_threshold(settings, threshold_given, resolved.config.greedy)
     controls = Controls(settings)
-    decoder = pair.decoder(controls, autoregressive=autoregressive, compiled=compiled)
+    decoder = pair.decoder(
+        controls,
+        autoregressive=autoregressive,
+        compiled=compiled,
+        whole_step=whole_step,
+        capture_progress=step_graph.capture_announcer(sys.stderr.write),
+    )
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw, vocab_size=pair.vocab_size)
     console = Console(highlight=False, soft_wrap=True)
     styles = default_origin_styles()

@@ -202,6 +202,18 @@ COMPILE = Option(
     "a CUDA device, off on the CPU; a model that cannot be compiled runs eagerly, with a one-line reason.",
     DECODING,
 )
+WHOLE_STEP = Option(
+    "whole_step",
+    ("--whole-step/--no-whole-step",),
+    bool,
+    False,
+    "Run each decoding step, speculative or target-only, as one function over static buffers: one "
+    "captured CUDA graph a step on CUDA (captured while the models load), eager on the CPU. For a "
+    "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps); with "
+    "--compile given, its step functions are compiled before the capture. Off by default until "
+    "measured on a GPU.",
+    DECODING,
+)
 AUTOREGRESSIVE = Option(
     "autoregressive",
     ("--autoregressive/--no-autoregressive",),
@@ -267,6 +279,7 @@ SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, MIN_P, S
 REPLY_OPTIONS: tuple[Option[Any], ...] = (
     *DECODING_OPTIONS,
     COMPILE,
+    WHOLE_STEP,
     AUTOREGRESSIVE,
     *SAMPLING_OPTIONS,
     MAX_NEW_TOKENS,

@@ -164,6 +164,7 @@ def serve(ctx: typer.Context, **values: Any) -> None:
         threads=o.THREADS.get(v),
         autoregressive=o.AUTOREGRESSIVE.of(v),
         compiled=o.COMPILE.of(v),
+        whole_step=o.WHOLE_STEP.of(v),
         announce=lambda line: print(
             f"fsd-chat: {one_line(line)} (Ctrl+C stops it)", file=sys.stderr, flush=True
         ),

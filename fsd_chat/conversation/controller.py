@@ -82,6 +82,7 @@ class ChatOptions:
         user_themes_dir: Folder of the user's theme files.
         threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
         compiled: Compile the models' decoding steps (`--compile`; None: on a CUDA device only).
+        whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`).
     """
 
     target: ModelSpec
@@ -102,6 +103,7 @@ class ChatOptions:
     user_themes_dir: Path | None = None
     threads: int | None = None
     compiled: bool | None = None
+    whole_step: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ One target forward pass per token over the KV cache (no re-encoding of the conte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import ClassVar
 
@@ -42,7 +42,8 @@ class AutoregressiveDecoder:
             (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
         whole_step: Run each step as one function over static buffers
             (`fsd_chat.decoding.step_graph`): captured as a CUDA graph at construction on CUDA,
-            eager elsewhere (see `SpeculativeDecoder`; `compiled` is then not used).
+            eager elsewhere (see `SpeculativeDecoder`, also for `compiled` then).
+        capture_progress: See `SpeculativeDecoder`.
     """
 
     rule: ClassVar[StepRule] = "autoregressive"
@@ -58,6 +59,7 @@ class AutoregressiveDecoder:
         reuse_prefix: bool = True,
         compiled: bool | None = None,
         whole_step: bool = False,
+        capture_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.time_phases = time_phases
@@ -76,7 +78,11 @@ class AutoregressiveDecoder:
             capacity=compiled_capacity(capped) if cuda or not whole_step else step_graph.MIN_CAPACITY,
             static=whole_step,
         )
-        self._steps = step_graph.make_steps(self.target, None) if whole_step else None
+        self._steps = (
+            step_graph.make_steps(self.target, None, compile=compiled is True, progress=capture_progress)
+            if whole_step
+            else None
+        )
         if isinstance(self.target, CompiledModel) or self._steps is not None:
             self.context = capped
         self.eos_token_ids = eos_token_ids(tokenizer, target)

@@ -163,6 +163,12 @@ class CachedModel:
         self.fed = seq
         return out.logits[0, -keep:, : self.vocab_size].float()
 
+    def prefill(self, seq: torch.Tensor, upto: int) -> None:
+        """Feed seq[0, seen:upto], prompt tokens whose logits nobody reads (`reply.read_prompt`, a
+        mapped draft's spelling of the prompt): a forward pass like `forward`'s, which
+        `CompiledModel` runs eagerly."""
+        self.forward(seq, upto, keep=1)
+
     def rollback(self, length: int) -> None:
         """Drop cached tokens beyond `length` (no-op when the cache holds fewer)."""
         drop = self.seen - length
@@ -314,8 +320,11 @@ class CompiledModel(StaticModel):
     seconds each on a GPU and tens of seconds on a CPU, whenever the draft policy picks a new draft
     length k, while padding costs only the positions it adds: nothing measurable on a GPU, where a
     small model's forward pass costs the same at any of these widths, and under 2× the pass's
-    arithmetic on a CPU (where compilation is off by default). Longer passes (the prompt's
-    prefill) run eagerly over the same cache.
+    arithmetic on a CPU (where compilation is off by default). Longer passes, and every pass
+    over a prompt (`prefill`, whatever its width), run eagerly over the same cache: a prompt's
+    length is the user's, so padding it to a compiled width would compile a new graph (3–23 s on a
+    GPU) whenever a reply's prompt first has that padded width (issue 36); transformers'
+    `generate` likewise prefills eagerly and compiles only its one-token step.
 
     If compilation fails (no C++ compiler, an operator torch.compile cannot trace), the model runs
     eagerly from then on and `compile_error` says why.
@@ -376,6 +385,12 @@ class CompiledModel(StaticModel):
         self.seen = upto
         self.fed = seq
         return logits[:, : self.vocab_size].float()
+
+    @torch.inference_mode()
+    def prefill(self, seq: torch.Tensor, upto: int) -> None:
+        """Feed a prompt's tokens eagerly, over the same static cache: only decoding steps (verify
+        widths, draft steps) run compiled graphs, so no prompt length compiles one."""
+        StaticModel.forward(self, seq, upto, keep=1)
 
 
 def compile_failure(exc: BaseException) -> str:

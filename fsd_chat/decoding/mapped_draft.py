@@ -82,7 +82,7 @@ class MappedDraft:
         else:
             self.model.reset()
         if not defer and self.model.seen < self.length - 1 and self.length < self._limit():
-            self.model.forward(self._seq, self.length - 1, keep=1)
+            self.model.prefill(self._seq, self.length - 1)
 
     def spelled(self) -> list[int]:
         """The draft's ids that spell the reply so far (prompt included)."""

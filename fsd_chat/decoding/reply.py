@@ -289,7 +289,7 @@ def read_prompt(
             break
         for model in fed:
             if model.seen < upto:
-                model.forward(seq, upto, keep=1)
+                model.prefill(seq, upto)
         if chunked:
             controls.report_prefill(upto, prefix)
     if chunked:

@@ -92,9 +92,13 @@ class SpeculativeDecoder:
             buffers (`fsd_chat.decoding.step_graph`): captured as CUDA graphs at construction on
             CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's
             k is rounded down), eager elsewhere. For a draft model of the target's vocabulary
-            (other proposers keep their usual steps); `compiled` is then not used. The draft
+            (other proposers keep their usual steps). `compiled` then means: compile the step
+            functions before they are captured (True only, never by default, and on CUDA only:
+            `CapturedSteps(compile=True)`, its artifacts kept in the user's cache). The draft
             policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
             is not asked.
+        capture_progress: Called with (graphs captured, graphs in all) while the whole step's
+            graphs are captured (on CUDA, at construction; the loading screen shows it).
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back.
@@ -114,6 +118,7 @@ class SpeculativeDecoder:
         timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
         whole_step: bool = False,
+        capture_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
@@ -163,7 +168,13 @@ class SpeculativeDecoder:
                 else MappedProposer(MappedDraft(model, vocab_map, draft_context))
             )
         self._steps = (
-            step_graph.make_steps(self.target, next(iter(self.proposer.owned_models), None), lookup=lookup)
+            step_graph.make_steps(
+                self.target,
+                next(iter(self.proposer.owned_models), None),
+                lookup=lookup,
+                compile=compiled is True,
+                progress=capture_progress,
+            )
             if whole_step
             else None
         )

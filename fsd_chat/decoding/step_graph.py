@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 
+from fsd_chat.decoding import compile_cache
 from fsd_chat.decoding.acceptance import decide
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import Step
@@ -442,6 +443,9 @@ class CapturedSteps(EagerSteps):
     With `compile` the step functions are compiled first (`torch.compile`, `fullgraph`, static
     shapes, no CUDA graphs of its own: the capture here is the graph), fusing the rule's small
     operators; a failed compilation captures the eager functions and `compile_error` says why.
+    torch's compile artifacts are loaded from the user's cache before and kept there after
+    (`compile_cache`, keyed by the models, the versions and the device), so that a second start
+    of the same pair compiles as little as torch allows.
 
     Args:
         target, draft: The models, over static caches whose addresses stay fixed from now on (no
@@ -483,7 +487,11 @@ class CapturedSteps(EagerSteps):
         self._stream = torch.cuda.Stream(device=device)
         speculative: Callable[..., torch.Tensor] = speculative_step
         target_only: Callable[..., torch.Tensor] = target_step
-        if compile:
+        # torch's compile artifacts of this pair, versions and device, kept from an earlier start.
+        models = [m.model for m in (target, draft) if m is not None]
+        artifacts = compile_cache.artifact_path(models, device, "whole-step") if compile else None
+        if artifacts is not None:
+            compile_cache.load(artifacts)
             # One graph per (k, greedy): more than dynamo's default limit of 8 per function.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
@@ -503,6 +511,8 @@ class CapturedSteps(EagerSteps):
                 self._capture(k, mode, speculative, target_only)
         if progress is not None:
             progress(len(keys), len(keys))
+        if compile and artifacts is not None:  # still compiled: nothing failed
+            compile_cache.save(artifacts)
         # The warm-up calls wrote into the caches and moved the position: nothing is cached now.
         for model in (target, draft):
             if model is not None:
@@ -586,19 +596,41 @@ Steps = EagerSteps
 
 
 def make_steps(
-    target: CachedModel, draft: CachedModel | None, *, compile: bool = False, lookup: bool = False
+    target: CachedModel,
+    draft: CachedModel | None,
+    *,
+    compile: bool = False,
+    lookup: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> EagerSteps | None:
     """The step runner of a decoder whose models are bound to static caches (`bind(static=True)`):
-    captured on CUDA (`CapturedSteps`, `compile` as there), eager elsewhere; None when a model is
-    not a `StaticModel` (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`:
-    the speculative steps verify prompt lookup's copies (no draft)."""
+    captured on CUDA (`CapturedSteps`, `compile` and `progress` as there), eager elsewhere (nothing
+    to capture: `progress` is not called); None when a model is not a `StaticModel`
+    (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`: the speculative
+    steps verify prompt lookup's copies (no draft)."""
     models = (target,) if draft is None else (target, draft)
     if not all(isinstance(m, StaticModel) for m in models):
         return None
     assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
     if target.device.type == "cuda":
-        return CapturedSteps(target, draft, compile=compile, lookup=lookup)
+        return CapturedSteps(target, draft, compile=compile, lookup=lookup, progress=progress)
     return EagerSteps(target, draft, lookup=lookup)
+
+
+def capture_text(done: int, total: int) -> str:
+    """Where a capture stands, in a few words (the loading screen's progress line)."""
+    return f"capturing the step graphs (--whole-step): {done}/{total}"
+
+
+def capture_announcer(write: Callable[[str], object]) -> Callable[[int, int], None]:
+    """A capture `progress` for a command without a loading screen (generate, serve): one line
+    through `write` when capturing starts, so that the seconds it takes are explained."""
+
+    def progress(done: int, total: int) -> None:
+        if done == 0:
+            write(f"fsd-chat: {capture_text(done, total)}\n")
+
+    return progress
 
 
 def reply_tokens(prompt: int, max_new_tokens: int, context: int | None, headroom: int) -> int:

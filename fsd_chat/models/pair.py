@@ -4,6 +4,7 @@ draft with another tokenizer, or prompt lookup)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,7 @@ class ModelPair:
         time_phases: bool = False,
         compiled: bool | None = None,
         whole_step: bool = False,
+        capture_progress: Callable[[int, int], None] | None = None,
     ) -> Decoder:
         """The decoder a command asked for over this pair, driven by `controls`.
 
@@ -111,15 +113,27 @@ class ModelPair:
                 `SpeculativeDecoder`): True, False, or None for on a CUDA device only.
             whole_step: Each step as one function over static buffers, captured as CUDA graphs
                 on CUDA (see `SpeculativeDecoder`; off by default until measured on a GPU).
+            capture_progress: Called with (graphs captured, graphs in all) while they are
+                captured (see `SpeculativeDecoder`).
 
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
         """
         if autoregressive:
             return self.autoregressive(
-                controls, time_phases=time_phases, compiled=compiled, whole_step=whole_step
+                controls,
+                time_phases=time_phases,
+                compiled=compiled,
+                whole_step=whole_step,
+                capture_progress=capture_progress,
             )
-        return self.speculative(controls, time_phases=time_phases, compiled=compiled, whole_step=whole_step)
+        return self.speculative(
+            controls,
+            time_phases=time_phases,
+            compiled=compiled,
+            whole_step=whole_step,
+            capture_progress=capture_progress,
+        )
 
     def speculative(
         self,
@@ -128,9 +142,10 @@ class ModelPair:
         time_phases: bool = False,
         compiled: bool | None = None,
         whole_step: bool = False,
+        capture_progress: Callable[[int, int], None] | None = None,
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compiled`, `whole_step`: see `SpeculativeDecoder`); without a draft model, over prompt
+        `compiled`, `whole_step`, `capture_progress`: see `SpeculativeDecoder`); without a draft model, over prompt
         lookup."""
         return SpeculativeDecoder(
             self.target,
@@ -143,6 +158,7 @@ class ModelPair:
             timings=self.device_timings,
             vocab_map=self.vocab_map,
             whole_step=whole_step,
+            capture_progress=capture_progress,
         )
 
     def device_timings(self) -> ForwardTimings:
@@ -160,9 +176,10 @@ class ModelPair:
         time_phases: bool = False,
         compiled: bool | None = None,
         whole_step: bool = False,
+        capture_progress: Callable[[int, int], None] | None = None,
     ) -> AutoregressiveDecoder:
-        """A target-only decoder over this pair's target (`compiled`, `whole_step`: see
-        `AutoregressiveDecoder`)."""
+        """A target-only decoder over this pair's target (`compiled`, `whole_step`,
+        `capture_progress`: see `AutoregressiveDecoder`)."""
         return AutoregressiveDecoder(
             self.target,
             self.tokenizer,
@@ -171,4 +188,5 @@ class ModelPair:
             time_phases=time_phases,
             compiled=compiled,
             whole_step=whole_step,
+            capture_progress=capture_progress,
         )

@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import queue
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -24,6 +25,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
 from fsd_chat.models.loading import load_pair
@@ -191,6 +193,7 @@ def run_server(
     autoregressive: bool,
     compiled: bool | None,
     announce: Callable[[str], None],
+    whole_step: bool = False,
 ) -> None:
     """Serve the pair until interrupted (Ctrl+C, SIGTERM).
 
@@ -202,6 +205,8 @@ def run_server(
         threads: torch CPU threads (None: the thread policy's choice).
         autoregressive: Target-only decoding (`fsd` objects are then checked, and change nothing).
         compiled: Compile the models' decoding steps (None: on a CUDA device only).
+        whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`;
+            its capture is announced on standard error).
         announce: Gets one line once the server listens.
 
     Raises:
@@ -214,7 +219,13 @@ def run_server(
         if pair.device.type == "cpu":
             apply_threads(threads)
         controls = Controls(options.settings)
-        decoder = pair.decoder(controls, autoregressive=autoregressive, compiled=compiled)
+        decoder = pair.decoder(
+            controls,
+            autoregressive=autoregressive,
+            compiled=compiled,
+            whole_step=whole_step,
+            capture_progress=step_graph.capture_announcer(sys.stderr.write),
+        )
         engine = Engine(decoder, controls, queue_size)
         try:
             app = create_app(pair, engine, options)

@@ -21,6 +21,7 @@ from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
 from fsd_chat.conversation.controller import ChatOptions
+from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.loading import Progress
@@ -46,8 +47,9 @@ class FsdChatApp(App[None]):
     Args:
         options: The command line's choices.
         loader: Loads the model pair, reporting progress (default: `load_pair` with the options).
-        decoder_factory: Builds the decoder over the loaded pair (default: `ModelPair.decoder`, with
-            the options' `autoregressive` and `compiled`).
+        decoder_factory: Builds the decoder over the loaded pair, in the loading thread (default:
+            `ModelPair.decoder`, with the options' `autoregressive`, `compiled` and `whole_step`,
+            the capture of its step graphs shown on the loading screen).
     """
 
     CSS_PATH = "app.tcss"
@@ -103,7 +105,17 @@ class FsdChatApp(App[None]):
 
     def _decoder(self, pair: ModelPair, controls: Controls) -> Decoder:
         o = self.options
-        return pair.decoder(controls, autoregressive=o.autoregressive, compiled=o.compiled)
+
+        def captured(done: int, total: int) -> None:
+            self.post_message(LoadProgress(step_graph.capture_text(done, total)))
+
+        return pair.decoder(
+            controls,
+            autoregressive=o.autoregressive,
+            compiled=o.compiled,
+            whole_step=o.whole_step,
+            capture_progress=captured,
+        )
 
     def _load_pair(self, progress: Progress) -> ModelPair:
         from fsd_chat.models.loading import load_pair
@@ -178,12 +190,14 @@ class FsdChatApp(App[None]):
         self.exit(return_code=return_code)
 
     @work(thread=True, group="load", exit_on_error=False)
-    def _load(self) -> ModelPair:
-        """Load the pair in a thread, posting progress."""
+    def _load(self) -> tuple[ModelPair, Decoder]:
+        """Load the pair and build its decoder in a thread, posting progress: the decoder's step
+        graphs (`--whole-step` on CUDA) are captured as it is built, which takes seconds the
+        loading screen shows."""
         pair = self.loader(lambda text: self.post_message(LoadProgress(text)))
         if pair.device.type == "cpu":
             apply_threads(self.options.threads, reserve=1)  # one core is left to the UI
-        return pair
+        return pair, self.decoder_factory(pair, self.controls)
 
     def on_load_progress(self, message: LoadProgress) -> None:
         """Show the loader's phase."""
@@ -195,17 +209,10 @@ class FsdChatApp(App[None]):
         if event.worker.group != "load" or not isinstance(self.screen, LoadingScreen):
             return
         if event.state == WorkerState.SUCCESS:
-            pair = event.worker.result
-            assert isinstance(pair, ModelPair)  # the "load" group's one worker is `_load`
-            self.switch_screen(
-                ChatScreen(
-                    self.options,
-                    pair,
-                    self.decoder_factory(pair, self.controls),
-                    self.controls,
-                    self.tracebacks,
-                )
-            )
+            result = event.worker.result
+            assert isinstance(result, tuple)  # the "load" group's one worker is `_load`
+            pair, decoder = result
+            self.switch_screen(ChatScreen(self.options, pair, decoder, self.controls, self.tracebacks))
         elif event.state == WorkerState.ERROR:
             error = event.worker.error
             message = str(error) if isinstance(error, FsdChatError) else f"{type(error).__name__}: {error}"

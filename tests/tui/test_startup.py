@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.widgets import Static
 
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
+from fsd_chat.decoding import step_graph
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -103,3 +106,37 @@ async def test_user_theme_is_offered_and_broken_theme_falls_back(pair: ModelPair
         app.theme = "textual-dark"  # Textual's own themes fall back to the default origin colours
         await pilot.pause()
         assert app.theme_variables["origin-target-bonus"].upper() == "#61AFEF"
+
+
+async def test_whole_step_capture_progress_reaches_the_loading_screen(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `whole_step` the chat's own decoder factory builds a whole-step decoder in the loading
+    thread, and the capture's progress is shown on the loading screen. On the CPU nothing is
+    captured, so the progress calls `CapturedSteps` makes on CUDA are made here, around the real
+    `make_steps`."""
+    shown: list[str] = []
+    monkeypatch.setattr(LoadingScreen, "show_progress", lambda screen, text: shown.append(text))
+    make_steps = step_graph.make_steps
+
+    def capturing(*args: Any, progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
+        assert progress is not None
+        progress(0, 2)
+        steps = make_steps(*args, progress=progress, **kwargs)
+        progress(2, 2)
+        return steps
+
+    monkeypatch.setattr(step_graph, "make_steps", capturing)
+    options = ChatOptions(
+        target=pair.target_spec,
+        draft=pair.draft_spec,
+        store=SessionStore(tmp_path / "s.sqlite3"),
+        transcripts_dir=tmp_path,
+        whole_step=True,
+    )
+    app = FsdChatApp(options, loader=lambda progress: pair)  # the app's own decoder factory
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        assert step_graph.capture_text(0, 2) in shown and step_graph.capture_text(2, 2) in shown
+        decoder = app.screen.chat.decoder  # type: ignore[attr-defined]
+        assert isinstance(decoder._steps, step_graph.EagerSteps)
