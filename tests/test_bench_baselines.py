@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -240,3 +242,38 @@ def test_on_cuda_forwards_are_timed_by_events_read_after_the_reply(
     assert _Event.synchronized == 1
     assert (tally.calls, tally.decode_calls) == (3, 2)
     assert 0 < tally.decode_seconds < tally.seconds
+
+
+def test_whole_step_decoders_are_built_once_a_configuration(pair: ModelPair) -> None:
+    """Under --whole-step the bench keeps one decoder a configuration (on CUDA its graphs are
+    captured once, not at every reply), and its replies are the ones a fresh decoder gives."""
+    built: list[object] = []
+    original = ModelPair.decoder
+
+    def counted(self: ModelPair, *args: Any, **kwargs: Any) -> object:
+        built.append(decoder := original(self, *args, **kwargs))
+        return decoder
+
+    whole = PairRunner(pair, whole_step=True)
+    fresh = PairRunner(pair)
+    prompts = [
+        prompt_ids(pair.tokenizer, [Message("user", text)])
+        for text in ("Lily and Ben went to the park.", "Tom had a red ball.")
+    ]
+    try:
+        with mock.patch.object(ModelPair, "decoder", counted):
+            replies = [
+                whole.run(config, prompt, max_new_tokens=8, seed=0, stop_strings=())
+                for prompt in prompts
+                for config in (EXACT, AUTOREGRESSIVE)
+            ]
+        assert len(built) == 2 and built[0] is not built[1]
+        expected = [
+            fresh.run(config, prompt, max_new_tokens=8, seed=0, stop_strings=())
+            for prompt in prompts
+            for config in (EXACT, AUTOREGRESSIVE)
+        ]
+    finally:
+        whole.close()
+        fresh.close()
+    assert [r.token_ids for r in replies] == [r.token_ids for r in expected]

@@ -203,6 +203,10 @@ class PairRunner:
         self.eos = eos_token_ids(pair.tokenizer, pair.target, *shared)
         self.context = context_length(pair.target)
         self._meters = {id(pair): self._pair_meters(pair)}
+        # Under --whole-step, one decoder a configuration: its graphs (about ten on CUDA, each with
+        # its static buffers) are captured once, as the chat captures them once at load, rather
+        # than at every reply.
+        self._whole_step_decoders: dict[Configuration, Decoder] = {}
         if self.hf is not pair:
             self._meters[id(self.hf)] = self._pair_meters(self.hf)
 
@@ -281,14 +285,21 @@ class PairRunner:
         if config.draft_policy in ("latency", "goodput"):
             self.pair.device_timings()  # its timing passes, once per pair, are no part of a run
         # Exact phase times on CUDA: the report splits draft, target and other seconds.
-        # A decoder a reply, as for every method: under --whole-step on CUDA its graphs are
-        # captured here, before the meters start (untimed, as the chat captures them at load).
-        return self.pair.decoder(
+        # A decoder a reply, but under --whole-step one a configuration, kept from reply to reply
+        # (its KV caches and draft policy carry over, as in the chat): its graphs are captured
+        # once, here, before the meters start (untimed, as the chat captures them at load).
+        kept = self._whole_step_decoders.get(config) if self.whole_step else None
+        if kept is not None:
+            return kept
+        decoder = self.pair.decoder(
             controls,
             autoregressive=config.method == "autoregressive",
             time_phases=True,
             whole_step=self.whole_step,
         )
+        if self.whole_step:
+            self._whole_step_decoders[config] = decoder
+        return decoder
 
     def _run(
         self,
