@@ -27,7 +27,12 @@ from fastapi import FastAPI
 from openai import OpenAI
 
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.settings import DecodingSettings, SamplingRequest
+from fsd_chat.decoding.settings import (
+    DEFAULT_GREEDY_THRESHOLD,
+    DEFAULT_THRESHOLD,
+    DecodingSettings,
+    SamplingRequest,
+)
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.server import errors
@@ -83,6 +88,7 @@ def serving(
     api_key: str | None = None,
     raw: bool = False,
     header_seconds: float = HEADER_SECONDS,
+    threshold_given: bool = True,
 ) -> Iterator[Served]:
     """The server's app over its own decoder of `pair`, running (see `running`)."""
     controls = Controls(DecodingSettings())
@@ -93,6 +99,7 @@ def serving(
         settings=DecodingSettings(),
         sampling=SamplingRequest(),
         max_new_tokens=64,
+        threshold_given=threshold_given,
         raw=raw,
         api_key=api_key,
     )
@@ -251,6 +258,21 @@ def test_the_dial_per_request_changes_the_fuzzy_share(served: Served) -> None:
     # The server's own setting is back for a request without an fsd object.
     plain = client.chat.completions.create(model=MODEL, messages=user(), max_tokens=4)  # type: ignore[arg-type]
     assert extra(plain, "fsd")["settings"]["threshold"] == DecodingSettings().threshold
+
+
+def test_a_request_without_a_threshold_gets_the_setups_default(pair: ModelPair) -> None:
+    """With no --threshold, as the chat: a greedy request starts at the regret scale's default, a
+    sampled one at the divergences'; a request that names T keeps it."""
+    with serving(pair, threshold_given=False) as s:
+        client = s.client()
+
+        def threshold(**fields: Any) -> float:
+            reply = client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2, **fields)
+            return float(extra(reply, "fsd")["settings"]["threshold"])
+
+        assert threshold(temperature=0.0) == DEFAULT_GREEDY_THRESHOLD
+        assert threshold(temperature=1.0, seed=1) == DEFAULT_THRESHOLD
+        assert threshold(temperature=0.0, extra_body={"fsd": {"threshold": 0.1}}) == 0.1
 
 
 @pytest.mark.slow

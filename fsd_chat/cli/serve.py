@@ -154,6 +154,7 @@ def serve(ctx: typer.Context, **values: Any) -> None:
             settings=settings,
             sampling=sampling,
             max_new_tokens=o.MAX_NEW_TOKENS.of(v),
+            threshold_given=o.THRESHOLD.get(v) is not None,
             raw=o.RAW.of(v),
             api_key=key,
             host=host,

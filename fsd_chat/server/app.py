@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from fsd_chat.decoding.events import GenerationStats, Step, StopReason
-from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, SamplingRequest
+from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, SamplingRequest, default_threshold
 from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.server import errors
@@ -74,6 +74,8 @@ class ServeOptions:
             request may name any model, as one is served).
         aliases: Other names `GET /v1/models/{id}` knows it by (the target's source as given).
         settings: The decoding settings of a request that sends no `fsd` object.
+        threshold_given: T was given (`--threshold`, config.toml); else a request that names no
+            T gets the setup's default, by whether it samples (`default_threshold`), as the chat.
         sampling: The sampling flags; a request's fields override them, the target's
             generation_config fills in the rest.
         max_new_tokens: Cap on a reply's tokens when a request gives none.
@@ -88,6 +90,7 @@ class ServeOptions:
     settings: DecodingSettings
     sampling: SamplingRequest
     max_new_tokens: int
+    threshold_given: bool = True
     raw: bool = False
     api_key: str | None = None
     host: str = "127.0.0.1"
@@ -299,6 +302,9 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 raise APIError(400, str(exc), param=name) from None
         request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
         sampling = request.resolve(pair.target.generation_config, options.model_id).config
+        settings = default_threshold(
+            settings, options.threshold_given or "threshold" in given, sampling.greedy
+        )
         messages, raw = conversation(body)
         param = "messages" if kind == "chat" else "prompt"
         texts = [m.content for m in messages]
