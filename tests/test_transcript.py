@@ -233,3 +233,19 @@ def test_a_change_inside_a_word_is_marked_where_the_word_ends() -> None:
     # A change at a word's start stays where it is.
     runs[1] = OriginRun(" uminaria", Origin.DRAFT_EXACT, 0.1, "js", "fuzzy")
     assert provenance_content(runs).plain == "The L⟨T 0.10⟩ uminaria bright"
+
+
+def test_a_change_after_an_apostrophe_is_marked_where_the_word_ends() -> None:
+    # T moved between "didn'" and "t" (a tokenizer's split): the apostrophe is inside the word.
+    for apostrophe in ("'", "\u2019"):
+        runs = [
+            OriginRun(f"Lily didn{apostrophe}", Origin.TARGET, 0.05, "js", "fuzzy"),
+            OriginRun("t know", Origin.DRAFT_EXACT, 0.5, "js", "fuzzy"),
+        ]
+        assert provenance_content(runs).plain == f"Lily didn{apostrophe}t⟨T 0.50⟩ know"
+    # A quote closed before the change is not a word: the mark stays after it.
+    runs = [
+        OriginRun("said 'hi'", Origin.TARGET, 0.05, "js", "fuzzy"),
+        OriginRun(" then", Origin.DRAFT_EXACT, 0.5, "js", "fuzzy"),
+    ]
+    assert provenance_content(runs).plain == "said 'hi'⟨T 0.50⟩ then"

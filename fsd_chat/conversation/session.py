@@ -70,6 +70,15 @@ class Piece:
     origin: Origin | None
 
 
+APOSTROPHES = "'\u2019"
+"""Characters inside a word as well as letters and digits (`didn't`, `didn’t`)."""
+
+
+def _in_word(character: str) -> bool:
+    """Whether `character` (one or none) can stand inside a word, for `marked_pieces`."""
+    return character.isalnum() or (character != "" and character in APOSTROPHES)
+
+
 def marked_pieces(runs: Sequence[OriginRun], previous: Setting | None = None, digits: int = 3) -> list[Piece]:
     """`runs`' text with a mark naming each change of setting (`describe_setting`, from `previous`,
     the setting before the runs). A change that falls inside a word (a token that continues the
@@ -84,8 +93,8 @@ def marked_pieces(runs: Sequence[OriginRun], previous: Setting | None = None, di
         if change:
             pending.append(change)
         text = run.text
-        if pending and last.isalnum() and text[:1].isalnum():
-            end = next((i for i, c in enumerate(text) if not c.isalnum()), len(text))
+        if pending and _in_word(last) and _in_word(text[:1]):
+            end = next((i for i, c in enumerate(text) if not _in_word(c)), len(text))
             pieces.append(Piece(text[:end], run.origin))
             text = text[end:]
         if pending and text:
