@@ -65,12 +65,15 @@ makes the step a target-only step (one target forward over one token, no draft w
   position undercounts long blocks) in T_k = k·c_d + V(k + 1) + s seconds (s: a drafting step's
   own work, `ForwardTimings.step`), target-only decoding 1 token in V(1). The step drafts the k ≥ 1
   that maximises E_k / T_k while that beats 1 / V(1) (speculation pays only where
-  E_k·V(1) / T_k > 1); when it does not, even at an optimistic acceptance (`PAUSE_OPTIMISM`
-  standard deviations above the mean: a pause costs several steps, a drafting step that does not
-  pay one), the policy pauses: target-only steps, then a probe (one
+  E_k·V(1) / T_k > 1); when it does not, the policy pauses: drafting that has paid pauses only
+  when it would not pay even at an optimistic acceptance (`PAUSE_OPTIMISM` standard deviations of
+  the pooled â above the mean: a pause costs several steps, a drafting step that does not pay
+  one), drafting that has not (a reply's first step, a probe) when it does not pay at the mean. A
+  policy that does not pay at its prior starts paused. Paused: target-only steps, then a probe (one
   drafting step) after `PROBE_FIRST` of them, each later pause waiting twice as long as the one
   before (up to `PROBE_MOST`: exponential backoff) until drafting pays for `PROBE_FIRST` steps in a
-  row. A draft that could not gain `MIN_CEILING` even with every token accepted
+  row, and each long enough that the probe's expected loss (with a draft model's catch-up
+  forward) is within `PROBE_BUDGET` of a target-only step over the wait. A draft that could not gain `MIN_CEILING` even with every token accepted
   (max_k (k + 1)·V(1) / T_k < MIN_CEILING: nearly as slow per forward as its target) is never
   drafted from, not even to probe, and a draft model's cache is never filled ("draft ≤ 1.04× target").
 
@@ -142,7 +145,9 @@ PROBE_MOST = 128
 so at most about 1/128 of the steps are spent on a draft that never pays)."""
 
 PAUSE_OPTIMISM = 1.22
-"""`goodput`: posterior standard deviations added to the acceptance when deciding whether to pause.
+"""`goodput`: standard deviations of the pooled acceptance's posterior added to every position's
+acceptance when deciding whether drafting that has paid pauses (drafting that has not must pay at
+the mean: see `GoodputPolicy.observe`).
 A pause costs at least PROBE_FIRST target-only steps where drafting might have paid, a drafting step
 that does not pay costs one step's difference: pausing is right only when drafting pays with a
 probability under 1 / (1 + PROBE_FIRST) ≈ 0.11, i.e. when it would not pay even at the acceptance's
@@ -154,8 +159,12 @@ TIME_FORGET = 0.8
 the last 1 / (1 − TIME_FORGET) = 5 steps or so: a load that shifts shows within a few steps)."""
 
 PROBE_BUDGET = 0.03
-"""`goodput`: the most a paused draft's probes may add to a target-only step, as a share of it. A
-probe of a draft model first feeds its cache every token it missed while paused: when that alone
+"""`goodput`: the most a paused draft's probes may add to a target-only step, as a share of it: a
+wait before a probe is at least the probe's expected loss (its block against the target-only steps
+it replaces, plus a draft model's catch-up forward) over this share of V(1) less the catch-up's
+per-token price (story pair, at its prior: a k = 1 probe loses about 1.3 V(1), so probes come
+65 steps apart or more, not 8). A probe of a draft model first feeds its cache every token it
+missed while paused: when that alone
 costs more than this per paused token (a draft over about 30% of its target's size on a CPU), no
 interval keeps probes within budget, and a pause lasts as long as the decoder (the conversation):
 a paused draft then costs nothing, as a user who sees `paused` expects."""
@@ -258,21 +267,26 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
     )
 
 
-FORWARD_SECONDS = 4e-4
+FORWARD_SECONDS = 1.4e-4
 """`modelled_timings`: a forward's fixed host cost (seconds): Python, dispatch, the cache's
-bookkeeping, the softmax and the read of its result. Fitted, with the five below, to the forwards
+bookkeeping, the softmax and the read of its result. Fitted, with the six below, to the forwards
 and steps of fixed-k decoding on this project's CPU (one thread, float32): SmolLM2-135M (30 layers,
-134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair (5 and 2 layers of width 64: a
-target-only step 1.1–1.2 ms, a draft position 0.5–0.7 ms, a drafting step's rule and rollback
-0.3–0.45 ms)."""
+134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair (5 and 2 layers of width 64).
+Refit 2026-11-27 on the story pair (`time_forwards`, best of 5; one torch thread): target V(1)
+0.74 ms, V(2) 0.87, V(6) 0.93, V(33) 1.30; draft (as a target) V(1) 0.38, V(2) 0.43, V(33) 0.62 ms:
+0.12 ms a layer and 0.14 ms a forward (the model gives 0.77, 0.89, 0.94, 1.33 and 0.40, 0.45,
+0.64 ms). The earlier 4e-4 priced a small model's forwards 1.4× too dear against its steps' own
+work and its width too cheap: the story pair's V(6) at 1.14 V(1), measured 1.26. SmolLM2 barely
+moves (V(1) 39.3 → 39.0 ms modelled)."""
 
 LAYER_SECONDS = 1.1e-4
 """`modelled_timings`: seconds of one decoder layer's fixed cost per forward (its dozen operators'
 dispatch, which dominates a small model)."""
 
-TOKEN_LAYER_SECONDS = 3.5e-6
+TOKEN_LAYER_SECONDS = 1.6e-6
 """`modelled_timings`: seconds of one decoder layer's work per token beyond its weights (attention,
-norms, activations): what a verify width costs a narrow model."""
+norms, activations): with the weights' multiply-adds, the slope of a narrow model's V(w) past w = 2
+(story pair, 2026-11-27: 14 µs a token over 5 layers, 6 µs over 2)."""
 
 BYTE_SECONDS = 6e-11
 """`modelled_timings`: seconds to read one byte of weights (about 16 GB/s): a forward over a few
@@ -284,13 +298,23 @@ WIDE_READ = 1.5
 matrix-matrix ones. Measured with SmolLM2-135M in float32: V(1) 36–37 ms, V(4) 54–63 ms, V(6)
 62–67 ms, so a lookup block of k must be accepted about half the time to pay."""
 
+WIDE_LAYER_SECONDS = 1.5e-5
+"""`modelled_timings`: seconds one decoder layer adds to a forward over 2 or more tokens (its causal
+mask and multi-query attention path): a narrow model's V(2) is 17% dearer than its V(1), where its
+per-token work and wider read make 6% (story pair, 2026-11-27: V(1) 0.74 ms, V(2) 0.87 ms; its
+2-layer draft 0.38 and 0.43 ms: about 26 µs a layer either way, 15 µs at the fit's fixed cost)."""
+
 TOKEN_SECONDS = 2.4e-11
 """`modelled_timings`: seconds of one weight's multiply-adds for one token (about 80 GFLOP/s): what
 each more token of a verify width costs."""
 
 
-STEP_SECONDS = 3.5e-4
-"""`modelled_timings`: seconds a drafting step spends beyond its forwards (`ForwardTimings.step`)."""
+STEP_SECONDS = 5.5e-4
+"""`modelled_timings`: seconds a drafting step spends beyond its forwards (`ForwardTimings.step`),
+against a target-only step. Fitted (2026-11-27, with the forwards above) to the story pair's
+fixed-k steps in the bench, k = 1..5: 1.93, 2.34, 2.77, 3.21, 3.73 ms against a target-only step's
+0.82 ms, i.e. T_k / V(1) 2.35, 2.85, 3.37, 3.92, 4.55; the model gives 2.39, 2.93, 3.46, 4.00, 4.53
+(3.5e-4 gave 2.03 at k = 1: a k = 1 block looked 15% cheaper than it is)."""
 
 
 def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
@@ -312,7 +336,8 @@ def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
     layers = model.config.get_text_config().num_hidden_layers
     per_token = count * TOKEN_SECONDS + layers * TOKEN_LAYER_SECONDS
     read_seconds = read * BYTE_SECONDS * (1.0 if width == 1 else WIDE_READ)
-    return FORWARD_SECONDS + layers * LAYER_SECONDS + read_seconds + width * per_token
+    wide = 0.0 if width == 1 else layers * WIDE_LAYER_SECONDS
+    return FORWARD_SECONDS + layers * LAYER_SECONDS + read_seconds + wide + width * per_token
 
 
 def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> ForwardTimings:
@@ -530,9 +555,15 @@ class GoodputPolicy(FixedPolicy):
         _, ceiling = self._best(torch.ones(MAX_DRAFT_TOKENS, dtype=torch.float64), MAX_DRAFT_TOKENS)
         self._hopeless = ceiling < MIN_CEILING
         # Probes of this draft cost more than PROBE_BUDGET however rare: a pause is final.
+        self._catch_up = timings.catch_up
         self._final_pause = timings.catch_up > PROBE_BUDGET * self._verify[1]
         if self._hopeless:
             self.pause = f"{self._who()} ≤ {ceiling:.2f}× target"
+        elif self.best(self._cap)[1] < 1.0:
+            # Not paying at the prior: drafting must show it pays on a probe first (`observe`),
+            # and a draft too dear to probe is not run at all.
+            self._pause()
+            self._hopeless = self._final_pause
 
     @property
     def estimate(self) -> float:
@@ -543,12 +574,16 @@ class GoodputPolicy(FixedPolicy):
         """â_i for positions i = 1..MAX_DRAFT_TOKENS ([MAX_DRAFT_TOKENS] float64): each position's
         Beta posterior mean, from its own counts and a prior of PRIOR_STRENGTH pseudo-tokens at the
         pooled `estimate` (a deep position, seldom reached, starts from what the block as a whole
-        shows), plus `optimism` posterior standard deviations (capped at 1)."""
-        total = self._tries + PRIOR_STRENGTH
-        mean = (self._hits + PRIOR_STRENGTH * self.estimate) / total
+        shows), plus `optimism` standard deviations of the pooled estimate (capped at 1): one shift
+        for every position, the draft's quality being what is uncertain. (Each position's own
+        deviation would keep the positions past the drafted k, never observed, at the prior's
+        width: the best k at such an acceptance reached them and paid whatever the counts said.)"""
+        pooled = self.estimate
+        mean = (self._hits + PRIOR_STRENGTH * pooled) / (self._tries + PRIOR_STRENGTH)
         if not optimism:
             return mean
-        return (mean + optimism * (mean * (1 - mean) / (total + 1)).sqrt()).clamp(max=1.0)
+        total = float(self._tries.sum()) + PRIOR_STRENGTH
+        return (mean + optimism * math.sqrt(pooled * (1 - pooled) / (total + 1))).clamp(max=1.0)
 
     @property
     def drafting_price(self) -> float:
@@ -602,16 +637,26 @@ class GoodputPolicy(FixedPolicy):
         self._hits[:accepted] += 1.0
         self._tries[: min(accepted + 1, drafted)] += 1.0
         # A pause costs PROBE_FIRST steps or more, a drafting step that does not pay one: drafting
-        # stops only when it would not pay even at an optimistic acceptance.
-        if self._best(self.acceptance(PAUSE_OPTIMISM), self._cap)[1] / self.drafting_price >= 1.0:
+        # that has paid stops only when it would not pay even at an optimistic acceptance. Drafting
+        # that has not yet (a probe, a reply's first steps) must pay at the mean: the optimism of a
+        # few counts would resume it, a losing step at a time until the optimistic test pauses again.
+        optimism = PAUSE_OPTIMISM if self._paying else 0.0
+        if self._best(self.acceptance(optimism), self._cap)[1] / self.drafting_price >= 1.0:
             self.pause = None
             self._paying += 1
             if self._paying >= PROBE_FIRST:
                 self._interval = PROBE_FIRST
             return
-        # Each pause waits twice as long as the last, until drafting pays for a while again.
+        self._pause()
+        # No probe could keep within PROBE_BUDGET: the draft is not run again (see `limit`).
+        self._hopeless = self._hopeless or self._final_pause
+
+    def _pause(self) -> None:
+        """Wait before the next probe: each pause twice as long as the last (until drafting pays
+        for a while again), and long enough that the probe's expected loss, its catch-up forward
+        included, spreads to PROBE_BUDGET of a target-only step over the wait."""
         self._paying = 0
-        self._wait = self._interval
+        self._wait = max(self._interval, self._probe_floor())
         self._interval = min(2 * self._interval, PROBE_MOST)
         # Short enough for the chat's stats strip: lookup drafts cost nothing, only their acceptance
         # can fail them; a draft model may also be too slow.
@@ -619,8 +664,17 @@ class GoodputPolicy(FixedPolicy):
             self.pause = f"lookup accepts {self.estimate:.0%}"
         else:
             self.pause = f"{self._who()} {self.best(self._cap)[1]:.2f}× target"
-        # No probe could keep within PROBE_BUDGET: the draft is not run again (see `limit`).
-        self._hopeless = self._hopeless or self._final_pause
+
+    def _probe_floor(self) -> int:
+        """The fewest target-only steps over which a probe's expected loss (its block of the best
+        k at the mean, less the tokens it is expected to emit, plus a draft model's catch-up: one
+        more draft forward, over the tokens the wait emitted) is within PROBE_BUDGET a step."""
+        k, _ = self.best(self._cap)
+        expected = 1.0 + float(self.acceptance()[:k].cumprod(0).sum())
+        catch_up = self._draft if self._catch_up else 0.0
+        loss = (self._seconds(k) + catch_up) * self.drafting_price - expected * self._verify[1]
+        room = PROBE_BUDGET * self._verify[1] - self._catch_up
+        return math.ceil(loss / room) if loss > 0 and room > 0 else 0
 
     def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Fold the step's seconds into the time factors: a target-only step's, or a drafting
