@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
 from fsd_chat.decoding.acceptance import CompiledDecision
+from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
@@ -148,6 +149,20 @@ def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
     )
 
 
+def synchronisations(steps: Iterator[Step]) -> tuple[int, list[str]]:
+    """The steps of a reply after its first, run with torch's CUDA sync debug mode warning, and the
+    synchronisations they made (the warnings' messages)."""
+    next(steps)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            count = sum(1 for _ in steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return count, [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
 @pytest.mark.parametrize("kind", ["model", "lookup", "target-only"])
 def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
     """For a draft model, prompt lookup (verified copies and target steps) and target-only decoding,
@@ -168,17 +183,9 @@ def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
         max_new_tokens=64,
         sampling=SamplingConfig(temperature=1.0, seed=0),
     )
-    next(steps)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            count = sum(1 for _ in steps)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    count, syncs = synchronisations(steps)
     # The verdict's transfer, and the phase clock's explicit synchronisations (timing), per step.
-    assert len(syncs) <= count, [str(w.message) for w in syncs[:5]]
+    assert len(syncs) <= count, syncs[:5]
 
 
 def test_compiled_by_default_on_cuda(pair32: ModelPair) -> None:
@@ -298,16 +305,8 @@ def test_whole_step_graphs_synchronise_once_a_step(pair32: ModelPair, kind: str)
         max_new_tokens=64,
         sampling=SamplingConfig(temperature=1.0, seed=0),
     )
-    next(steps)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            count = sum(1 for _ in steps)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert count >= 5 and len(syncs) <= count, [str(w.message) for w in syncs[:5]]
+    count, syncs = synchronisations(steps)
+    assert count >= 5 and len(syncs) <= count, syncs[:5]
 
 
 def test_whole_step_graphs_speed(pair32: ModelPair, record_property: Callable[[str, object], None]) -> None:
