@@ -35,6 +35,7 @@ from fsd_chat.decoding.settings import (
 )
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.server import app as server_app
 from fsd_chat.server import errors
 from fsd_chat.server.app import ServeOptions, create_app
 from fsd_chat.server.engine import Engine
@@ -300,9 +301,14 @@ def test_closing_a_stream_stops_the_decoder(served: Served) -> None:
 
 
 @pytest.mark.slow
-def test_a_client_giving_up_on_a_whole_reply_stops_the_decoder(served: Served) -> None:
+def test_a_client_giving_up_on_a_whole_reply_stops_the_decoder(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A non-streamed request whose client times out and closes its connection is cancelled: the
-    server sees the disconnection while it waits for the reply (every `DISCONNECT_POLL` seconds)."""
+    server sees the disconnection while it waits for the reply (every `DISCONNECT_POLL` seconds).
+    The client hangs up a fifth of the way through the reply, and the server polls often: on a
+    quiet machine the whole reply takes about 0.4 s, under the default poll plus a fixed wait."""
+    monkeypatch.setattr(server_app, "DISCONNECT_POLL", 0.02)
     client = served.client()
     body: dict[str, Any] = {
         "model": MODEL,
@@ -313,9 +319,11 @@ def test_a_client_giving_up_on_a_whole_reply_stops_the_decoder(served: Served) -
         "fsd": {"draft_tokens": 1},
     }
     body_without_fsd = {k: v for k, v in body.items() if k != "fsd"}
+    began = time.perf_counter()
     full = extra(client.chat.completions.create(**body_without_fsd, extra_body={"fsd": body["fsd"]}), "fsd")[
         "steps"
     ]
+    full_seconds = time.perf_counter() - began
     assert full >= 40
     before = served.engine.steps
     payload = json.dumps(body).encode()
@@ -324,7 +332,7 @@ def test_a_client_giving_up_on_a_whole_reply_stops_the_decoder(served: Served) -
         head = f"POST {address.path}/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
         head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         conn.sendall(head.encode() + payload)
-        time.sleep(0.2)  # decoding: then the client hangs up
+        time.sleep(full_seconds / 5)  # decoding: then the client hangs up
     after = client.chat.completions.create(model=MODEL, messages=user(), max_tokens=1)  # type: ignore[arg-type]
     assert served.engine.steps - before - extra(after, "fsd")["steps"] < full / 2
 
