@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.draft_policy import ForwardTimings
+from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import draw, probabilities
@@ -151,6 +152,23 @@ class HostTraffic(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def traffic_per_step(
+    steps: Iterator[Step], host_reads: collections.Counter[str]
+) -> list[tuple[int, dict[str, int], bool]]:
+    """Each step of a reply after its first (the prompt's prefill is outside the steady state):
+    the host reads it made (`host_reads`), the other host traffic `HostTraffic` saw, and whether
+    it drafted."""
+    next(steps)
+    per_step = []
+    while True:
+        host_reads.clear()
+        with HostTraffic() as traffic:
+            step = next(steps, None)
+        if step is None:
+            return per_step
+        per_step.append((sum(host_reads.values()), dict(traffic.counts), step.stats.drafted > 0))
+
+
 def test_host_traffic_sees_a_python_scalar_written_into_a_tensor() -> None:
     """The test below would see a scalar write put back into a step (as `seq[0, i] = id` was)."""
     seq = torch.zeros(1, 8, dtype=torch.long)
@@ -192,15 +210,7 @@ def test_each_step_reads_once_and_writes_no_python_value(
     # A prompt that repeats itself, so that lookup finds n-grams to copy.
     prompt = pair.tokenizer("Tom had a red ball. Tom had a red ball. Tom had a").input_ids
     steps = decoder.generate(prompt, max_new_tokens=48, sampling=sampling)
-    next(steps)  # the prompt's prefill is outside the steady state
-    per_step = []
-    while True:
-        host_reads.clear()
-        with HostTraffic() as traffic:
-            step = next(steps, None)
-        if step is None:
-            break
-        per_step.append((sum(host_reads.values()), dict(traffic.counts), step.stats.drafted > 0))
+    per_step = traffic_per_step(steps, host_reads)
     assert len(per_step) >= 5
     assert all(reads == 1 and not other for reads, other, _ in per_step), per_step
     if kind != "target-only":

@@ -38,7 +38,7 @@ from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests import test_sampling_lossless
 from tests.decoding_helpers import collect
-from tests.test_host_syncs import HostTraffic, host_reads  # noqa: F401 (a fixture)
+from tests.test_host_syncs import host_reads, traffic_per_step  # noqa: F401 (a fixture)
 from tests.test_non_finite import CPU, OTHER_PROMPT, broken, run_until_error  # noqa: F401 (a fixture)
 from tests.test_non_finite import PROMPT as BROKEN_PROMPT
 from tests.test_sampling_lossless import (
@@ -231,17 +231,9 @@ def test_a_whole_step_reads_once_and_writes_no_python_value(
         else pair.autoregressive(Controls(settings), whole_step=True)
     )
     steps = decoder.generate(pair.tokenizer(PROMPTS[2]).input_ids, max_new_tokens=48, sampling=sampling)
-    next(steps)
-    per_step = []
-    while True:
-        host_reads.clear()
-        with HostTraffic() as traffic:
-            step = next(steps, None)
-        if step is None:
-            break
-        per_step.append((sum(host_reads.values()), dict(traffic.counts)))
+    per_step = traffic_per_step(steps, host_reads)
     assert len(per_step) >= 5
-    assert all(reads == 1 and not other for reads, other in per_step), per_step
+    assert all(reads == 1 and not other for reads, other, _ in per_step), per_step
 
 
 def test_no_step_reads_an_output_after_the_next_call(pair: ModelPair) -> None:
@@ -595,15 +587,7 @@ def test_a_lookup_whole_step_reads_once_and_writes_no_python_value(
     steps = whole_lookup(pair, settings, device_inputs).generate(
         pair.tokenizer(LOOKUP_PROMPT).input_ids, max_new_tokens=48
     )
-    next(steps)
-    per_step = []
-    while True:
-        host_reads.clear()
-        with HostTraffic() as traffic:
-            step = next(steps, None)
-        if step is None:
-            break
-        per_step.append((sum(host_reads.values()), dict(traffic.counts), step.stats.drafted > 0))
+    per_step = traffic_per_step(steps, host_reads)
     assert len(per_step) >= 5 and any(drafted for *_, drafted in per_step)
     assert all(reads == 1 and not other for reads, other, _ in per_step), per_step
 

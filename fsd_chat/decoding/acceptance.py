@@ -475,7 +475,9 @@ def _judge_on_device(
 
 
 _JUDGEMENT_FIELDS = ("accept", "draft_exact", "divergences", "costs", "candidates")
-"""`Judgement`'s fields in order."""
+"""`Judgement`'s fields in order, written out: torch.compile cannot trace `dataclasses.fields` of
+a class, and a captured step runs through here."""
+
 
 _GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
 """What `decide` tells `judge` of the sampling settings: greedy or not."""

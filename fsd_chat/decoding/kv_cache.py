@@ -273,6 +273,13 @@ class StaticModel(CachedModel):
         before the next pass."""
         self.seen = min(self.seen, length)
 
+    def moved(self, seen: int) -> None:
+        """The cache holds `seen` tokens, and its write position was moved on the device (by a
+        whole step, `fsd_chat.decoding.step_graph`): unknown on the host, set again before the
+        next eager pass."""
+        self.seen = seen
+        self._written = -1
+
     def _move_to(self, length: int) -> None:
         """Put every layer's write position at `length`, where it is not already."""
         if self._written == length:

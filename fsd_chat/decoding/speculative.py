@@ -135,7 +135,9 @@ class SpeculativeDecoder:
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
         capacity = compiled_capacity(capped)
         # The whole step needs a draft model of the target's vocabulary, or prompt lookup.
-        lookup = isinstance(draft, PromptLookup)
+        # Prompt lookup's copies are found on the host, before a whole step.
+        self._lookup = draft if isinstance(draft, PromptLookup) else None
+        lookup = self._lookup is not None
         whole_step = whole_step and vocab_map is None and (draft_model is not None or lookup)
         cuda = target.device.type == "cuda"
         # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
@@ -392,11 +394,10 @@ class SpeculativeDecoder:
         available draft length ≤ `limit` (with prompt lookup: ≤ the copy the host found), or a
         target-only step; one read of its block."""
         start = reply.length
-        lookup = isinstance(self.proposer, PromptLookup)
+        lookup = self._lookup is not None
         source = 0
-        if lookup and limit:
-            assert isinstance(self.proposer, PromptLookup)  # narrowed for mypy
-            source, limit = find_continuation(reply.host[:start], self.proposer.ngram, limit)
+        if self._lookup is not None and limit:
+            source, limit = find_continuation(reply.host[:start], self._lookup.ngram, limit)
         lengths = steps.lengths
         k = limit if lengths is None else max((n for n in lengths if n <= limit), default=0)
         if k == 0:
@@ -422,9 +423,9 @@ class SpeculativeDecoder:
             steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
         block = steps.speculative(k, sampling.greedy, generator).tolist()
         # What the caches surely hold, should the verdict end the reply (a non-finite law)...
-        step_graph.moved(target, start)
+        target.moved(start)
         if draft is not None:
-            step_graph.moved(draft, start)
+            draft.moved(start)
         n = int(block[step_graph.verdict_flags(k, lookup)])
         try:
             verdict = read_verdict(

@@ -516,8 +516,7 @@ class CapturedSteps(EagerSteps):
         # The warm-up calls wrote into the caches and moved the position: nothing is cached now.
         for model in (target, draft):
             if model is not None:
-                model.reset()
-                model._written = -1
+                model.moved(0)
 
     @torch.inference_mode()
     def _capture(
@@ -667,12 +666,6 @@ def start(
     return steps.reseed(sampling, generator)
 
 
-def moved(model: StaticModel, seen: int) -> None:
-    """After a step: `model`'s cache holds `seen` tokens, its write position is unknown on the host."""
-    model.seen = seen
-    model._written = -1
-
-
 def whole_target_step(
     steps: EagerSteps,
     reply: Reply,
@@ -690,7 +683,7 @@ def whole_target_step(
         NonFiniteError: the target's logits are not finite (the reply ends before this token).
     """
     flag, token = steps.target_only(sampling.greedy, generator).tolist()
-    moved(steps.target, reply.length)
+    steps.target.moved(reply.length)
     if flag:
         steps.clear()
         raise non_finite_error("target")

@@ -119,15 +119,8 @@ class ModelPair:
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
         """
-        if autoregressive:
-            return self.autoregressive(
-                controls,
-                time_phases=time_phases,
-                compiled=compiled,
-                whole_step=whole_step,
-                capture_progress=capture_progress,
-            )
-        return self.speculative(
+        build = self.autoregressive if autoregressive else self.speculative
+        return build(
             controls,
             time_phases=time_phases,
             compiled=compiled,
