@@ -199,7 +199,7 @@ def run_bench(
     hf_pairs: dict[Setup, ModelPair] = {}
     for setup in setups:
         if setup in hf_setups:
-            specs = pair_specs(
+            target_spec, draft_spec, options = pair_specs(
                 target,
                 draft,
                 setup.quantize_target,
@@ -209,7 +209,7 @@ def run_bench(
                 trust_remote_code,
             )
             with console.status(f"loading {setup.label} for transformers' baselines"):
-                hf_pairs[setup] = load_pair(*specs)
+                hf_pairs[setup] = load_pair(target_spec, draft_spec, replace(options, prepack=False))
     # Sampling lists not given start from the target's own sampling, as chat and generate do.
     model_sampling = SamplingRequest().resolve(
         by_setup[setups[0]].target.generation_config, Path(target).name

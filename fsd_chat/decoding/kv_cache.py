@@ -28,6 +28,7 @@ import torch._dynamo
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
+from fsd_chat.decoding.packed_linear import unpack_linear_layers
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.support.errors import UnsupportedCacheError
 
@@ -334,7 +335,8 @@ class CompiledModel(StaticModel):
     `generate` likewise prefills eagerly and compiles only its one-token step.
 
     If compilation fails (no C++ compiler, an operator torch.compile cannot trace), the model runs
-    eagerly from then on and `compile_error` says why.
+    eagerly from then on and `compile_error` says why. A model whose linear layers were prepacked
+    for oneDNN (`fsd_chat.decoding.packed_linear`) gets them back unpacked, in place, first.
 
     Args:
         model: A causal LM that `compile_refusal` admits (full-attention layers only).
@@ -356,6 +358,8 @@ class CompiledModel(StaticModel):
     ) -> None:
         self.widths = widths
         super().__init__(model, vocab_size, capacity)
+        # inductor cannot lower oneDNN's packed weights (it packs its own when it freezes a model).
+        unpack_linear_layers(model)
         self._compiled = compiled_forward(model)
         # The padded inputs: the tokens beyond a pass's own are stale, but valid ids.
         self._ids = torch.zeros((1, widths[-1]), dtype=torch.long, device=self.device)

@@ -26,6 +26,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
 from fsd_chat.models.gguf_files import Progress as Progress  # re-exported: the TUI's loading screen
@@ -206,6 +207,8 @@ def _load_model(
     model.eval()
     if quantization is not None:
         check_quantized_forward(spec, model)
+    elif options.prepack:
+        pack_linear_layers(model)
     return model
 
 
