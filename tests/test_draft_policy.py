@@ -14,6 +14,7 @@ import math
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,20 +25,24 @@ from fsd_chat.decoding.draft_policy import (
     PROBE_BUDGET,
     PROBE_FIRST,
     PROBE_MOST,
+    FixedPolicy,
     ForwardTimings,
     GoodputPolicy,
     LatencyPolicy,
+    MatchedGoodput,
     Next,
+    make_policy,
     modelled_timings,
     time_forwards,
 )
-from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.events import StepStats
+from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
-from tests.decoding_helpers import collect, count_fed
+from tests.decoding_helpers import Collected, collect, count_fed
 from tests.test_sampling_lossless import ALPHA, SAMPLING, chi_square_p_value, exact_first_two
 
 PROMPTS = ["Once upon a time", "The little bird was sad because"]
@@ -361,6 +366,52 @@ def test_goodput_pauses_lookup_that_is_rarely_accepted_and_resumes_when_it_is() 
     assert policy.pause is None and policy.limit(settings, room=100) >= 1
 
 
+def test_goodput_keeps_lookup_acceptance_apart_by_matched_length() -> None:
+    """1-token matches that are never accepted pause 1-token matches only: 3-token matches, always
+    accepted, go on drafting to the cap; a step where nothing matched drafts nothing and shows no
+    pause."""
+    policy = make_policy("goodput", lambda: WIDTH_COSTS, "lookup", ngram=3)
+    assert isinstance(policy, MatchedGoodput)
+    settings = DecodingSettings(draft_tokens=5)
+    for _ in range(20):
+        k = policy.limit(settings, room=100, evidence=1)
+        if k:
+            policy.observe(k, 0)
+        k = policy.limit(settings, room=100, evidence=3)
+        assert k >= 1 and policy.pause is None
+        policy.observe(k, k)
+    assert policy.limit(settings, room=100, evidence=3) == 5
+    assert policy.limit(settings, room=100, evidence=1) == 0
+    assert policy.pause is not None and policy.pause.endswith("after 1-token matches")
+    assert policy.limit(settings, room=100, evidence=0) == 0 and policy.pause is None
+
+
+def test_the_decoder_tells_the_policy_how_long_a_suffix_lookup_matched(pair: ModelPair) -> None:
+    """The evidence each step's `limit` gets is the length of the suffix its copy follows, from the
+    context the step starts with (0: nothing matched, and the step drafts nothing)."""
+    seen: list[int | None] = []
+
+    class Recording(FixedPolicy):
+        def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+            seen.append(evidence)
+            return super().limit(settings, room, evidence)
+
+    decoder = SpeculativeDecoder(
+        pair.target,
+        PromptLookup(3),
+        pair.tokenizer,
+        controls=Controls(DecodingSettings(rule="exact", draft_tokens=3, draft_policy="fixed")),
+        vocab_size=pair.vocab_size,
+    )
+    decoder._kept_policy = ("fixed", Recording())
+    prompt = pair.tokenizer(PROMPTS[0]).input_ids * 2  # repeats itself: long matches abound
+    run = collect(decoder.generate(prompt, max_new_tokens=30))
+    contexts = itertools.accumulate(([t.id for t in s.tokens] for s in run.steps), initial=list(prompt))
+    expected = [find_continuation(np.array(c), 3, 3).matched for c in contexts][: len(run.steps)]
+    assert seen == expected and 3 in seen
+    assert [s.stats.drafted > 0 for s in run.steps] == [e > 0 for e in expected]
+
+
 def drafting_steps(timings: ForwardTimings, acceptance: float, replies: int, tokens: int) -> tuple[int, int]:
     """Drafting steps and all steps of `replies` fresh goodput replies of `tokens` tokens, k ≤ 5,
     each draft token accepted with probability `acceptance` given the ones before it were (seeded)."""
@@ -485,15 +536,20 @@ def test_a_conversation_keeps_its_policy_from_reply_to_reply(pair: ModelPair) ->
     lookup that did not pay is not tried afresh at the next reply's start; a decoder that does
     not reuse its prefix (the bench's runs) starts every reply afresh."""
     prompt = pair.tokenizer(PROMPTS[0]).input_ids
+
+    def first_match(run: Collected) -> StepStats:
+        """The first step where lookup found a copy: drafted, or not drafted as paused."""
+        return next(s.stats for s in run.steps if s.stats.drafted or s.stats.paused)
+
     conversation = slow_decoder(pair, PromptLookup(2), WIDTH_COSTS)
     first = collect(conversation.generate(prompt, max_new_tokens=40))
-    assert first.stats.drafted > 0 and first.steps[-1].stats.paused is not None
+    assert first_match(first).drafted > 0 and first.stats.paused_steps > 0
     second = collect(conversation.generate(prompt, max_new_tokens=40))
-    assert second.steps[0].stats.drafted == 0 and second.steps[0].stats.paused is not None
+    assert first_match(second).drafted == 0 and first_match(second).paused is not None
     afresh = slow_decoder(pair, PromptLookup(2), WIDTH_COSTS)
     afresh.reuse_prefix = False
-    assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[-1].stats.paused is not None
-    assert collect(afresh.generate(prompt, max_new_tokens=40)).steps[0].stats.paused is None
+    assert collect(afresh.generate(prompt, max_new_tokens=40)).stats.paused_steps > 0
+    assert first_match(collect(afresh.generate(prompt, max_new_tokens=40))).drafted > 0
 
 
 @pytest.mark.slow

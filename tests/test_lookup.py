@@ -18,7 +18,7 @@ import torch
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import mixture_weight, point_mass_mixture_weight, verify
 from fsd_chat.decoding.divergence import DIVERGENCES, against_point_mass, divergence, kl
-from fsd_chat.decoding.lookup import PromptLookup, find_continuation
+from fsd_chat.decoding.lookup import NO_MATCH, PromptLookup, find_continuation
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, RULES, DivergenceName, Rule
 from fsd_chat.decoding.speculative import SpeculativeDecoder
@@ -30,29 +30,28 @@ SAMPLING = SamplingConfig(temperature=1.0)
 GREEDY = SamplingConfig()
 
 
-def reference_continuation(tokens: list[int], ngram: int, limit: int) -> tuple[int, int]:
-    """The search spelled out: the longest suffix (≤ ngram) with an earlier occurrence, its latest one."""
+def reference_continuation(tokens: list[int], ngram: int, limit: int) -> tuple[int, int, int]:
+    """The search spelled out: the longest suffix (≤ ngram) with an earlier occurrence, its latest
+    one: (start, tokens proposed, suffix length matched)."""
     length = len(tokens)
     for n in range(min(ngram, length - 1), 0, -1):
         suffix = tokens[length - n :]
         for end in range(length - 2, n - 2, -1):
             if tokens[end - n + 1 : end + 1] == suffix:
-                return end + 1, min(limit, length - end - 1)
-    return 0, 0
+                return end + 1, min(limit, length - end - 1), n
+    return 0, 0, 0
 
 
 def test_the_latest_occurrence_of_the_longest_suffix_is_continued() -> None:
     tokens = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3])
-    assert find_continuation(tokens, 3, 5) == (8, 5)  # after the second "1 2 3": 5 7 1 2 3
-    assert find_continuation(tokens, 3, 2) == (8, 2)
+    assert find_continuation(tokens, 3, 5) == (8, 5, 3)  # after the second "1 2 3": 5 7 1 2 3
+    assert find_continuation(tokens, 3, 2) == (8, 2, 3)
     # A longer suffix wins over a later shorter one: "2 9" occurs once, "9" later too.
-    assert find_continuation(np.array([2, 9, 4, 5, 9, 6, 2, 9]), 2, 4) == (2, 4)
-    assert find_continuation(np.array([5, 6, 7]), 3, 4) == (0, 0)  # nothing repeats
-    assert find_continuation(np.array([5]), 3, 4) == (0, 0)
-    assert find_continuation(np.array([5, 5]), 3, 4) == (
-        1,
-        1,
-    )  # the continuation ends at the context's end
+    assert find_continuation(np.array([2, 9, 4, 5, 9, 6, 2, 9]), 2, 4) == (2, 4, 2)
+    assert find_continuation(np.array([5, 6, 7]), 3, 4) == NO_MATCH  # nothing repeats
+    assert find_continuation(np.array([5]), 3, 4) == NO_MATCH
+    # The continuation ends at the context's end.
+    assert find_continuation(np.array([5, 5]), 3, 4) == (1, 1, 1)
 
 
 def test_the_search_agrees_with_its_definition_on_random_contexts() -> None:

@@ -122,6 +122,7 @@ import torch
 from transformers import PreTrainedModel
 
 from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.packed_linear import PackedLinear, packed_bytes
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName
 from fsd_chat.decoding.timing import PhaseClock
 
@@ -317,27 +318,48 @@ fixed-k steps in the bench, k = 1..5: 1.93, 2.34, 2.77, 3.21, 3.73 ms against a 
 (3.5e-4 gave 2.03 at k = 1: a k = 1 block looked 15% cheaper than it is)."""
 
 
+PACKED_BYTE_SECONDS = 3.5e-11
+"""`modelled_timings`: `BYTE_SECONDS` for a weight prepacked for oneDNN
+(`fsd_chat.decoding.packed_linear`; about 28 GB/s). Fitted with the two below to SmolLM2-135M in
+float32, packed, one thread (2026-11-27, `CachedModel`, best of 4): V(1) 23.3 ms, V(2) 25.2, V(3)
+26.2, V(4) 26.5, V(6) 29.1 (the model gives 23.3, 25.2, 26.2, 27.2, 29.1)."""
+
+PACKED_WIDE_READ = 1.02
+"""`modelled_timings`: `WIDE_READ` for packed weights: oneDNN's layout for 2 rows reads the weights
+as fast for 2 to 6 rows as for 1."""
+
+PACKED_TOKEN_SECONDS = 6.9e-12
+"""`modelled_timings`: `TOKEN_SECONDS` for packed weights: each more token of a verify width adds
+about 1 ms to SmolLM2's forward (its multiply-adds overlap the weight read)."""
+
+
 def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
     """The modelled seconds of `model`'s forward over `width` new tokens (`modelled_timings`): a
     fixed cost, per layer, per byte of weights read (`WIDE_READ` times dearer over 2 or more tokens),
-    and per token (per weight and per layer). The weights
-    count every parameter but an input embedding that is not also the output head (a gather reads
-    `width` rows of it, not the whole table)."""
+    and per token (per weight and per layer), weights prepacked for oneDNN
+    (`fsd_chat.decoding.packed_linear`) at their own prices (`PACKED_BYTE_SECONDS`...). The weights
+    count every parameter but an input embedding that no output head reads (a gather reads `width`
+    rows of it, not the whole table): the head is untied, or holds a packed copy of its own."""
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
+    head_weight = head.tied if isinstance(head, PackedLinear) else getattr(head, "weight", None)
     gathered = (
         embedding.weight
-        if embedding is not None and (head is None or head.weight is not embedding.weight)
+        if embedding is not None and (head_weight is not embedding.weight or isinstance(head, PackedLinear))
         else None
     )
     weights = [p for p in model.parameters() if p is not gathered]
     read = sum(p.numel() * p.element_size() for p in weights)
     count = sum(p.numel() for p in weights)
+    packed = packed_bytes(model)
     layers = model.config.get_text_config().num_hidden_layers
-    per_token = count * TOKEN_SECONDS + layers * TOKEN_LAYER_SECONDS
-    read_seconds = read * BYTE_SECONDS * (1.0 if width == 1 else WIDE_READ)
-    wide = 0.0 if width == 1 else layers * WIDE_LAYER_SECONDS
-    return FORWARD_SECONDS + layers * LAYER_SECONDS + read_seconds + wide + width * per_token
+    wide = width > 1
+    per_token = count * TOKEN_SECONDS + packed / 4 * PACKED_TOKEN_SECONDS + layers * TOKEN_LAYER_SECONDS
+    read_seconds = read * BYTE_SECONDS * (WIDE_READ if wide else 1.0) + packed * PACKED_BYTE_SECONDS * (
+        PACKED_WIDE_READ if wide else 1.0
+    )
+    layer_seconds = layers * (LAYER_SECONDS + (WIDE_LAYER_SECONDS if wide else 0.0))
+    return FORWARD_SECONDS + layer_seconds + read_seconds + width * per_token
 
 
 def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> ForwardTimings:
@@ -385,9 +407,11 @@ class DraftPolicy(Protocol):
         """Why the policy takes target-only steps for now (None: it drafts; only `goodput` pauses)."""
         ...
 
-    def limit(self, settings: DecodingSettings, room: int) -> int:
+    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
         """The most tokens the coming step may draft, ≤ `room` (the reply's room left; 0: none).
-        Starts a step."""
+        Starts a step. `evidence`: what the proposer knows of its proposal before making it:
+        prompt lookup's matched suffix length in tokens (`fsd_chat.decoding.lookup.Match`; 0:
+        nothing matches); None for a draft model."""
         ...
 
     def extend(self, q: torch.Tensor) -> Next:
@@ -411,7 +435,7 @@ class FixedPolicy:
 
     pause: str | None = None
 
-    def limit(self, settings: DecodingSettings, room: int) -> int:
+    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
         """settings.draft_tokens (at most `room`)."""
         return min(settings.draft_tokens, room)
 
@@ -434,7 +458,7 @@ class HeuristicPolicy(FixedPolicy):
         self._start = 0
         self._k = 0
 
-    def limit(self, settings: DecodingSettings, room: int) -> int:
+    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
         """The scheduled k (at most `room`)."""
         if settings.draft_tokens != self._start:
             self._start = self._k = settings.draft_tokens
@@ -466,7 +490,7 @@ class LatencyPolicy:
         self._all_accepted = 1.0  # G_j
         self._expected = 1.0  # E_j
 
-    def limit(self, settings: DecodingSettings, room: int) -> int:
+    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
         """settings.draft_tokens, the cap (at most `room`)."""
         self._cap = min(settings.draft_tokens, room)
         self._forwards, self._bins, self._all_accepted, self._expected = 0, [], 1.0, 1.0
@@ -531,9 +555,12 @@ class GoodputPolicy(FixedPolicy):
             when `timings.measured`).
         kind: What proposes, a `fsd_chat.decoding.proposal.DraftKind` (named in `pause`; a str
             here: that module imports this one).
+        matched: Prompt lookup's matched suffix length whose proposals this policy decides
+            (`MatchedGoodput`; named in `pause`).
     """
 
-    def __init__(self, timings: ForwardTimings, kind: str) -> None:
+    def __init__(self, timings: ForwardTimings, kind: str, matched: int | None = None) -> None:
+        self._matched = matched
         self._draft = timings.draft
         self._verify = timings.verify_table()
         self._step = timings.step
@@ -615,7 +642,7 @@ class GoodputPolicy(FixedPolicy):
         """T_k: the seconds of a step drafting k tokens (k = 0: V(1))."""
         return k * self._draft + self._verify[k + 1] + (self._step if k else 0.0)
 
-    def limit(self, settings: DecodingSettings, room: int) -> int:
+    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
         """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap."""
         self._cap = settings.draft_tokens
         if not room:
@@ -661,7 +688,8 @@ class GoodputPolicy(FixedPolicy):
         # Short enough for the chat's stats strip: lookup drafts cost nothing, only their acceptance
         # can fail them; a draft model may also be too slow.
         if self._kind == "lookup":
-            self.pause = f"lookup accepts {self.estimate:.0%}"
+            after = "" if self._matched is None else f" after {self._matched}-token matches"
+            self.pause = f"lookup accepts {self.estimate:.0%}{after}"
         else:
             self.pause = f"{self._who()} {self.best(self._cap)[1]:.2f}× target"
 
@@ -700,13 +728,63 @@ class GoodputPolicy(FixedPolicy):
         return {"lookup": "lookup", "mapped": "mapped draft"}.get(self._kind, "draft")
 
 
+class MatchedGoodput:
+    """`goodput` for prompt lookup: one `GoodputPolicy` per matched suffix length, each with its
+    own acceptance counts, pause and probes, chosen by the step's `evidence`.
+
+    How long a suffix matched is what prompt lookup knows of its copy before proposing it, and it
+    splits acceptance wide apart. The default chat's greedy replies (SmolLM2-135M-Instruct, 20
+    prompts a set, 96 tokens; at every position, whether the copy's first token is the target's):
+    after a 1-token match 16% (MT-Bench) and 17% (tinystories-retell), after 2 tokens 41% and 46%,
+    after 3 tokens 80% and 89%, copies then running 4.4 and 5.3 tokens on average. One pooled
+    acceptance drafts a 3-token match's copy as cautiously as a 1-token match's, and pauses both
+    when 1-token matches are most of the proposals. A step where nothing matches drafts nothing and
+    asks no policy (`pause` None).
+
+    Args:
+        timings: As `GoodputPolicy`'s.
+        ngram: The longest suffix prompt lookup matches, in tokens.
+    """
+
+    def __init__(self, timings: ForwardTimings, ngram: int) -> None:
+        self._policies = [GoodputPolicy(timings, "lookup", matched) for matched in range(1, ngram + 1)]
+        self._current: GoodputPolicy | None = None
+
+    @property
+    def pause(self) -> str | None:
+        """The pause of the policy of this step's match length (None when nothing matched)."""
+        return None if self._current is None else self._current.pause
+
+    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+        """The decision of the policy of the matched length `evidence` (0 when nothing matched)."""
+        self._current = self._policies[evidence - 1] if evidence else None
+        return 0 if self._current is None else self._current.limit(settings, room)
+
+    def extend(self, q: torch.Tensor) -> Next:
+        """Always DRAFT (a copy has no confidence to read)."""
+        return Next.DRAFT
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """The verdict, to the policy of this step's match length."""
+        if self._current is not None:
+            self._current.observe(drafted, accepted)
+
+    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
+        """The step's seconds, to the policy of this step's match length."""
+        if self._current is not None:
+            self._current.timed(drafted, seconds, verify_seconds)
+
+
 def make_policy(
-    name: DraftPolicyName, timings: Callable[[], ForwardTimings], kind: str = "model"
+    name: DraftPolicyName, timings: Callable[[], ForwardTimings], kind: str = "model", ngram: int = 0
 ) -> DraftPolicy:
     """A fresh policy of that name; `timings` is called only by `latency` and `goodput`
-    (measurements may be slow); `kind` is what proposes."""
+    (measurements may be slow); `kind` is what proposes, and `ngram` prompt lookup's longest
+    matched suffix (`goodput` then keeps one policy a match length: `MatchedGoodput`)."""
     if name == "goodput":
-        return GoodputPolicy(timings(), kind)
+        return (
+            MatchedGoodput(timings(), ngram) if kind == "lookup" and ngram else GoodputPolicy(timings(), kind)
+        )
     if name == "latency":
         return LatencyPolicy(timings())
     return HeuristicPolicy() if name == "heuristic" else FixedPolicy()

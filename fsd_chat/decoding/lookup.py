@@ -18,6 +18,8 @@ the rules as `Proposal.q = None` (`fsd_chat.decoding.acceptance` derives each ru
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -25,10 +27,25 @@ from fsd_chat.decoding.draft_policy import DraftPolicy
 from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.proposal import DraftKind, Proposal
 from fsd_chat.decoding.reply import Reply
-from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, SamplingConfig
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, MAX_DRAFT_TOKENS, SamplingConfig
 
 
-def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> tuple[int, int]:
+class Match(NamedTuple):
+    """A continuation prompt lookup found (`find_continuation`)."""
+
+    start: int
+    """Where the proposed tokens start in the context."""
+    proposed: int
+    """How many to propose (0: nothing matches)."""
+    matched: int
+    """The length of the suffix that matched, in tokens (0: none): the proposal's evidence, by
+    which `goodput` keeps acceptance apart (`fsd_chat.decoding.draft_policy.MatchedGoodput`)."""
+
+
+NO_MATCH = Match(0, 0, 0)
+
+
+def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
     """Where the continuation of the latest earlier occurrence of the context's longest matching
     suffix (≤ `ngram` tokens) starts, and how many tokens of it to propose.
 
@@ -44,11 +61,12 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> tuple[int, 
         limit: The most tokens to propose (≥ 1).
 
     Returns:
-        (start, count): propose tokens[start : start + count]; count = 0 when nothing matches.
+        (start, count, matched): propose tokens[start : start + count], after a suffix of `matched`
+        tokens that occurred before; NO_MATCH when nothing does.
     """
     length = tokens.shape[0]
     if length < 2:
-        return 0, 0
+        return NO_MATCH
     padded = np.concatenate([np.full(ngram - 1, -1, dtype=tokens.dtype), tokens])
     windows = np.lib.stride_tricks.sliding_window_view(padded, ngram)  # [L, ngram]: row e ends at tokens[e]
     agree = (windows == windows[-1])[:, ::-1].cumprod(-1).sum(-1)  # [L]
@@ -57,9 +75,9 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> tuple[int, 
     agree = np.minimum(agree, ends + 1)[:-1]  # the last window is the suffix itself: not an earlier one
     end = int((agree * length + ends[:-1]).argmax())
     if agree[end] == 0:
-        return 0, 0
+        return NO_MATCH
     start = end + 1
-    return start, min(limit, length - start)
+    return Match(start, min(limit, length - start), int(agree[end]))
 
 
 class PromptLookup:
@@ -81,9 +99,23 @@ class PromptLookup:
         if ngram < 1:
             raise ValueError(f"the lookup n-gram must be ≥ 1 token, got {ngram}")
         self.ngram = ngram
+        self._found: tuple[Reply, int, Match] | None = None
 
     def prefill(self, reply: Reply, reuse_prefix: bool, defer: bool) -> None:
         """Nothing to encode: the context is searched at each step."""
+
+    def match(self, reply: Reply, limit: int = MAX_DRAFT_TOKENS) -> Match:
+        """The continuation of the reply's context now, up to `limit` tokens (found once per
+        context length: the decoder asks before its policy decides, the step again after)."""
+        length = reply.length
+        if self._found is None or self._found[0] is not reply or self._found[1] != length:
+            self._found = (
+                reply,
+                length,
+                find_continuation(reply.host[:length], self.ngram, MAX_DRAFT_TOKENS),
+            )
+        found = self._found[2]
+        return found._replace(proposed=min(found.proposed, limit))
 
     def propose(
         self,
@@ -96,7 +128,7 @@ class PromptLookup:
         """Copy up to `limit` tokens of the matched continuation to seq[0, length:]. The policy
         only caps the length (`limit`): a copied token's law, δ, says nothing of its acceptance."""
         length = reply.length
-        start, count = find_continuation(reply.host[:length], self.ngram, limit)
+        start, count, _ = self.match(reply, limit)
         if count:
             # start + count ≤ length: source and destination do not overlap.
             reply.seq[0, length : length + count] = reply.seq[0, start : start + count]

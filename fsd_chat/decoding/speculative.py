@@ -45,7 +45,7 @@ from fsd_chat.decoding.kv_cache import (
     compiled_capacity,
     context_length,
 )
-from fsd_chat.decoding.lookup import PromptLookup, find_continuation
+from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
@@ -197,7 +197,8 @@ class SpeculativeDecoder:
         not tried afresh at every reply's start; a policy chosen anew starts afresh."""
         kept = self._kept_policy
         if not (self.reuse_prefix and kept is not None and kept[0] == name):
-            kept = self._kept_policy = (name, make_policy(name, self.timings, self.proposer.kind))
+            ngram = 0 if self._lookup is None else self._lookup.ngram
+            kept = self._kept_policy = (name, make_policy(name, self.timings, self.proposer.kind, ngram))
         return kept[1]
 
     @property
@@ -291,7 +292,10 @@ class SpeculativeDecoder:
             if settings.draft_policy != policy_name:
                 policy, policy_name = self._policy(settings.draft_policy), settings.draft_policy
                 clock.lap()  # a first measurement of the forward times is no step's time
-            k = policy.limit(settings, reply.room())
+            # What prompt lookup will copy is known before the policy decides: how long a suffix
+            # matched says how likely its copy is accepted.
+            evidence = None if self._lookup is None else self._lookup.match(reply).matched
+            k = policy.limit(settings, reply.room(), evidence)
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
@@ -397,7 +401,7 @@ class SpeculativeDecoder:
         lookup = self._lookup is not None
         source = 0
         if self._lookup is not None and limit:
-            source, limit = find_continuation(reply.host[:start], self._lookup.ngram, limit)
+            source, limit, _ = self._lookup.match(reply, limit)
         lengths = steps.lengths
         k = limit if lengths is None else max((n for n in lengths if n <= limit), default=0)
         if k == 0:
