@@ -20,6 +20,8 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
+    ATTENTION_SECONDS,
+    MEASURE_CONTEXT,
     MEASURED_WIDTHS,
     MIN_CEILING,
     PROBE_BUDGET,
@@ -386,15 +388,47 @@ def test_goodput_keeps_lookup_acceptance_apart_by_matched_length() -> None:
     assert policy.limit(settings, room=100, evidence=0) == 0 and policy.pause is None
 
 
+def test_goodput_drafts_less_where_a_long_context_makes_a_wide_verify_dear() -> None:
+    """Each further verified token reads the whole context again (`attention_width`): over a short
+    context lookup at 50% acceptance drafts, over a long one the same acceptance does not pay."""
+    timings = replace(
+        WIDTH_COSTS, verify=(1.0, 1.0 + 0.05 * (WIDE - 1)), attention=1e-3, attention_width=1e-3
+    )
+    settings = DecodingSettings(draft_tokens=5)
+    short, long = GoodputPolicy(timings, "lookup"), GoodputPolicy(timings, "lookup")
+    for _ in range(40):
+        for policy, context in ((short, MEASURE_CONTEXT), (long, 2000)):
+            k = policy.limit(settings, room=100, context=context)
+            if k:
+                policy.observe(k, k // 2)
+    assert short.limit(settings, room=100, context=MEASURE_CONTEXT) >= 1
+    assert long.limit(settings, room=100, context=2000) == 0 and long.pause is not None
+    # The priced table: V(w) over 2000 tokens of context.
+    table = timings.verify_table(2000)
+    assert table[3] == pytest.approx(timings.verify_seconds(3) + (2000 - MEASURE_CONTEXT) * 3e-3)
+
+
+def test_modelled_attention_follows_the_models_depth_and_width(pair: ModelPair) -> None:
+    timings = modelled_timings(pair.target, pair.draft)
+    config = pair.target.config
+    assert timings.attention == pytest.approx(
+        config.num_hidden_layers * config.hidden_size * ATTENTION_SECONDS
+    )
+    short, long = timings.verify_table(), timings.verify_table(1000)
+    assert long[6] / long[1] > short[6] / short[1]
+
+
 def test_the_decoder_tells_the_policy_how_long_a_suffix_lookup_matched(pair: ModelPair) -> None:
     """The evidence each step's `limit` gets is the length of the suffix its copy follows, from the
     context the step starts with (0: nothing matched, and the step drafts nothing)."""
     seen: list[int | None] = []
 
     class Recording(FixedPolicy):
-        def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+        def limit(
+            self, settings: DecodingSettings, room: int, evidence: int | None = None, context: int = 0
+        ) -> int:
             seen.append(evidence)
-            return super().limit(settings, room, evidence)
+            return super().limit(settings, room, evidence, context)
 
     decoder = SpeculativeDecoder(
         pair.target,

@@ -503,7 +503,9 @@ class Pausing(FixedPolicy):
         self.pauses = pauses
         self.calls = 0
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+    def limit(
+        self, settings: DecodingSettings, room: int, evidence: int | None = None, context: int = 0
+    ) -> int:
         self.calls += 1
         return 0 if self.calls % (self.pauses + 1) else min(settings.draft_tokens, room)
 

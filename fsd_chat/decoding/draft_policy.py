@@ -138,6 +138,9 @@ FORGET = 0.95
 included (they follow the last 1 / (1 − FORGET) = 20 steps or so: the acceptance of a reply drifts
 between quoting and free text, and a long pause forgets what paused it)."""
 
+CONTEXT_STEP = 32
+"""`goodput`: how far the context may grow (tokens) before the forwards are priced anew over it."""
+
 PROBE_FIRST = 8
 """`goodput`: target-only steps before the first probe of a paused draft."""
 
@@ -202,6 +205,10 @@ class ForwardTimings:
             speculation dearer than its forwards say.
         catch_up: Seconds a draft model's cache takes per token it missed while paused (the
             marginal token of a wide draft forward; 0 for prompt lookup, which keeps no cache).
+        attention: Seconds a 1-token target forward adds per token of context beyond
+            MEASURE_CONTEXT (the context `verify` was timed over).
+        attention_width: Seconds each further token of a forward's width adds per token of
+            context beyond MEASURE_CONTEXT: a verify reads the keys and values once per query.
     """
 
     draft: float
@@ -210,10 +217,17 @@ class ForwardTimings:
     measured: bool = False
     step: float = 0.0
     catch_up: float = 0.0
+    attention: float = 0.0
+    attention_width: float = 0.0
 
-    def verify_table(self) -> list[float]:
-        """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1))."""
-        return [self.verify_seconds(max(w, 1)) for w in range(MAX_DRAFT_TOKENS + 2)]
+    def verify_table(self, context: int = MEASURE_CONTEXT) -> list[float]:
+        """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1)),
+        over `context` tokens of context."""
+        extra = max(context - MEASURE_CONTEXT, 0)
+        return [
+            self.verify_seconds(max(w, 1)) + extra * (self.attention + (max(w, 1) - 1) * self.attention_width)
+            for w in range(MAX_DRAFT_TOKENS + 2)
+        ]
 
     def verify_seconds(self, width: int) -> float:
         """Seconds of a target forward over `width` tokens (linear between measured widths)."""
@@ -333,6 +347,27 @@ PACKED_TOKEN_SECONDS = 6.9e-12
 about 1 ms to SmolLM2's forward (its multiply-adds overlap the weight read)."""
 
 
+STEP_VOCAB_SECONDS = 1.0e-8
+"""`modelled_timings`: seconds a drafting step spends beyond its forwards per entry of the target's
+vocabulary (the laws, the rule and the verdict over it), on top of `STEP_SECONDS`. SmolLM2-135M
+packed, prompt lookup, one thread, 2026-11-27 (median step against the same prompts' target-only
+steps): k = 1 1.11–1.13 V(1), k = 2 1.17, k = 5 1.35 (at about 450 tokens of context), where the
+forwards alone account for 1.08, 1.12 and 1.30: about 0.5 ms more a step over 49,152 entries."""
+
+ATTENTION_SECONDS = 4.3e-10
+"""`modelled_timings`: seconds a 1-token forward adds per token of context, per layer and per unit
+of hidden width (`ForwardTimings.attention`). SmolLM2-135M (30 layers, 576 wide), packed, one
+thread, `CachedModel` best of 5: V(1) 23.9 ms over 64 tokens of context, 26.8 over 400, 30.9 over
+1,000 (8.8 and 7.5 µs a token)."""
+
+ATTENTION_WIDTH_SECONDS = 8.7e-11
+"""`modelled_timings`: what each further token of a forward's width adds to `ATTENTION_SECONDS`
+(`ForwardTimings.attention_width`). Same measurement: over 1,000 tokens against 64, V(2) +11.4 ms,
+V(4) +13.3, V(6) +17.0 (7.5 µs a token of context at width 1, 12–18 at widths 2–6), so the
+verify of a long conversation is dearer against V(1) than over a short one: V(6)/V(1) 1.20 over
+64 tokens, 1.48 over 1,000."""
+
+
 def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
     """The modelled seconds of `model`'s forward over `width` new tokens (`modelled_timings`): a
     fixed cost, per layer, per byte of weights read (`WIDE_READ` times dearer over 2 or more tokens),
@@ -373,13 +408,17 @@ def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> 
     draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
     # The marginal token of a wide forward (past the 1-token forward's cheaper read).
     catch_up = 0.0 if draft is None else model_forward_seconds(draft, 3) - model_forward_seconds(draft, 2)
+    config = target.config.get_text_config()
+    attended = config.num_hidden_layers * config.hidden_size
     return ForwardTimings(
         draft=draft_seconds,
         widths=MEASURED_WIDTHS,
         verify=verify,
         measured=False,
-        step=STEP_SECONDS,
+        step=STEP_SECONDS + config.vocab_size * STEP_VOCAB_SECONDS,
         catch_up=catch_up,
+        attention=attended * ATTENTION_SECONDS,
+        attention_width=attended * ATTENTION_WIDTH_SECONDS,
     )
 
 
@@ -407,11 +446,18 @@ class DraftPolicy(Protocol):
         """Why the policy takes target-only steps for now (None: it drafts; only `goodput` pauses)."""
         ...
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
         """The most tokens the coming step may draft, ≤ `room` (the reply's room left; 0: none).
         Starts a step. `evidence`: what the proposer knows of its proposal before making it:
         prompt lookup's matched suffix length in tokens (`fsd_chat.decoding.lookup.Match`; 0:
-        nothing matches); None for a draft model."""
+        nothing matches); None for a draft model. `context`: the tokens the step's forwards
+        attend to (prompt and reply so far), which make a wide verify dearer (`goodput`)."""
         ...
 
     def extend(self, q: torch.Tensor) -> Next:
@@ -435,7 +481,13 @@ class FixedPolicy:
 
     pause: str | None = None
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
         """settings.draft_tokens (at most `room`)."""
         return min(settings.draft_tokens, room)
 
@@ -458,7 +510,13 @@ class HeuristicPolicy(FixedPolicy):
         self._start = 0
         self._k = 0
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
         """The scheduled k (at most `room`)."""
         if settings.draft_tokens != self._start:
             self._start = self._k = settings.draft_tokens
@@ -490,7 +548,13 @@ class LatencyPolicy:
         self._all_accepted = 1.0  # G_j
         self._expected = 1.0  # E_j
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
         """settings.draft_tokens, the cap (at most `room`)."""
         self._cap = min(settings.draft_tokens, room)
         self._forwards, self._bins, self._all_accepted, self._expected = 0, [], 1.0, 1.0
@@ -561,8 +625,10 @@ class GoodputPolicy(FixedPolicy):
 
     def __init__(self, timings: ForwardTimings, kind: str, matched: int | None = None) -> None:
         self._matched = matched
+        self._timings = timings
         self._draft = timings.draft
         self._verify = timings.verify_table()
+        self._context = MEASURE_CONTEXT  # the context self._verify is priced at
         self._step = timings.step
         self._kind = kind
         self._learns = timings.measured
@@ -642,9 +708,19 @@ class GoodputPolicy(FixedPolicy):
         """T_k: the seconds of a step drafting k tokens (k = 0: V(1))."""
         return k * self._draft + self._verify[k + 1] + (self._step if k else 0.0)
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
-        """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap."""
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
+        """0 while paused (a target-only step) except on a probe; else the best k ≤ the cap, with
+        the forwards priced over `context` (repriced every CONTEXT_STEP tokens)."""
         self._cap = settings.draft_tokens
+        if abs(context - self._context) >= CONTEXT_STEP:
+            self._context = context
+            self._verify = self._timings.verify_table(context)
         if not room:
             return 0
         if self._hopeless:
@@ -755,10 +831,16 @@ class MatchedGoodput:
         """The pause of the policy of this step's match length (None when nothing matched)."""
         return None if self._current is None else self._current.pause
 
-    def limit(self, settings: DecodingSettings, room: int, evidence: int | None = None) -> int:
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
         """The decision of the policy of the matched length `evidence` (0 when nothing matched)."""
         self._current = self._policies[evidence - 1] if evidence else None
-        return 0 if self._current is None else self._current.limit(settings, room)
+        return 0 if self._current is None else self._current.limit(settings, room, context=context)
 
     def extend(self, q: torch.Tensor) -> Next:
         """Always DRAFT (a copy has no confidence to read)."""

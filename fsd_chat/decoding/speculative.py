@@ -295,7 +295,7 @@ class SpeculativeDecoder:
             # What prompt lookup will copy is known before the policy decides: how long a suffix
             # matched says how likely its copy is accepted.
             evidence = None if self._lookup is None else self._lookup.match(reply).matched
-            k = policy.limit(settings, reply.room(), evidence)
+            k = policy.limit(settings, reply.room(), evidence, reply.length)
             step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
