@@ -370,8 +370,8 @@ def test_goodput_pauses_lookup_that_is_rarely_accepted_and_resumes_when_it_is() 
 
 def test_goodput_keeps_lookup_acceptance_apart_by_matched_length() -> None:
     """1-token matches that are never accepted pause 1-token matches only: 3-token matches, always
-    accepted, go on drafting to the cap; a step where nothing matched drafts nothing and shows no
-    pause."""
+    accepted, go on drafting to the cap; a step where nothing matched drafts nothing and shows the
+    last length's state."""
     policy = make_policy("goodput", lambda: WIDTH_COSTS, "lookup", ngram=3)
     assert isinstance(policy, MatchedGoodput)
     settings = DecodingSettings(draft_tokens=5)
@@ -385,7 +385,8 @@ def test_goodput_keeps_lookup_acceptance_apart_by_matched_length() -> None:
     assert policy.limit(settings, room=100, evidence=3) == 5
     assert policy.limit(settings, room=100, evidence=1) == 0
     assert policy.pause is not None and policy.pause.endswith("after 1-token matches")
-    assert policy.limit(settings, room=100, evidence=0) == 0 and policy.pause is None
+    assert policy.limit(settings, room=100, evidence=0) == 0 and policy.pause is not None
+    assert policy.limit(settings, room=100, evidence=3) == 5 and policy.pause is None
 
 
 def test_goodput_drafts_less_where_a_long_context_makes_a_wide_verify_dear() -> None:

@@ -8,6 +8,7 @@ a wrong implementation would follow must be rejected at p < 1e-6.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -18,6 +19,7 @@ import torch
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import mixture_weight, point_mass_mixture_weight, verify
 from fsd_chat.decoding.divergence import DIVERGENCES, against_point_mass, divergence, kl
+from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.lookup import NO_MATCH, PromptLookup, find_continuation
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, RULES, DivergenceName, Rule
@@ -232,3 +234,31 @@ def test_greedy_lookup_at_zero_threshold_is_the_targets_greedy_text(pair: ModelP
     )  # and paid, but under pure, which accepts by D ≤ T alone
     assert run.stats.draft_forwards == 0 and run.stats.cost == 0.0
     assert math.isclose(run.stats.lookup_hits, sum(s.stats.drafted > 0 for s in run.steps))
+
+
+@pytest.mark.parametrize("whole_step", [False, True], ids=["steps", "whole-step"])
+def test_a_copy_of_the_reply_itself_is_verified_exactly(pair: ModelPair, whole_step: bool) -> None:
+    """Relaxed acceptance of the reply's own text lets a repetition feed itself (the default chat
+    looped so at T 0.25 and 0.5): at a threshold that relaxes every copy, copies of the prompt are
+    accepted fuzzily and copies of the reply only where they are the target's own choice."""
+    prompt = pair.tokenizer(
+        "Lily had a red ball. She played with the red ball in the park. Lily had a red ball. She"
+    )["input_ids"]
+    settings = DecodingSettings(rule="fuzzy", threshold=100.0, draft_tokens=4, draft_policy="fixed")
+    decoder = SpeculativeDecoder(
+        pair.target, PromptLookup(3), pair.tokenizer, controls=Controls(settings), whole_step=whole_step
+    )
+    run = collect(decoder.generate(prompt, max_new_tokens=60))
+    contexts = itertools.accumulate(([t.id for t in s.tokens] for s in run.steps), initial=list(prompt))
+    sources = [find_continuation(np.array(c), 3, 4) for c in contexts]
+    of_prompt = of_reply = 0
+    for step, found in zip(run.steps, sources, strict=False):
+        fuzzy = sum(t.origin == Origin.DRAFT_FUZZY for t in step.tokens)
+        if not step.stats.drafted:
+            continue
+        if found.start >= len(prompt):
+            of_reply += 1
+            assert fuzzy == 0, step
+        else:
+            of_prompt += fuzzy
+    assert of_prompt > 0 and of_reply > 0  # both kinds of copy were met

@@ -127,20 +127,18 @@ class StepInputs:
             sampling=SamplingTensors.allocate(device),
         )
 
-    def write(self, settings: DecodingSettings) -> None:
-        """The dial and the rule, before a step: in place on the device (a kernel each on a GPU,
-        with the values as its arguments: no host-to-device copy, no synchronisation)."""
+    def write(self, settings: DecodingSettings, rule: Rule | None = None) -> None:
+        """The dial and the rule (`rule`, else settings.rule), before a step: in place on the
+        device (a kernel each on a GPU, with the values as its arguments: no host-to-device copy,
+        no synchronisation)."""
+        rule = rule or settings.rule
         if isinstance(self.rule, torch.Tensor):
             assert isinstance(self.divergence, torch.Tensor) and isinstance(self.threshold, torch.Tensor)
-            self.rule.fill_(RULES.index(settings.rule))
+            self.rule.fill_(RULES.index(rule))
             self.divergence.fill_(DIVERGENCE_NAMES.index(settings.divergence))
             self.threshold.fill_(settings.threshold)
         else:
-            self.rule, self.divergence, self.threshold = (
-                settings.rule,
-                settings.divergence,
-                settings.threshold,
-            )
+            self.rule, self.divergence, self.threshold = rule, settings.divergence, settings.threshold
 
     def write_sampling(self, config: SamplingConfig) -> None:
         """A reply's sampling settings."""

@@ -20,7 +20,7 @@ COLOURS: dict[Origin, str] = {
     Origin.DRAFT_FUZZY: "draft token kept where the relaxed test decided (D ≤ T, or mixture's blend): the text may depart from the target",
     Origin.TARGET_RESAMPLED: "token drawn from the target after it rejected a draft token",
     Origin.TARGET_BONUS: "the target's extra token after all k draft tokens were accepted",
-    Origin.TARGET: "the target's own token, from a step that drafted nothing: the draft policy paused (k 0; on the default chat most steps), no lookup match, autoregressive mode, or no room left to draft",
+    Origin.TARGET: "the target's own token, from a step that drafted nothing: no lookup match (on the default chat most steps), the draft policy paused (k 0), autoregressive mode, or no room left to draft",
 }
 
 DIAL = """\
