@@ -389,6 +389,27 @@ def test_goodput_keeps_lookup_acceptance_apart_by_matched_length() -> None:
     assert policy.limit(settings, room=100, evidence=3) == 5 and policy.pause is None
 
 
+def test_a_long_pause_fades_to_the_drafts_long_run_acceptance_not_to_the_prior() -> None:
+    """A draft never accepted, paused for hundreds of steps: its acceptance estimate fades to what
+    it showed all along, so one rejected probe pauses it again (at the prior's ½ it paid again on a
+    cheap verify, and drafted nine rejected steps after every long pause)."""
+    # A verify 2% dearer than a forward: any acceptance above 2% pays, so the ½ prior, discounted
+    # counts of ~20 tokens (FORGET) beside it, kept every step drafting.
+    timings = replace(WIDTH_COSTS, verify=(1.0, 1.0 + 0.02 * (WIDE - 1)))
+    policy = GoodputPolicy(timings, "lookup")
+    settings = DecodingSettings(draft_tokens=1)
+    drafted = []
+    for step in range(600):
+        k = policy.limit(settings, room=100)
+        if k:
+            policy.observe(k, 0)
+            drafted.append(step)
+    assert policy.long_run < 0.05 and policy.estimate < 0.05
+    # Drafting until the long run shows it does not pay, then probes only, each wait doubling up
+    # to PROBE_MOST: under 1% of the steps after the first hundred.
+    assert len(drafted) < 40 and len([s for s in drafted if s >= 100]) <= 5
+
+
 def test_goodput_drafts_less_where_a_long_context_makes_a_wide_verify_dear() -> None:
     """Each further verified token reads the whole context again (`attention_width`): over a short
     context lookup at 50% acceptance drafts, over a long one the same acceptance does not pay."""
