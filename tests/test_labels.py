@@ -35,6 +35,13 @@ RULES = {  # (rule, divergence, T): wide enough that the relaxed test decides ma
     "mixture": ("mixture", "js", 0.05),
 }
 PROMPTS = ["Tom had a red ball. Tom had a red ball. Tom had a", "Once upon a time"]
+LOOKUP_PROMPTS = [
+    "Lily had a red ball. She played with the red ball in the park every day. Her friend Tom came to"
+    " play too. Lily had a red ball. She played with the red ball in the park every day. Her friend",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the log. The cat",
+]
+"""Prompts that say themselves again, which the reply goes on copying: prompt lookup relaxes
+copies of the prompt only (under min-p 0.2 the second is the one that gives fuzzy tokens)."""
 
 
 def test_a_relaxed_position_whose_law_is_the_targets_is_exact_and_free() -> None:
@@ -76,12 +83,14 @@ def test_every_fuzzy_token_costs_something_and_no_cost_is_negative_zero(
     pair: ModelPair, shuffled: ModelPair, kind: str, truncation: str
 ) -> None:
     fuzzy = 0
+    # Lookup relaxes only copies of the prompt (a copy of the reply is verified exactly).
+    prompts = [*PROMPTS, *LOOKUP_PROMPTS] if kind == "lookup" else PROMPTS
     for name, (rule, divergence, threshold) in RULES.items():
         settings = DecodingSettings(
             rule=rule, divergence=divergence, threshold=threshold, draft_tokens=4, draft_policy="fixed"
         )
         decoder = _decoder(kind, pair, shuffled, settings)
-        for prompt in PROMPTS:
+        for prompt in prompts:
             run = collect(
                 decoder.generate(
                     pair.tokenizer(prompt).input_ids, max_new_tokens=64, sampling=TRUNCATIONS[truncation]
