@@ -14,6 +14,7 @@ import pytest
 from openai import OpenAI
 
 from tests.test_cli_generate import run_cli
+from tests.test_server_hostile import interruptible
 
 
 def test_serve_help_is_its_own(capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,7 +88,9 @@ def test_serve_runs_until_interrupted(target_dir: Path, draft_dir: Path, tmp_pat
         str(draft_dir),
     ]
     command += ["--device", "cpu", "--threads", "1", "--port", "0", "--api-key", "k"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible
+    )
     try:
         assert process.stderr is not None
         line = process.stderr.readline()

@@ -519,6 +519,14 @@ def test_warm_up_decodes_before_the_server_listens(pair: ModelPair) -> None:
 # --- the real command: its key, and SIGTERM or Ctrl+C mid-stream -------------------------------------------
 
 
+def interruptible() -> None:
+    """A child's Ctrl+C as at a terminal: a job a non-interactive shell starts in the background
+    ignores SIGINT, and its children inherit that; uvicorn re-raises the signal it caught under the
+    handler it found, so an inherited SIG_IGN made the server exit 0 (a test run so launched failed
+    here, and passed in the foreground)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextmanager
 def command(
     target_dir: Path, draft_dir: Path, tmp_path: Path, *flags: str, env: dict[str, str] | None = None
@@ -529,7 +537,12 @@ def command(
     args = [sys.executable, "-m", "fsd_chat", "serve", "--target", str(target_dir), "--draft", str(draft_dir)]
     args += ["--device", "cpu", "--threads", "1", "--port", "0", *flags]
     process = subprocess.Popen(
-        args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**environment, **(env or {})}
+        args,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**environment, **(env or {})},
+        preexec_fn=interruptible,
     )
     try:
         assert process.stderr is not None
