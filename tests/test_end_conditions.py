@@ -36,6 +36,11 @@ def test_eos_ends_the_reply_and_is_not_emitted(pair: ModelPair, k: int) -> None:
     run = collect(decoder.generate(pair.tokenizer(PROMPT).input_ids, max_new_tokens=60))
     assert run.ids == full[: full.index(was)]
     assert run.steps[-1].stop_reason == StopReason.EOS
+    # Draft tokens accepted past the EOS were never emitted: the stats count none of them (the
+    # EOS itself is decided, so it may count).
+    last = run.steps[-1]
+    assert last.stats.accepted <= len(last.tokens) + 1
+    assert run.stats.accepted_exact + run.stats.accepted_fuzzy <= len(run.ids) + 1
 
 
 def test_stop_string_ends_the_reply_after_the_token_that_completes_it(pair: ModelPair) -> None:

@@ -127,8 +127,9 @@ class Reply:
         Tokens after an EOS are dropped (the EOS too, though its cost counts); the reply ends at the
         first end condition. Text the detokeniser still holds back when the reply ends goes to the
         last emitted token, or to `Step.flushed` when the step emits none (its first token was EOS).
-        `stats.emitted` and `stats.cost` become those of the tokens actually decided, and the time
-        spent here (detokenisation) is added to `stats.other_seconds`.
+        `stats.emitted`, `stats.cost` and the accepted draft tokens become those of the tokens
+        actually decided, and the time spent here (detokenisation) is added to
+        `stats.other_seconds`.
         """
         reason: StopReason | None = None
         tokens: list[Token] = []
@@ -164,6 +165,16 @@ class Reply:
         stats = replace(
             stats, emitted=len(tokens), cost=cost, other_seconds=stats.other_seconds + clock.lap()
         )
+        decided = len(tokens) + (reason == StopReason.EOS)
+        if decided < len(ids):
+            # Accepted draft tokens after the end were never emitted: not counted either (a reply
+            # whose last block ran past its EOS showed "fuzzy 14% · cost 0 (lossless)").
+            kept = origins[:decided]
+            stats = replace(
+                stats,
+                accepted_exact=kept.count(Origin.DRAFT_EXACT),
+                accepted_fuzzy=kept.count(Origin.DRAFT_FUZZY),
+            )
         return Step(tuple(tokens), stats, reason, flushed=tail)
 
     def _completes_stop_string(self, delta: str) -> bool:
