@@ -70,7 +70,11 @@ async def test_a_long_reply_re_renders_only_its_last_line(pair: ModelPair, tmp_p
         # far less than the reply.
         longest_paragraph = max(len(p) for p in text.split("\n"))
         assert max(live) <= min(longest_paragraph, LIVE_LIMIT)
-        assert max(live) < lengths[-1] / 3
+        # At every update, no more than the paragraph being written (the reply's text so far after
+        # its last line break), however the reply's paragraphs fall.
+        current = [len(text[:n].rsplit("\n", 1)[-1]) for n in lengths]
+        assert all(size <= line for size, line in zip(live, current, strict=True)), (live, current)
+        assert current[-1] < lengths[-1]  # the last update came after line breaks: less than all
         # Finished: one full render, the frozen lines are put away.
         assert not reply.query_one(".provenance-frozen").display
 
