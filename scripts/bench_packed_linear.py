@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -22,8 +21,7 @@ import torch
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
-from fsd_chat.decoding.draft_policy import MEASURE_CONTEXT
-from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.draft_policy import time_forwards
 from fsd_chat.decoding.packed_linear import PackedLinear
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.chat_template import Message, prompt_ids
@@ -35,20 +33,11 @@ from fsd_chat.models.pair import ModelPair
 WIDTHS = (1, 2, 3, 4, 6)
 
 
-def forward_ms(pair: ModelPair, repeats: int = 5) -> dict[int, float]:
-    """The target's forward over each of WIDTHS tokens after MEASURE_CONTEXT, best of `repeats` (ms)."""
-    model = CachedModel(pair.target, pair.vocab_size)
-    seq = torch.arange(MEASURE_CONTEXT + max(WIDTHS))[None] + 100
-    best = dict.fromkeys(WIDTHS, float("inf"))
-    with torch.inference_mode():
-        model.forward(seq, MEASURE_CONTEXT, keep=1)
-        for _ in range(repeats):
-            for width in WIDTHS:
-                start = time.perf_counter()
-                model.forward(seq, MEASURE_CONTEXT + width, keep=width)
-                best[width] = min(best[width], (time.perf_counter() - start) * 1e3)
-                model.rollback(MEASURE_CONTEXT)
-    return best
+def forward_ms(pair: ModelPair) -> dict[int, float]:
+    """The target's forward over each of WIDTHS tokens after MEASURE_CONTEXT, best of
+    MEASURE_REPEATS (`time_forwards`), in ms."""
+    timings = time_forwards(pair.target, None, pair.vocab_size)
+    return {w: v * 1e3 for w, v in zip(timings.widths, timings.verify, strict=True) if w in WIDTHS}
 
 
 def main() -> None:

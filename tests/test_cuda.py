@@ -123,13 +123,11 @@ def test_batched_verdicts_follow_the_target_on_cuda(
     )
 
 
-def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair) -> None:
-    """The plumbing around the rule on the GPU (seeds, caches, the reply's end): REPLIES two-token
-    replies, their first tokens tested against the target's law at α = 0.001 (no power claimed:
-    the batched test above has it)."""
+def assert_seeded_first_tokens_follow_the_target(pair32: ModelPair, decoder: Decoder) -> None:
+    """REPLIES two-token replies of `decoder`, seeds 0.., their first tokens tested against the
+    target's exact law at α = ALPHA."""
     vocab, eos = pair32.vocab_size, pair32.tokenizer.eos_token_id
     prompt_ids = pair32.tokenizer(PROMPT).input_ids
-    decoder = pair32.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=2)))
     firsts = torch.zeros(vocab + 1, dtype=torch.long)
     for seed in range(REPLIES):
         seeded = SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed=seed)
@@ -137,6 +135,14 @@ def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair
         firsts[ids[0] if ids else vocab] += 1
     first, _ = exact_first_two(pair32.target, prompt_ids, vocab, eos)
     assert chi_square_p_value(firsts, first) > ALPHA
+
+
+def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair) -> None:
+    """The plumbing around the rule on the GPU (seeds, caches, the reply's end): REPLIES two-token
+    replies, their first tokens tested against the target's law at α = 0.001 (no power claimed:
+    the batched test above has it)."""
+    decoder = pair32.speculative(Controls(DecodingSettings(threshold=0.0, draft_tokens=2)))
+    assert_seeded_first_tokens_follow_the_target(pair32, decoder)
 
 
 def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
@@ -273,16 +279,9 @@ def test_whole_step_graphs_sample_the_target_and_a_seed_repeats(pair32: ModelPai
     """The registered generator's draws in the replays: REPLIES seeded two-token replies through
     the graphs at T = 0, their first tokens tested against the target's law (α = ALPHA), and a
     seed giving the same reply twice (the generator reseeded between replays)."""
-    vocab, eos = pair32.vocab_size, pair32.tokenizer.eos_token_id
     prompt_ids = pair32.tokenizer(PROMPT).input_ids
     decoder = whole_pair32(pair32, DecodingSettings(threshold=0.0, draft_tokens=2, draft_policy="fixed"))
-    firsts = torch.zeros(vocab + 1, dtype=torch.long)
-    for seed in range(REPLIES):
-        seeded = SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed=seed)
-        ids = collect(decoder.generate(prompt_ids, max_new_tokens=2, sampling=seeded)).ids
-        firsts[ids[0] if ids else vocab] += 1
-    first, _ = exact_first_two(pair32.target, prompt_ids, vocab, eos)
-    assert chi_square_p_value(firsts, first) > ALPHA
+    assert_seeded_first_tokens_follow_the_target(pair32, decoder)
     sampling = SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7)
     again = [
         collect(decoder.generate(prompt_ids, max_new_tokens=64, sampling=sampling)).ids for _ in range(2)

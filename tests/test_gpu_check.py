@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from rich.table import Table
 
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
 from scripts.gpu_check import _rate_table, _test_table, main
@@ -88,6 +89,30 @@ def test_on_the_cpu_the_benches_report_every_method(
     }
 
 
+def junit_report(folder: Path, test_file: str) -> Path:
+    """Run pytest on `folder`/`test_file` as gpu-check runs `pytest -m cuda`: its JUnit report."""
+    junit = folder / "out.xml"
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        test_file,
+    ]
+    subprocess.run(command, cwd=folder, capture_output=True)
+    return junit
+
+
+def rendered(table: Table) -> str:
+    """A rich table as the terminal shows it, 200 columns wide."""
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text()
+
+
 def test_the_table_counts_what_pytest_reported(tmp_path: Path) -> None:
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
@@ -96,26 +121,9 @@ def test_the_table_counts_what_pytest_reported(tmp_path: Path) -> None:
         "@pytest.mark.skip(reason='no GPU')\n"
         "def test_skipped(): pass\n"
     )
-    junit = tmp_path / "out.xml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={junit}",
-            "test_sample.py",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-    )
-    table, failed = _test_table(junit)
+    table, failed = _test_table(junit_report(tmp_path, "test_sample.py"))
     assert failed == 1
-    console = Console(width=200, record=True)
-    console.print(table)
-    text = console.export_text()
+    text = rendered(table)
     assert "test_ok" in text and "passed" in text
     assert "failed: AssertionError: one is not two" in text
     assert "skipped: no GPU" in text
@@ -128,24 +136,7 @@ def test_the_rate_table_pairs_whole_steps_with_compiled_steps(tmp_path: Path) ->
         "    record_property('exact k4 compiled', 450.0)\n"
         "    record_property('unrelated', 1)\n"
     )
-    junit = tmp_path / "out.xml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={junit}",
-            "test_rates.py",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-    )
-    table = _rate_table(junit)
+    table = _rate_table(junit_report(tmp_path, "test_rates.py"))
     assert table is not None and table.row_count == 1
-    console = Console(width=200, record=True)
-    console.print(table)
-    text = console.export_text()
+    text = rendered(table)
     assert "exact k4" in text and "900" in text and "450" in text and "2.00" in text

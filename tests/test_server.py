@@ -458,24 +458,27 @@ def test_api_key(pair: ModelPair) -> None:
         assert [m.id for m in s.client("s3cret").models.list().data] == [MODEL]
 
 
+LONG: dict[str, Any] = {
+    "model": MODEL,
+    "messages": user(),
+    "max_tokens": 400,
+    "temperature": 1.0,
+    "seed": 3,
+    "stream": True,
+    "extra_body": {"fsd": {"draft_tokens": 1}},  # one token a step: a reply that lasts
+}
+"""A streamed chat completion that stays busy for a while (400 sampled tokens, one a step)."""
+
+
 @pytest.mark.slow
 def test_a_full_queue_answers_429(pair: ModelPair) -> None:
     """One reply decodes and one waits (queue size 1): a third request is refused at once. The
     first two are long replies (400 tokens, one a step) so that both are still there."""
     with serving(pair, queue_size=1) as s:
         client = s.client()
-        long: dict[str, Any] = {
-            "model": MODEL,
-            "messages": user(),
-            "max_tokens": 400,
-            "temperature": 1.0,
-            "seed": 3,
-            "stream": True,
-            "extra_body": {"fsd": {"draft_tokens": 1}},
-        }
-        running = client.chat.completions.create(**long)
+        running = client.chat.completions.create(**LONG)
         next(iter(running))  # decoding
-        waiting = client.chat.completions.create(**long)  # queued: its headers are sent at once
+        waiting = client.chat.completions.create(**LONG)  # queued: its headers are sent at once
         status, error = error_of(
             lambda: client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
         )  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ from fsd_chat.server.app import ServeOptions
 from fsd_chat.server.engine import Engine
 from fsd_chat.server.guard import body_limit, is_local_name
 from fsd_chat.server.run import warm_up
-from tests.test_server import MODEL, Served, error_of, extra, serving, user
+from tests.test_server import LONG, MODEL, Served, error_of, extra, serving, user
 
 
 @pytest.fixture(scope="module")
@@ -362,17 +362,6 @@ def test_an_error_mid_stream_ends_the_stream(pair: ModelPair, monkeypatch: pytes
         # The official client raises it.
         with pytest.raises(openai.APIError, match="RuntimeError"):
             list(s.client().chat.completions.create(model=MODEL, messages=user(), max_tokens=40, stream=True))  # type: ignore[arg-type]
-
-
-LONG: dict[str, Any] = {
-    "model": MODEL,
-    "messages": user(),
-    "max_tokens": 400,
-    "temperature": 1.0,
-    "seed": 3,
-    "stream": True,
-    "extra_body": {"fsd": {"draft_tokens": 1}},  # one token a step: a reply that lasts
-}
 
 
 @pytest.mark.slow

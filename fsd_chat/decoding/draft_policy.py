@@ -837,7 +837,8 @@ class MatchedGoodput:
     after 3 tokens 80% and 89%, copies then running 4.4 and 5.3 tokens on average. One pooled
     acceptance drafts a 3-token match's copy as cautiously as a 1-token match's, and pauses both
     when 1-token matches are most of the proposals. A step where nothing matches drafts nothing and
-    asks no policy (`pause` None).
+    asks no policy; `pause` stays that of the last length matched (the chat's strip then changes
+    only when a match of another length comes).
 
     Args:
         timings: As `GoodputPolicy`'s.

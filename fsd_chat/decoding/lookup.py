@@ -61,8 +61,8 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
         limit: The most tokens to propose (≥ 1).
 
     Returns:
-        (start, count, matched): propose tokens[start : start + count], after a suffix of `matched`
-        tokens that occurred before; NO_MATCH when nothing does.
+        (start, proposed, matched): propose tokens[start : start + proposed], after a suffix of
+        `matched` tokens that occurred before; NO_MATCH when nothing does.
     """
     length = tokens.shape[0]
     if length < 2:

@@ -25,6 +25,9 @@ first (`unpack_linear_layers`): the reorder is exact both ways.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -103,27 +106,32 @@ def pack_linear_layers(model: nn.Module) -> int:
     many were (0 without oneDNN: `can_pack`)."""
     if not can_pack():
         return 0
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and packable(child):
-                setattr(parent, name, PackedLinear(child, tied=owners[id(child.weight)] > 1))
-                replaced += 1
-    return replaced
+    # A weight listed under two names is shared (an output head tied to the input embeddings).
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return _replace_layers(
+        model,
+        lambda child: (
+            PackedLinear(child, tied=owners[id(child.weight)] > 1)
+            if isinstance(child, nn.Linear) and packable(child)
+            else None
+        ),
+    )
 
 
 def unpack_linear_layers(model: nn.Module) -> int:
     """Put back the `nn.Linear` of every `PackedLinear` in `model`, in place (exact: the reorder
     loses nothing); returns how many."""
+    return _replace_layers(model, lambda child: child.unpacked() if isinstance(child, PackedLinear) else None)
+
+
+def _replace_layers(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Put `replacement(child)` in place of each submodule it gives one for; returns how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear):
-                setattr(parent, name, child.unpacked())
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
                 replaced += 1
     return replaced
 
