@@ -6,14 +6,15 @@ from __future__ import annotations
 import itertools
 import threading
 
-from fsd_chat.decoding import Controls, DecodingSettings, Step, StopReason
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step, StopReason
 from fsd_chat.models.pair import ModelPair
 
 SETTINGS = (
     {"rule": "fuzzy", "divergence": "js", "threshold": 0.0, "draft_tokens": 3},
     {"rule": "pure", "divergence": "tv", "threshold": 0.3, "draft_tokens": 5},
 )
-"""The two settings the UI thread switches between; every field differs."""
+"""The two settings the UI thread switches between; every field differs (the divergence is read,
+and recorded, because the decoder samples: greedy steps record "regret" instead)."""
 UPDATES = 8
 
 
@@ -43,7 +44,11 @@ def test_settings_retuned_while_the_decoder_runs_apply_whole_from_the_next_step(
     arrived = threading.Condition()
 
     def decode() -> None:
-        for step in decoder.generate(pair.tokenizer("Once upon a time").input_ids, max_new_tokens=500):
+        for step in decoder.generate(
+            pair.tokenizer("Once upon a time").input_ids,
+            max_new_tokens=500,
+            sampling=SamplingConfig(1.0, seed=0),
+        ):
             with arrived:
                 received.append(step)
                 arrived.notify_all()

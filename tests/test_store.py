@@ -189,7 +189,12 @@ def test_former_draft_policy_names_read_back_as_todays(
     transcript shows; reading writes nothing back."""
     path = tmp_path / "s.sqlite3"
     saved(SessionStore(path), make_session())
-    row = '{"rule": "fuzzy", "divergence": "js", "threshold": 0.1, "draft_tokens": 4, ' + stored + "}"
+    # Sampled: a greedy session's divergence is not shown (`decoding_summary`).
+    row = (
+        '{"rule": "fuzzy", "divergence": "js", "threshold": 0.1, "temperature": 0.7, "draft_tokens": 4, '
+        + stored
+        + "}"
+    )
     conn = sqlite3.connect(path)
     conn.execute("UPDATE sessions SET settings = ?", (row,))
     conn.commit()
@@ -217,8 +222,9 @@ def test_the_dial_a_session_ended_with_is_kept_beside_its_start(tmp_path: Path) 
     assert writer.close(5)
     loaded = store.load("abcd1234")
     assert loaded.settings == session.settings  # the start kept, the dial beside it
-    assert "| Decoding | fuzzy · js · T 0.100 · k 4 at the start; mixture · T 0.160 · k 4 at the end |" in (
-        render_markdown(loaded)
+    assert (
+        "| Decoding | fuzzy · regret · T 0.100 · k 4 at the start; mixture · T 0.160 · k 4 at the end |"
+        in (render_markdown(loaded))
     )
     # An edited dial is refused in one line, as any other field.
     conn = sqlite3.connect(store.path)

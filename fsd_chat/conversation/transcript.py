@@ -35,7 +35,7 @@ from fsd_chat.conversation.session import (
     marked_pieces,
 )
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.decoding.settings import LOOKUP, REGRET
 from fsd_chat.models.options import quantization_note
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import counted, visible
@@ -62,7 +62,8 @@ class TranscriptError(FsdChatError):
 
 
 def decoding_summary(settings: dict[str, Any]) -> str:
-    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5", "mixture · T 0.160 · k 5"."""
+    """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5", "mixture · T 0.160 · k 5",
+    "fuzzy · regret · T 0.500 · k 5" (greedy)."""
     if settings.get("mode") == "autoregressive":
         return "autoregressive (target only)"
     # A stored session may lack any of them (`fsd_chat.conversation.session.settings_from_dict`): shown as "?".
@@ -70,8 +71,9 @@ def decoding_summary(settings: dict[str, Any]) -> str:
     rule = settings.get("rule", "?")
     parts = [rule]
     # What the rule does not read is not named (see `describe_setting`); an unknown rule shows all.
+    # Greedy decoding reads no divergence: every relaxed rule tests the regret (`REGRET`).
     if rule not in ("mixture", "exact"):
-        parts.append(settings.get("divergence", "?"))
+        parts.append(settings.get("divergence", "?") if settings.get("temperature") else REGRET)
     if rule != "exact":
         parts.append("T ?" if threshold is None else f"T {threshold:.3f}")
     policy = settings.get("draft_policy", "fixed")

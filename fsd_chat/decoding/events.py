@@ -81,7 +81,8 @@ class StepStats:
         target_seconds: Wall-clock seconds in target forward passes.
         other_seconds: Wall-clock seconds in everything else (acceptance, cache rollback, detokenisation).
         threshold: Threshold T in force for this step (divergence units).
-        divergence: Name of the divergence in force.
+        divergence: What the relaxed test compares with T: the divergence in force, or "regret"
+            under greedy decoding, which reads no divergence (`DecodingSettings.tested`).
         rule: Acceptance rule in force (a `Rule`), or "autoregressive" for a step of
             `AutoregressiveDecoder` (a speculative step that drafted nothing keeps its rule).
         prefill_seconds: Wall-clock seconds encoding the prompt (first step only; not in `seconds`).

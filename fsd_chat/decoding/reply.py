@@ -382,7 +382,13 @@ def target_step(
         ids = [token_id]
         reply.record(ids)
     return commit_target(
-        reply, ids, clock=clock, settings=settings, rule=rule, prefill_seconds=prefill_seconds
+        reply,
+        ids,
+        clock=clock,
+        settings=settings,
+        rule=rule,
+        greedy=sampling.greedy,
+        prefill_seconds=prefill_seconds,
     )
 
 
@@ -393,6 +399,7 @@ def commit_target(
     clock: PhaseClock,
     settings: DecodingSettings,
     rule: StepRule,
+    greedy: bool,
     prefill_seconds: float,
 ) -> Step:
     """The `Step` of a target-only step that emitted `ids` (one token, none for an unread reply),
@@ -409,7 +416,7 @@ def commit_target(
         target_seconds=target_seconds,
         other_seconds=0.0,
         threshold=settings.threshold,
-        divergence=settings.divergence,
+        divergence=settings.tested(greedy),
         rule=rule,
         prefill_seconds=prefill_seconds,
     )

@@ -68,6 +68,11 @@ dropped; any top-p this small keeps only the most likely token anyway."""
 MAX_SEED = 2**64 - 1
 """torch generators take 64-bit seeds."""
 
+REGRET = "regret"
+"""What every relaxed rule compares with T under greedy decoding: a draft token's regret
+log p(argmax p) − log p(x̃) in nats (`fsd_chat.decoding.acceptance`, Greedy). The dial's divergence
+is not read there, so a greedy step records this name in its place (`DecodingSettings.tested`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class DecodingSettings:
@@ -120,6 +125,10 @@ class DecodingSettings:
             )
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise SettingsError(f"draft length k must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+
+    def tested(self, greedy: bool) -> str:
+        """What the relaxed test compares with T: `REGRET` under greedy decoding, else the divergence."""
+        return REGRET if greedy else self.divergence
 
 
 @dataclass(frozen=True, slots=True)

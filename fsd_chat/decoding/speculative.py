@@ -387,6 +387,7 @@ class SpeculativeDecoder:
             target_seconds=target_seconds,
             prefill_seconds=prefill_seconds,
             lookup=proposal.lookup,
+            greedy=sampling.greedy,
         )
 
     def _verify_rule(self, reply: Reply, settings: DecodingSettings) -> Rule:
@@ -471,6 +472,7 @@ class SpeculativeDecoder:
             target_seconds=clock.lap(),
             prefill_seconds=prefill_seconds,
             lookup=lookup,
+            greedy=sampling.greedy,
         )
 
     def _emit(
@@ -486,6 +488,7 @@ class SpeculativeDecoder:
         target_seconds: float,
         prefill_seconds: float,
         lookup: bool,
+        greedy: bool,
     ) -> Step:
         """The `Step` of a verified block whose tokens are in the reply's buffer: recorded, the
         caches rolled back to the accepted prefix, the stats."""
@@ -509,7 +512,7 @@ class SpeculativeDecoder:
             target_seconds=target_seconds,
             other_seconds=clock.lap(),
             threshold=settings.threshold,
-            divergence=settings.divergence,
+            divergence=settings.tested(greedy),
             rule=settings.rule,
             prefill_seconds=prefill_seconds,
             lookup_hits=int(lookup),

@@ -688,5 +688,11 @@ def whole_target_step(
     ids = [int(token)]
     reply.record(ids)
     return commit_target(
-        reply, ids, clock=clock, settings=settings, rule=rule, prefill_seconds=prefill_seconds
+        reply,
+        ids,
+        clock=clock,
+        settings=settings,
+        rule=rule,
+        greedy=sampling.greedy,
+        prefill_seconds=prefill_seconds,
     )

@@ -238,7 +238,10 @@ async def test_export_writes_the_transcript(pair: ModelPair, tmp_path: Path) -> 
     assert f"# fsd-chat session {screen.session.id}" in text
     assert "| Target | `" in text and "stories260K` |" in text
     assert "| Device | cpu float32 |" in text
-    assert "| Decoding | fuzzy · js · T 0.100 · k 4 |" in text
+    # Greedy decoding reads no divergence: the session and each reply name what T bounds.
+    assert "| Decoding | fuzzy · regret · T 0.100 · k 4 |" in text
+    assert {span["divergence"] for span in reply.stats["spans"]} == {"regret"}
+    assert " · under fuzzy regret T 0.100 · " in text
     assert "## System\n\n```text\nTell a story.\n```\n" in text
     assert f"## User\n\n```text\n{PROMPT}\n```\n" in text
     assert f"## Assistant\n\n```text\n{reply.text}\n```\n" in text
