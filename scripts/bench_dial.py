@@ -157,6 +157,11 @@ def main() -> None:
                 "tokens": t.tokens,
                 "paused_steps": t.paused_steps,
                 "steps": t.steps,
+                # Per prompt, in the set's order: where the median's gains are (or are not).
+                "per_prompt_ratio_to_T0": to_exact,
+                "per_prompt_identical": [
+                    ids == ref[0] for (ids, _), ref in zip(replies[name], reference, strict=True)
+                ],
             }
             row = rows[name]
             assert isinstance(row, dict)

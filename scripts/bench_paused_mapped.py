@@ -61,7 +61,7 @@ def main() -> None:
     fsd_chat.models.loading.MIN_COVERAGE = 0.0  # measured here, not refused
     options = LoadOptions(device="cpu", dtype="float32")
     pair = load_pair(ModelSpec(str(default_model_path())), ModelSpec(args.draft), options)
-    timings = pair.device_timings()
+    timings = pair.forward_timings()
     spec = pair.speculative(Controls(DecodingSettings(draft_policy="goodput", threshold=0.5)))
     alone = pair.autoregressive(Controls(DecodingSettings()))
     items = load_prompt_set("mt-bench", data_dir=args.data_dir, limit=args.prompts).items

@@ -184,7 +184,7 @@ def test_measured_timings_cover_every_width(pair: ModelPair) -> None:
     curve = time_forwards(pair.target, pair.draft, pair.vocab_size)
     assert curve.widths == MEASURED_WIDTHS and curve.widths[-1] >= MAX_DRAFT_TOKENS + 1
     assert curve.draft > 0 and all(v > 0 for v in curve.verify)
-    assert pair.device_timings() is pair.device_timings()  # measured once per pair
+    assert pair.forward_timings() is pair.forward_timings()  # modelled once per pair
 
 
 @pytest.mark.slow
@@ -648,7 +648,7 @@ def _goodput_reply(
     settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.5, draft_policy="goodput")
     decoder = pair.speculative(Controls(settings))
     if measured:
-        timings = replace(pair.device_timings(), measured=True)
+        timings = replace(pair.forward_timings(), measured=True)
         decoder.timings = lambda: timings
     run = collect(
         decoder.generate(pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=160, sampling=sampling)

@@ -54,7 +54,7 @@ def test_decoder_is_the_one_asked_for_with_its_options(pair: ModelPair) -> None:
     speculative = pair.decoder(controls, time_phases=True)
     assert isinstance(speculative, SpeculativeDecoder) and isinstance(speculative, Decoder)
     assert speculative.controls is controls and speculative.time_phases
-    assert speculative.timings == pair.device_timings  # the pair's, measured once for all its decoders
+    assert speculative.timings == pair.forward_timings  # the pair's, modelled once for all its decoders
     assert not isinstance(speculative.cached_models[-1], CompiledModel)
     run = collect(speculative.generate(prompt, max_new_tokens=8))
     assert {s.stats.rule for s in run.steps} == {"fuzzy"} and run.stats.drafted > 0

@@ -237,9 +237,12 @@ def test_json_that_cannot_be_read_is_a_400_saying_so(served: Served, body: bytes
             "response_format",
         ),
         ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1.0}, "presence_penalty"),
+        ({"logit_bias": {"42": -100}}, "logit_bias"),
     ],
 )
-def test_tools_and_structured_output_are_refused(served: Served, fields: dict[str, Any], param: str) -> None:
+def test_tools_structured_output_penalties_and_bias_are_refused(served: Served, fields: dict[str, Any], param: str) -> None:
     client = served.client()
     request = {"model": MODEL, "messages": user(), "max_tokens": 4, **fields}
     status, error = error_of(lambda: client.chat.completions.create(**request))
@@ -247,13 +250,16 @@ def test_tools_and_structured_output_are_refused(served: Served, fields: dict[st
     assert "not supported" in error["message"]
 
 
-def test_plain_text_response_format_and_no_tool_choice_are_taken(served: Served) -> None:
+def test_plain_text_no_tool_choice_and_neutral_penalties_are_taken(served: Served) -> None:
     reply = served.client().chat.completions.create(
         model=MODEL,
         messages=user(),  # type: ignore[arg-type]
         max_tokens=2,
         response_format={"type": "text"},
         tool_choice="none",
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logit_bias={},
     )
     assert reply.usage is not None and reply.usage.completion_tokens == 2
 

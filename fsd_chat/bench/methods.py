@@ -283,7 +283,7 @@ class PairRunner:
             )
         )
         if config.draft_policy in ("latency", "goodput"):
-            self.pair.device_timings()  # modelled once per pair, before any meter starts
+            self.pair.forward_timings()  # modelled once per pair, before any meter starts
         # Exact phase times on CUDA: the report splits draft, target and other seconds.
         # A decoder a reply, but under --whole-step one a configuration, kept from reply to reply
         # (its KV caches and draft policy carry over, as in the chat): its graphs are captured

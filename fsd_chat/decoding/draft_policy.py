@@ -291,7 +291,9 @@ FORWARD_SECONDS = 1.4e-4
 """`modelled_timings`: a forward's fixed host cost (seconds): Python, dispatch, the cache's
 bookkeeping, the softmax and the read of its result. Fitted, with the six below, to the forwards
 and steps of fixed-k decoding on this project's CPU (one thread, float32): SmolLM2-135M (30 layers,
-134.5M parameters: V(1) 36 ms, V(33) 140 ms) and the story pair (5 and 2 layers of width 64).
+134.5M parameters; before its weights were prepacked, whose rates `PACKED_BYTE_SECONDS` and the two
+after it price: V(1) 36 ms, V(33) 140 ms) and the story pair (5 and 2 layers of width 64; its
+layers are too small to pack).
 Refit 2026-11-27 on the story pair (`time_forwards`, best of 5; one torch thread): target V(1)
 0.74 ms, V(2) 0.87, V(6) 0.93, V(33) 1.30; draft (as a target) V(1) 0.38, V(2) 0.43, V(33) 0.62 ms:
 0.12 ms a layer and 0.14 ms a forward (the model gives 0.77, 0.89, 0.94, 1.33 and 0.40, 0.45,

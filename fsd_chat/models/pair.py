@@ -37,7 +37,7 @@ class ModelPair:
             vocabulary, the draft's too.
         device: The device inputs go to (the draft's; the target's first shard).
         dtype: Compute dtype of the unquantized weights.
-        timings: The draft and verify forward times (`device_timings`), once modelled.
+        timings: The draft and verify forward times (`forward_timings`), once modelled.
         vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
         coverage: With a vocab_map, the share of the target's probability mass its paired tokens
             hold (`fsd_chat.decoding.vocab_map.coverage`).
@@ -148,13 +148,13 @@ class ModelPair:
             vocab_size=self.vocab_size,
             time_phases=time_phases,
             compiled=compiled,
-            timings=self.device_timings,
+            timings=self.forward_timings,
             vocab_map=self.vocab_map,
             whole_step=whole_step,
             capture_progress=capture_progress,
         )
 
-    def device_timings(self) -> ForwardTimings:
+    def forward_timings(self) -> ForwardTimings:
         """The pair's draft and verify forward times, modelled from the models on the first call
         (`modelled_timings`: no clock, so a seed gives the same reply under any load), then kept
         for every decoder of the pair."""

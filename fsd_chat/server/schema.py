@@ -78,6 +78,29 @@ class CompletionFields(BaseModel):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # Refused unless neutral: the rules accept draft tokens against the target's own law, and a
+    # penalised or biased law would need its own (clients that send 0 and {} by default still work).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(
+                "penalties are not supported: replies follow the target's own law (leave it out, or send 0)"
+            )
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and any(value.values()):
+            raise ValueError(
+                "logit_bias is not supported: replies follow the target's own law (leave it out)"
+            )
+        return value
 
     @field_validator("tools", "functions")
     @classmethod
