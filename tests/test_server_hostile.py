@@ -242,7 +242,9 @@ def test_json_that_cannot_be_read_is_a_400_saying_so(served: Served, body: bytes
         ({"logit_bias": {"42": -100}}, "logit_bias"),
     ],
 )
-def test_tools_structured_output_penalties_and_bias_are_refused(served: Served, fields: dict[str, Any], param: str) -> None:
+def test_tools_structured_output_penalties_and_bias_are_refused(
+    served: Served, fields: dict[str, Any], param: str
+) -> None:
     client = served.client()
     request = {"model": MODEL, "messages": user(), "max_tokens": 4, **fields}
     status, error = error_of(lambda: client.chat.completions.create(**request))
