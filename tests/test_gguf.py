@@ -133,6 +133,36 @@ def test_a_file_with_other_data_is_converted_again(tmp_path: Path, stories_gguf:
     assert converted_dir(changed) == key
 
 
+def test_a_conversion_removes_the_copies_its_file_had_before(
+    tmp_path: Path, stories_gguf: Path, cache: Path
+) -> None:
+    """The copy of the file's earlier content (as that of an earlier conversion format, which no
+    key leads to either) goes; a copy of another file, and a folder that is no converted copy, stay."""
+    load(stories_gguf)
+    source = tmp_path / "stories.gguf"
+    data = bytearray(stories_gguf.read_bytes())
+    for last in (-1, -2):  # two other contents at one path, each only a weight apart (see above)
+        data[last] ^= 1
+        source.write_bytes(data)
+        seen: list[str] = []
+        load(source, seen)
+        if last == -1:
+            earlier = converted_dir(source)
+            (cache / "gguf" / "notes").mkdir()
+    assert f"removed an older converted copy of stories.gguf ({earlier.name})" in seen
+    assert not earlier.exists()
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted(
+        [converted_dir(stories_gguf).name, converted_dir(source).name, "notes"]
+    )
+    # A start that finds its copy removes one left by an earlier version (here: faked by hand).
+    former = cache / "gguf" / "stories-0123456789abcdef0123"
+    shutil.copytree(converted_dir(source), former)
+    seen = []
+    load(source, seen)
+    assert f"removed an older converted copy of stories.gguf ({former.name})" in seen
+    assert not former.exists() and converted_dir(source).exists()
+
+
 def test_a_folder_holding_one_gguf_file_is_that_model(tmp_path: Path, stories_gguf: Path) -> None:
     folder = tmp_path / "holder"
     folder.mkdir()

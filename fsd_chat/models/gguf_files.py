@@ -190,6 +190,7 @@ def converted_model(path: Path, progress: Progress) -> Path:
     folder = converted_dir(path, table)
     if (folder / "config.json").is_file():
         progress(f"loading the converted copy of {path.name} (converted on an earlier start)")
+        _remove_older_copies(path, folder, progress)
         return folder
     progress(f"converting {path.name} (first start only)")
     try:
@@ -213,7 +214,26 @@ def converted_model(path: Path, progress: Progress) -> Path:
                 raise _unwritable(path, folder, exc) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _remove_older_copies(path, folder, progress)
     return folder
+
+
+def _remove_older_copies(path: Path, folder: Path, progress: Progress) -> None:
+    """Removes the converted copies `path` had before `folder` (each its own size of float32
+    weights): those of its earlier contents, or of an earlier `CONVERSION_FORMAT`, which no key
+    leads to any more. A copy is `path`'s when its gguf-source.json names it; a file of the same
+    earlier content elsewhere, which shared that copy, is converted again on its next start."""
+    source = str(path.resolve())
+    for other in folder.parent.iterdir():
+        if other == folder or other.name.startswith("."):  # staging folders of running conversions
+            continue
+        try:
+            named = json.loads((other / "gguf-source.json").read_text(encoding="utf-8")).get("gguf")
+        except (OSError, ValueError, AttributeError):  # not a converted copy, or not one we can read
+            continue
+        if named == source:
+            shutil.rmtree(other, ignore_errors=True)
+            progress(f"removed an older converted copy of {path.name} ({other.name})")
 
 
 def _unwritable(path: Path, folder: Path, exc: OSError) -> ModelLoadError:
