@@ -39,7 +39,7 @@ from fsd_chat.server import app as server_app
 from fsd_chat.server import errors
 from fsd_chat.server.app import ServeOptions, create_app
 from fsd_chat.server.engine import Engine
-from fsd_chat.server.run import HEADER_SECONDS, bind, url
+from fsd_chat.server.run import BODY_SECONDS, HEADER_SECONDS, bind, url
 from fsd_chat.server.run import server as serve_with
 
 MODEL = "stories260K"
@@ -61,12 +61,15 @@ class Served:
 
 @contextmanager
 def running(
-    app: FastAPI, engine: Engine | None = None, header_seconds: float = HEADER_SECONDS
+    app: FastAPI,
+    engine: Engine | None = None,
+    header_seconds: float = HEADER_SECONDS,
+    body_seconds: float = BODY_SECONDS,
 ) -> Iterator[str]:
     """`app` under `fsd-chat serve`'s uvicorn server (`run.server`) in a thread on a free localhost
     port; yields its /v1 URL. Stopping it shuts `engine` down, as SIGTERM does."""
     sock = bind("127.0.0.1", 0)
-    server = serve_with(app, engine, header_seconds)
+    server = serve_with(app, engine, header_seconds, body_seconds)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -89,6 +92,7 @@ def serving(
     api_key: str | None = None,
     raw: bool = False,
     header_seconds: float = HEADER_SECONDS,
+    body_seconds: float = BODY_SECONDS,
     threshold_given: bool = True,
 ) -> Iterator[Served]:
     """The server's app over its own decoder of `pair`, running (see `running`)."""
@@ -105,7 +109,7 @@ def serving(
         api_key=api_key,
     )
     try:
-        with running(create_app(pair, engine, options), engine, header_seconds) as address:
+        with running(create_app(pair, engine, options), engine, header_seconds, body_seconds) as address:
             yield Served(address, engine, pair)
     finally:
         engine.close()

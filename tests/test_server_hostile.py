@@ -499,6 +499,30 @@ def test_half_sent_heads_are_closed(pair: ModelPair) -> None:
             assert read_response(conn)[0] == 200
 
 
+@pytest.mark.slow
+def test_a_stalled_body_is_closed_and_a_slow_one_is_read(pair: ModelPair) -> None:
+    """A client that sends its head and part of its body, then nothing, is closed once the body's
+    time runs out (1 s here; 30 s in `fsd-chat serve`); one whose body keeps coming, each piece
+    within that time though the whole takes longer, is answered."""
+    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 2}).encode()
+    whole = raw_request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    head = whole[: -len(body)]
+    with serving(pair, body_seconds=1.0) as s:
+        with socket.create_connection(address(s)) as conn:
+            conn.sendall(head + body[:5])
+            conn.settimeout(10)
+            start = time.monotonic()
+            assert conn.recv(1024) == b""  # closed by the server, no answer
+            assert 0.5 < time.monotonic() - start < 5
+        with socket.create_connection(address(s)) as conn:
+            conn.sendall(head)
+            for i in range(0, len(body), len(body) // 4 + 1):  # 2 s in all, 0.5 s a piece
+                time.sleep(0.5)
+                conn.sendall(body[i : i + len(body) // 4 + 1])
+            assert read_response(conn)[0] == 200
+        assert request(s.url, "GET", "/health").status == 200
+
+
 # --- the warm-up -------------------------------------------------------------------------------------------
 
 

@@ -3,9 +3,9 @@ with one short reply, start the decoding worker and run the app under uvicorn un
 
 On SIGTERM or Ctrl+C (`Server.shutdown`) the engine ends every reply at once: streams end with an
 error event and `[DONE]`, waiting requests get 503, and uvicorn then has little left to wait for.
-A connection whose request head has not arrived within HEADER_SECONDS is closed
-(`head_timeout_protocol`): uvicorn has no such timeout of its own (its keep-alive timeout starts
-only after a response, and any byte received resets it).
+A connection whose request head has not arrived within HEADER_SECONDS, or whose body stalls for
+BODY_SECONDS, is closed (`read_timeout_protocol`): uvicorn has no such timeouts of its own (its
+keep-alive timeout starts only after a response, and any byte received resets it).
 """
 
 from __future__ import annotations
@@ -47,35 +47,50 @@ HEADER_SECONDS = 10.0
 from the end of the response before (a slowloris client holds a connection open with a head it
 never finishes)."""
 
+BODY_SECONDS = 30.0
+"""Seconds a request's body may go without a byte arriving (nginx's `client_body_timeout` is 60 s):
+a client that announces a body and sends it slowly, or not at all, holds a connection and a
+request handler waiting on it."""
+
 WARM_TOKENS = 8
 """Tokens of the reply decoded at the start, before the server listens (`warm_up`)."""
 
 
-class _HeadTimeout(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head is not whole `seconds` after
-    the connection opened or the last response ended."""
+class _ReadTimeouts(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request head is not whole `head_seconds`
+    after the connection opened or the last response ended, or whose body goes `body_seconds`
+    without a byte (the request's handler then reads a disconnect)."""
 
-    seconds = HEADER_SECONDS
+    head_seconds = HEADER_SECONDS
+    body_seconds = BODY_SECONDS
     _timer: asyncio.TimerHandle | None = None
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self.loop.call_later(self.seconds, self._expire)
+        self._timer = self.loop.call_later(seconds, self._expire)
 
     def _expire(self) -> None:
-        # IDLE: the request line or headers are not all in (a request being read or answered is
-        # past IDLE; between requests uvicorn's keep-alive timeout closes a silent connection first).
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        # IDLE: the request line or headers are not all in; SEND_BODY: the body is not (a request
+        # answered is past both; between requests uvicorn's keep-alive timeout closes a silent
+        # connection first).
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
             self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        self._arm(self.head_seconds)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Bytes of a head change nothing (a slowloris head comes a byte at a time); each of a body
+        # gives it more time, from the end of the head on.
+        if self.conn.their_state is h11.SEND_BODY:
+            self._arm(self.body_seconds)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm()
+        self._arm(self.head_seconds)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -83,9 +98,12 @@ class _HeadTimeout(H11Protocol):
         super().connection_lost(exc)
 
 
-def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a `seconds` limit on reading a request's head."""
-    return type("HeadTimeoutProtocol", (_HeadTimeout,), {"seconds": seconds})
+def read_timeout_protocol(head_seconds: float, body_seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a `head_seconds` limit on reading a request's head and a
+    `body_seconds` limit on each wait for its body's next bytes."""
+    return type(
+        "ReadTimeoutProtocol", (_ReadTimeouts,), {"head_seconds": head_seconds, "body_seconds": body_seconds}
+    )
 
 
 class Server(uvicorn.Server):
@@ -103,11 +121,16 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def server(app: Any, engine: Engine | None, header_seconds: float = HEADER_SECONDS) -> Server:
+def server(
+    app: Any,
+    engine: Engine | None,
+    header_seconds: float = HEADER_SECONDS,
+    body_seconds: float = BODY_SECONDS,
+) -> Server:
     """The uvicorn server of `fsd-chat serve` over `app` (None: no engine to end at shutdown)."""
     config = uvicorn.Config(
         app,
-        http=head_timeout_protocol(header_seconds),
+        http=read_timeout_protocol(header_seconds, body_seconds),
         log_level="warning",
         access_log=False,  # no request lines: nothing of the conversations is written
         timeout_graceful_shutdown=GRACEFUL_SECONDS,
