@@ -7,7 +7,12 @@ per-prompt ratios of tokens/s are paired; each median ratio has its distribution
 (`median_ci95`). Greedy agreement: the share of T = 0's reply that the reply at T repeats before it
 first departs, averaged over prompts. A loop: a reply that ends at the token cap on a repeated
 stretch (its last `LOOP_SPAN` tokens repeat with a period ≤ `LOOP_PERIOD`) where the reply at T = 0
-does not. One torch thread, float32, the app's draft policy (goodput) unless told otherwise.
+does not. A new loop is *the target's own* when no relaxed (`draft-fuzzy`) token lies in its
+looping stretch and the target alone, decoding greedily from the reply's last relaxed token on,
+writes the rest of the reply token for token: the rule chose a prefix, and the target loops from
+it by itself. Any other new loop is *made by the rule* (relaxed tokens inside it, as relaxed copies
+of the reply's own text make). One torch thread, float32, the app's draft policy (goodput) unless
+told otherwise.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_dial.py --target default --draft lookup \\
         --preset tinystories-retell --preset mt-bench --output docs/bench-dial-smollm2.json
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,12 +31,13 @@ import torch
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
-from fsd_chat.decoding.events import StopReason
+from fsd_chat.decoding.events import Origin, StopReason
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
 
 LOOP_SPAN = 48
 """Tokens at a reply's end inspected for a loop."""
@@ -44,6 +51,43 @@ def loops(ids: list[int], capped: bool) -> bool:
     if not capped or len(tail) < LOOP_SPAN:
         return False
     return any(all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, LOOP_PERIOD + 1))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply of the bench: its prompt, tokens, whether it ran to the cap, and where its
+    relaxed tokens are."""
+
+    prompt: list[int]
+    ids: list[int]
+    capped: bool
+    relaxed: list[int]
+
+    @property
+    def loops(self) -> bool:
+        """Whether it ends at the cap on a short-period repeat (`loops`)."""
+        return loops(self.ids, self.capped)
+
+
+def targets_own_loop(pair: ModelPair, reply: Reply, stop_strings: tuple[str, ...]) -> bool:
+    """Whether a looping reply's loop is the target's own (module docstring): no relaxed token in
+    its looping stretch, and the target alone, greedy, continues its last relaxed token's prefix
+    with the rest of the reply."""
+    if not reply.relaxed:
+        return True
+    last = reply.relaxed[-1]
+    if last >= len(reply.ids) - LOOP_SPAN:
+        return False
+    decoder = pair.decoder(Controls(DecodingSettings()), autoregressive=True)
+    rest: list[int] = []
+    for step in decoder.generate(
+        reply.prompt + reply.ids[: last + 1],
+        max_new_tokens=len(reply.ids) - last - 1,
+        sampling=SamplingConfig(),
+        stop_strings=stop_strings,
+    ):
+        rest += [t.id for t in step.tokens]
+    return rest == reply.ids[last + 1 :]
 
 
 def agreement(reply: list[int], reference: list[int]) -> float:
@@ -97,7 +141,7 @@ def main() -> None:
         prompt_set = load_prompt_set(preset, data_dir=args.data_dir, limit=args.prompts)
         rates: dict[str, list[float]] = {name: [] for name in names}
         totals = {name: GenerationStats() for name in names}
-        replies: dict[str, list[tuple[list[int], bool]]] = {name: [] for name in names}
+        replies: dict[str, list[Reply]] = {name: [] for name in names}
         for index, item in enumerate(prompt_set.items):
             messages = [Message("user", item.text)]
             ids = prompt_ids(pair.tokenizer, messages) if args.chat else pair.tokenizer(item.text).input_ids
@@ -113,7 +157,9 @@ def main() -> None:
                     )
                 )
                 decoder = pair.decoder(controls, autoregressive=name == "target alone")
-                stats, out, capped = GenerationStats(), [], False
+                stats, capped = GenerationStats(), False
+                out: list[int] = []
+                relaxed: list[int] = []  # positions of the reply's draft-fuzzy tokens
                 for step in decoder.generate(
                     ids,
                     max_new_tokens=args.max_new_tokens,
@@ -122,19 +168,24 @@ def main() -> None:
                 ):
                     stats.add(step)
                     totals[name].add(step)
+                    relaxed += [
+                        len(out) + i for i, t in enumerate(step.tokens) if t.origin == Origin.DRAFT_FUZZY
+                    ]
                     out += [t.id for t in step.tokens]
                     capped = step.stop_reason == StopReason.MAX_NEW_TOKENS
                 rates[name].append(stats.tokens_per_second)
-                replies[name].append((out, capped))
+                replies[name].append(Reply(ids, out, capped, relaxed))
             print(f"{preset} prompt {index + 1}/{len(prompt_set.items)}", flush=True)
         rows: dict[str, object] = {}
         reference = replies["T 0"]
         for name in names:
             t = totals[name]
-            new_loops = sum(
-                loops(ids, capped) and not loops(*ref)
-                for (ids, capped), ref in zip(replies[name], reference, strict=True)
-            )
+            new = [
+                reply
+                for reply, ref in zip(replies[name], reference, strict=True)
+                if reply.loops and not ref.loops
+            ]
+            own = sum(targets_own_loop(pair, reply, prompt_set.stop_strings) for reply in new)
             to_exact = [r / a for r, a in zip(rates[name], rates["T 0"], strict=True)]
             to_target = [r / a for r, a in zip(rates[name], rates["target alone"], strict=True)]
             rows[name] = {
@@ -148,19 +199,23 @@ def main() -> None:
                 "fuzzy_share": t.fuzzy_share,
                 "cost_per_token": t.cost_per_token,
                 "greedy_agreement": statistics.mean(
-                    agreement(ids, ref[0]) for (ids, _), ref in zip(replies[name], reference, strict=True)
+                    agreement(reply.ids, ref.ids) for reply, ref in zip(replies[name], reference, strict=True)
                 ),
+                # The share of tokens that are the target's greedy choice after the reply's own
+                # prefix (every token but the relaxed ones).
+                "token_agreement": 1 - t.fuzzy_share,
                 "identical_replies": sum(
-                    ids == ref[0] for (ids, _), ref in zip(replies[name], reference, strict=True)
+                    reply.ids == ref.ids for reply, ref in zip(replies[name], reference, strict=True)
                 ),
-                "new_loops": new_loops,
+                "new_loops": len(new),
+                "new_loops_targets_own": own,
                 "tokens": t.tokens,
                 "paused_steps": t.paused_steps,
                 "steps": t.steps,
                 # Per prompt, in the set's order: where the median's gains are (or are not).
                 "per_prompt_ratio_to_T0": to_exact,
                 "per_prompt_identical": [
-                    ids == ref[0] for (ids, _), ref in zip(replies[name], reference, strict=True)
+                    reply.ids == ref.ids for reply, ref in zip(replies[name], reference, strict=True)
                 ],
             }
             row = rows[name]
@@ -169,7 +224,8 @@ def main() -> None:
                 f"{preset:>18} {name:>12}: {row['tokens_per_second']:6.1f} tok/s ×{row['ratio_to_T0']:.2f} T0 "
                 f"{row['ratio_to_T0_ci95']} ×{row['ratio_to_target']:.2f} target  acc {row['acceptance']:.3f} "
                 f"τ {row['tau']:.3f} fuzzy {row['fuzzy_share']:.3f} cost {row['cost_per_token']:.4f} "
-                f"agree {row['greedy_agreement']:.2f} same {row['identical_replies']} loops {new_loops}",
+                f"agree {row['greedy_agreement']:.2f} same {row['identical_replies']} "
+                f"loops {len(new)} (the target's own: {own})",
                 flush=True,
             )
         sets = report["sets"]
