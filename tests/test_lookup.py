@@ -20,10 +20,10 @@ from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings,
 from fsd_chat.decoding.acceptance import mixture_weight, point_mass_mixture_weight, verify
 from fsd_chat.decoding.divergence import DIVERGENCES, against_point_mass, divergence, kl
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.lookup import NO_MATCH, PromptLookup, find_continuation
+from fsd_chat.decoding.lookup import NO_MATCH, PromptLookup, find_continuation, repeat_run
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, RULES, DivergenceName, Rule
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.speculative import REPEAT_GUARD, SpeculativeDecoder
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 from tests.test_sampling_lossless import ALPHA, POWER, chi_square_p_value
@@ -64,6 +64,21 @@ def test_the_search_agrees_with_its_definition_on_random_contexts() -> None:
         assert find_continuation(np.array(tokens), ngram, limit) == reference_continuation(
             tokens, ngram, limit
         ), (tokens, ngram, limit)
+
+
+def test_the_repeat_run_agrees_with_its_definition_on_random_contexts() -> None:
+    """The repetition a copy from `distance` back extends: the last tokens each equal to the one
+    `distance` before it, counted back from the end."""
+    assert repeat_run(np.array([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), 4) == 6
+    assert repeat_run(np.array([7, 7, 7]), 1) == 2 and repeat_run(np.array([7, 8]), 1) == 0
+    rng = random.Random(1)
+    for _ in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 30))]
+        distance = rng.randrange(1, len(tokens))
+        run = 0
+        while run < len(tokens) - distance and tokens[-1 - run] == tokens[-1 - run - distance]:
+            run += 1
+        assert repeat_run(np.array(tokens), distance) == run, (tokens, distance)
 
 
 def random_laws(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -237,10 +252,13 @@ def test_greedy_lookup_at_zero_threshold_is_the_targets_greedy_text(pair: ModelP
 
 
 @pytest.mark.parametrize("whole_step", [False, True], ids=["steps", "whole-step"])
-def test_a_copy_of_the_reply_itself_is_verified_exactly(pair: ModelPair, whole_step: bool) -> None:
+def test_a_copy_that_makes_the_reply_repeat_itself_is_verified_exactly(
+    pair: ModelPair, whole_step: bool
+) -> None:
     """Relaxed acceptance of the reply's own text lets a repetition feed itself (the default chat
-    looped so at T 0.25 and 0.5): at a threshold that relaxes every copy, copies of the prompt are
-    accepted fuzzily and copies of the reply only where they are the target's own choice."""
+    looped so at T 0.25 and 0.5 with every self-copy relaxed): at a threshold that relaxes every
+    copy, copies of the prompt are accepted fuzzily, and a copy of the reply that would make it
+    repeat itself for `REPEAT_GUARD` tokens or more only where it is the target's own choice."""
     prompt = pair.tokenizer(
         "Lily had a red ball. She played with the red ball in the park. Lily had a red ball. She"
     )["input_ids"]
@@ -250,15 +268,15 @@ def test_a_copy_of_the_reply_itself_is_verified_exactly(pair: ModelPair, whole_s
     )
     run = collect(decoder.generate(prompt, max_new_tokens=60))
     contexts = itertools.accumulate(([t.id for t in s.tokens] for s in run.steps), initial=list(prompt))
-    sources = [find_continuation(np.array(c), 3, 4) for c in contexts]
-    of_prompt = of_reply = 0
-    for step, found in zip(run.steps, sources, strict=False):
+    of_prompt = guarded = 0
+    for step, context in zip(run.steps, contexts, strict=False):
+        found = find_continuation(np.array(context), 3, 4)
         fuzzy = sum(t.origin == Origin.DRAFT_FUZZY for t in step.tokens)
         if not step.stats.drafted:
             continue
-        if found.start >= len(prompt):
-            of_reply += 1
-            assert fuzzy == 0, step
-        else:
+        if found.start < len(prompt):
             of_prompt += fuzzy
-    assert of_prompt > 0 and of_reply > 0  # both kinds of copy were met
+        elif repeat_run(np.array(context), len(context) - found.start) + step.stats.drafted >= REPEAT_GUARD:
+            guarded += 1
+            assert fuzzy == 0, step
+    assert of_prompt > 0 and guarded > 0  # both kinds of copy were met

@@ -80,6 +80,20 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
     return Match(start, min(limit, length - start), int(agree[end]))
 
 
+def repeat_run(tokens: np.ndarray, distance: int) -> int:
+    """How many of the context's last tokens each equal the token `distance` before it: the length
+    of the repetition a copy from `distance` back extends.
+
+    Args:
+        tokens: The context, shape [L] int64.
+        distance: How far back the copy's source is, in tokens (1 ≤ distance < L).
+    """
+    n = tokens.shape[0] - distance
+    same = tokens[distance:] == tokens[:n]  # [n]: position distance + i against i
+    differ = np.flatnonzero(~same)
+    return n if differ.size == 0 else n - 1 - int(differ[-1])
+
+
 class PromptLookup:
     """Proposals copied from the context (module docstring); no model, no cache.
 

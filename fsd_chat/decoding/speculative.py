@@ -45,7 +45,7 @@ from fsd_chat.decoding.kv_cache import (
     compiled_capacity,
     context_length,
 )
-from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.lookup import PromptLookup, repeat_run
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
@@ -61,6 +61,12 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.support.errors import NonFiniteError
+
+REPEAT_GUARD = 8
+"""Tokens of repetition from which a prompt lookup copy of the reply's own text is verified by the
+exact test (`SpeculativeDecoder._verify_rule`): the repeat it extends, plus the copy, reaching this
+length. Shorter self-copies (a name, a phrase said again) keep the dial; a longer repeat goes on
+only where the target itself chooses it."""
 
 
 class SpeculativeDecoder:
@@ -364,7 +370,7 @@ class SpeculativeDecoder:
             p,
             proposal.q,
             seq[0, start : start + k],
-            rule=self._verify_rule(reply, settings),
+            rule=self._verify_rule(reply, settings, k),
             divergence_name=settings.divergence,
             threshold=settings.threshold,
             sampling=sampling,
@@ -390,15 +396,22 @@ class SpeculativeDecoder:
             greedy=sampling.greedy,
         )
 
-    def _verify_rule(self, reply: Reply, settings: DecodingSettings) -> Rule:
-        """The rule this step's proposal is verified by: the dial's, except for a prompt lookup
-        copy of the reply's own text, which the exact test verifies. Relaxing those lets a
+    def _verify_rule(self, reply: Reply, settings: DecodingSettings, k: int) -> Rule:
+        """The rule this step's proposal of `k` tokens is verified by: the dial's, except for a
+        prompt lookup copy of the reply's own text that would make the reply repeat itself for
+        `REPEAT_GUARD` tokens or more, which the exact test verifies. Relaxing those lets a
         repetition the target would have left feed itself: on the default chat at T 0.5 regret,
-        2 of 20 `tinystories-retell` replies and at 0.25 one looped on a sentence the target said
-        once ("I'm so glad you're enjoying your dream." to the token cap), every fuzzy acceptance
-        before the loop a copy of the reply. A copy of the prompt (the text being retold,
-        quoted or edited, earlier turns included) keeps the dial."""
-        if self._lookup is not None and self._lookup.match(reply).start >= reply.prompt_length:
+        with every self-copy relaxed, 2 of 20 `tinystories-retell` replies and at 0.25 one looped
+        on a sentence the target said once ("I'm so glad you're enjoying your dream." to the token
+        cap). A copy of the prompt (the text being retold, quoted or edited, earlier turns
+        included) keeps the dial."""
+        if self._lookup is None:
+            return settings.rule
+        start = self._lookup.match(reply).start
+        if start < reply.prompt_length:
+            return settings.rule
+        distance = reply.length - start
+        if repeat_run(reply.host[: reply.length], distance) + k >= REPEAT_GUARD:
             return "exact"
         return settings.rule
 
@@ -441,7 +454,7 @@ class SpeculativeDecoder:
             # policy paused it): caught up eagerly, outside the step.
             draft.forward(reply.seq, start - 1, keep=1)
             forwards += 1
-        steps.inputs.write(settings, self._verify_rule(reply, settings))
+        steps.inputs.write(settings, self._verify_rule(reply, settings, k))
         if lookup:
             steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
         block = steps.speculative(k, sampling.greedy, generator).tolist()
