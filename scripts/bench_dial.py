@@ -32,17 +32,19 @@ from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.events import Origin, StopReason
-from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
+from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY, DEFAULT_MAX_NEW_TOKENS
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 
-LOOP_SPAN = 48
-"""Tokens at a reply's end inspected for a loop."""
-LOOP_PERIOD = 16
-"""Longest period (tokens) of a repeated stretch counted as a loop."""
+LOOP_SPAN = 96
+"""Tokens at a reply's end inspected for a loop: replies need the chat's cap (256 tokens) for a
+paragraph that repeats to show as a loop."""
+LOOP_PERIOD = 48
+"""Longest period (tokens) of a repeated stretch counted as a loop: a paragraph said over and over
+(30-40 tokens) as well as a phrase; 48 tokens at least are then repeated verbatim."""
 
 
 def loops(ids: list[int], capped: bool) -> bool:
@@ -113,7 +115,7 @@ def main() -> None:
     parser.add_argument("--preset", action="append", required=True)
     parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
     parser.add_argument("--prompts", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--thresholds", default="0,0.25,0.5,0.75,1,1.25,1.5,2")
     parser.add_argument("--rule", default="fuzzy")
     parser.add_argument("--divergence", default="js")
@@ -207,6 +209,9 @@ def main() -> None:
                 "identical_replies": sum(
                     reply.ids == ref.ids for reply, ref in zip(replies[name], reference, strict=True)
                 ),
+                # Greedy decoding of a small model loops from many prefixes: what a setting adds is
+                # the loops beyond T = 0's (the target alone's), each attributed below.
+                "loops": sum(reply.loops for reply in replies[name]),
                 "new_loops": len(new),
                 "new_loops_targets_own": own,
                 "tokens": t.tokens,
@@ -225,7 +230,7 @@ def main() -> None:
                 f"{row['ratio_to_T0_ci95']} ×{row['ratio_to_target']:.2f} target  acc {row['acceptance']:.3f} "
                 f"τ {row['tau']:.3f} fuzzy {row['fuzzy_share']:.3f} cost {row['cost_per_token']:.4f} "
                 f"agree {row['greedy_agreement']:.2f} same {row['identical_replies']} "
-                f"loops {len(new)} (the target's own: {own})",
+                f"loops {row['loops']}, new {len(new)} (the target's own: {own})",
                 flush=True,
             )
         sets = report["sets"]
