@@ -42,10 +42,10 @@ CPU-scale pair (README, "Choosing the defaults"); below it fuzzy acceptances are
 
 DEFAULT_GREEDY_THRESHOLD = 1.0
 """Default T under greedy decoding, where it bounds each kept draft token's regret in nats
-(`fsd_chat.decoding.acceptance`, Greedy): on the default chat (SmolLM2-135M-Instruct, prompt
-lookup; docs/benchmarks.md, "The dial on the default chat") 1.18× T = 0 on tinystories-retell and
-1.20× the target alone on MT-Bench, at 0.013–0.014 nats per token with 97% of tokens the target's
-own and no loop the target would not write; 0.5 bought 1.03–1.04× T = 0."""
+(`fsd_chat.decoding.acceptance`, Greedy), and the greedy dial's top: on the default chat
+(SmolLM2-135M-Instruct, prompt lookup; docs/benchmarks.md, "The dial on the default chat") 1.18×
+T = 0 on tinystories-retell (96 tokens; 1.16× over 256) and 1.20× the target alone on MT-Bench, at
+0.01 nats per token or less with 97-99% of tokens the target's own; 0.5 bought 1.02-1.03× T = 0."""
 
 
 MAX_DRAFT_TOKENS = 32

@@ -26,15 +26,15 @@ COLOURS: dict[Origin, str] = {
 DIAL = """\
 ## The dial
 
-`T 1.00 ▕█████▍  ▏ regret nats/tok fuzzy · k ≤ 5 goodput` — the threshold **T** of Fuzzy
+`T 1.00 ▕████████▏ regret nats/tok fuzzy · k ≤ 5 goodput` — the threshold **T** of Fuzzy
 Speculative Decoding, a bar over the dial's range, the unit T is in, and the acceptance rule in force.
 
 **Greedy decoding** (a model without sampling settings, such as the default chat's): T is a bound
 in nats on each kept draft token's regret, how much less likely it is than the target's own choice
 (log p(argmax) − log p(token)): 0.5 keeps a token at least 61% as likely as the target's choice,
-1 (the default) one at least 37% as likely. It is the cost the token is charged, under every rule.
-The dial stops at 1.5 nats, the largest step measured to keep replies whole (docs/decoding.md, "The
-dial's scale").
+1 (the default, and the dial's top) one at least 37% as likely. It is the cost the token is
+charged, under every rule. The top is the largest step measured to keep replies whole
+(docs/decoding.md, "The dial's scale").
 
 For every draft token the target model checks the draft's proposal. With the **fuzzy** rule a
 draft token is kept when the exact speculative test accepts it **or** when the divergence between
