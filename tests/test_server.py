@@ -121,6 +121,15 @@ def served(pair: ModelPair) -> Iterator[Served]:
         yield s
 
 
+def until_decoding(stream: Any) -> None:
+    """Read a streamed reply until its first text: its first event (the role) is sent at once, while
+    the job may still wait in the engine's queue."""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            return
+    raise AssertionError("the reply ended before any text")
+
+
 def user(text: str = PROMPT) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
@@ -481,7 +490,7 @@ def test_a_full_queue_answers_429(pair: ModelPair) -> None:
     with serving(pair, queue_size=1) as s:
         client = s.client()
         running = client.chat.completions.create(**LONG)
-        next(iter(running))  # decoding
+        until_decoding(running)
         waiting = client.chat.completions.create(**LONG)  # queued: its headers are sent at once
         status, error = error_of(
             lambda: client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2)

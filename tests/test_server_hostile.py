@@ -36,7 +36,7 @@ from fsd_chat.server.app import ServeOptions
 from fsd_chat.server.engine import Engine
 from fsd_chat.server.guard import body_limit, is_local_name
 from fsd_chat.server.run import warm_up
-from tests.test_server import LONG, MODEL, Served, error_of, extra, serving, user
+from tests.test_server import LONG, MODEL, Served, error_of, extra, serving, until_decoding, user
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +377,7 @@ def test_429_says_when_to_retry(pair: ModelPair) -> None:
     with serving(pair, queue_size=1) as s:
         client = s.client()
         running = client.chat.completions.create(**LONG)
-        next(iter(running))
+        until_decoding(running)
         waiting = client.chat.completions.create(**LONG)
         with pytest.raises(openai.RateLimitError) as caught:
             client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2)  # type: ignore[arg-type]
