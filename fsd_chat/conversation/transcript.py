@@ -61,6 +61,11 @@ class TranscriptError(FsdChatError):
     """A transcript could not be written."""
 
 
+def _greedy(settings: dict[str, Any]) -> bool:
+    """Whether a stored session decoded greedily (temperature 0, or none saved)."""
+    return not settings.get("temperature")
+
+
 def decoding_summary(settings: dict[str, Any]) -> str:
     """One line of decoding settings, e.g. "fuzzy · js · T 0.050 · k 5", "mixture · T 0.160 · k 5",
     "fuzzy · regret · T 0.500 · k 5" (greedy)."""
@@ -73,7 +78,7 @@ def decoding_summary(settings: dict[str, Any]) -> str:
     # What the rule does not read is not named (see `describe_setting`); an unknown rule shows all.
     # Greedy decoding reads no divergence: every relaxed rule tests the regret (`REGRET`).
     if rule not in ("mixture", "exact"):
-        parts.append(settings.get("divergence", "?") if settings.get("temperature") else REGRET)
+        parts.append(REGRET if _greedy(settings) else settings.get("divergence", "?"))
     if rule != "exact":
         parts.append("T ?" if threshold is None else f"T {threshold:.3f}")
     policy = settings.get("draft_policy", "fixed")
@@ -91,7 +96,7 @@ def _decoding_cell(settings: dict[str, Any]) -> str:
 
 def sampling_summary(settings: dict[str, Any]) -> str:
     """One line of sampling settings, e.g. "greedy · max 256 new tokens"."""
-    parts = ["greedy" if not settings.get("temperature") else f"temperature {settings['temperature']:g}"]
+    parts = ["greedy" if _greedy(settings) else f"temperature {settings['temperature']:g}"]
     if settings.get("top_k"):
         parts.append(f"top-k {settings['top_k']}")
     if settings.get("top_p", 1.0) < 1.0:

@@ -190,8 +190,19 @@ def converted_model(path: Path, progress: Progress) -> Path:
     folder = converted_dir(path, table)
     if (folder / "config.json").is_file():
         progress(f"loading the converted copy of {path.name} (converted on an earlier start)")
-        _remove_older_copies(path, folder, progress)
-        return folder
+    else:
+        _convert_into(path, table, folder, progress)
+    _remove_older_copies(path, folder, progress)
+    return folder
+
+
+def _convert_into(path: Path, table: TensorTable, folder: Path, progress: Progress) -> None:
+    """The converted copy of `path` written to `folder`: into a staging folder beside it, renamed
+    into place once whole (a conversion that finished first, in another process, is kept).
+
+    Raises:
+        ModelLoadError: as `converted_model`.
+    """
     progress(f"converting {path.name} (first start only)")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -214,8 +225,6 @@ def converted_model(path: Path, progress: Progress) -> Path:
                 raise _unwritable(path, folder, exc) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _remove_older_copies(path, folder, progress)
-    return folder
 
 
 def _remove_older_copies(path: Path, folder: Path, progress: Progress) -> None:
