@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# The llama.cpp engine (GGUF files run natively quantized): built from its source distribution, which
+# takes cmake, a C++ compiler and a few minutes (pip keeps the built wheel in its cache). For a GPU:
+# make setup LLAMA_CMAKE_ARGS=-DGGML_CUDA=on (Metal is on by default on Apple silicon).
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?=
 # The offline story pair (the tests' models, and make chat-stories).
 MODELS ?= $(SHARED)/models
 
@@ -18,12 +23,17 @@ GIVEN = $(filter command line environment,$(origin $(1)))
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The lock pins every dependency but torch to the versions CI tested; fsd-chat itself goes on top
-# without resolving again (--no-deps), so a new release elsewhere cannot change what is installed.
+# The lock pins every dependency but torch and llama-cpp-python to the versions CI tested; fsd-chat
+# itself goes on top without resolving again (--no-deps), so a new release elsewhere cannot change what
+# is installed. llama-cpp-python's own dependencies are in the lock (the `llama` extra); the package is
+# built last and apart, so that a failed build (no compiler, no cmake) leaves a working fsd-chat on the
+# transformers engine, and says so in one line.
 $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -r requirements.lock
 	$(BIN)/python -m pip install --quiet --no-deps -e .
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-deps --no-binary llama-cpp-python "$(LLAMA_CPP)" \
+		|| echo "make setup: llama-cpp-python could not be built (see above): GGUF files will run on the transformers engine"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -43,10 +53,12 @@ chat-stories: setup
 	$(BIN)/fsd-chat --target "$(MODELS)/stories260K" --draft "$(MODELS)/stories260K-draft"
 
 # Refresh the lock deliberately (new releases within pyproject.toml's ranges), then run make test.
-# torch is left out: it is pinned above, and its build (CPU or CUDA) depends on the machine.
+# torch and llama-cpp-python are left out: they are pinned above, and their builds (CPU, CUDA, Metal)
+# depend on the machine.
 lock: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet pip-tools
-	$(BIN)/pip-compile --quiet --upgrade --extra test --extra docs --unsafe-package torch --strip-extras \
+	$(BIN)/pip-compile --quiet --upgrade --extra test --extra docs --extra llama --unsafe-package torch \
+		--unsafe-package llama-cpp-python --strip-extras \
 		--no-emit-find-links --no-emit-index-url --output-file requirements.lock pyproject.toml
 
 # One pytest worker a core (pytest-xdist); a file's tests stay on one worker, so module fixtures
