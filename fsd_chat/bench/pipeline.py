@@ -26,6 +26,7 @@ from fsd_chat.bench.advice import advise
 from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
+from fsd_chat.bench.profile import copy_bandwidth, profile_table
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import (
     HF_ASSISTED,
@@ -148,12 +149,14 @@ def run_bench(
     budget: TimeBudget | None = None,
     cut_after: float | None = None,
     whole_step: bool = False,
+    profile: bool = False,
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
     cut the sweep short (what was measured is reported all the same). `cut_after`: each
     configuration's time budget for its measured replies (None: `cut_budget`'s). `whole_step`:
     every fsd-chat row decodes whole steps (`--whole-step`; transformers' rows are unchanged),
-    said in the report's title and its sweep record.
+    said in the report's title and its sweep record. `profile`: one more reply of each fsd-chat row
+    under torch.profiler, against the device's copy bandwidth measured here (`bench.profile`).
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -266,6 +269,7 @@ def run_bench(
             )
         )
 
+    bandwidth = copy_bandwidth(scorer.device) if profile else None
     runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
     with interrupts(), _progress(console, runs_total) as advance:
         result = run_sweep(
@@ -280,6 +284,8 @@ def run_bench(
             cut_after=cut_after,
             warmup_cut_after=warmup_cut_after,
             whole_step=whole_step,
+            profile=profile,
+            bandwidth=bandwidth,
         )
     write_outputs(
         output,
@@ -293,6 +299,7 @@ def run_bench(
             "cut_after_seconds": cut_after,
             "warmup_cut_after_seconds": warmup_cut_after,
             "whole_step": whole_step,
+            "copy_bandwidth_bytes_per_second": bandwidth,
         },
         records=result.records,
         cut_after=cut_after,
@@ -394,6 +401,10 @@ def write_outputs(
         Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
     )
     terminal.show(console, summaries)
+    profiled = [(s.config.label, s.profile) for s in summaries if s.profile is not None]
+    if profiled:
+        bandwidth = sweep.get("copy_bandwidth_bytes_per_second")
+        console.print(profile_table(profiled, bandwidth if isinstance(bandwidth, float) else None))
     for verdict in verdicts:
         console.print(Text("\n".join(verdict.lines())))
     try:
