@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
@@ -200,6 +201,10 @@ class Build:
         # A few threads: the CUDA tests beside it launch kernels from the host.
         return cls(out, subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "4"}))
 
+    def done(self) -> bool:
+        """Whether the build has ended (or was not needed)."""
+        return self.process is None or self.process.poll() is not None
+
     def wait(self) -> Path:
         """The built model's folder, once built.
 
@@ -335,9 +340,8 @@ def transformers_row(args: argparse.Namespace, target: str, draft: str, output: 
 
 def run_capped(console: Console, command: list[str], cap: float, what: str, **env: str) -> str:
     """Run `command` in a process group of its own, killed whole (compile workers too) past `cap`
-    seconds: "ok", "failed" (its exit status was not 0) or "cut" (killed at the cap), said in one
-    line unless ok. Ctrl-C kills it too, and is raised again."""
-    start = time.monotonic()
+    seconds: "ok", "failed" (its exit status was not 0) or "cut" (killed at the cap, said in one
+    line). Ctrl-C kills it too, and is raised again."""
     process = subprocess.Popen(command, start_new_session=True, env={**os.environ, **env})
     try:
         code = process.wait(timeout=cap)
@@ -354,12 +358,6 @@ def run_capped(console: Console, command: list[str], cap: float, what: str, **en
         )
         return "cut"
     if code:
-        console.print(
-            Text(
-                f"gpu-check: failed: {what} exited with status {code} after {time.monotonic() - start:.0f} s",
-                style="red",
-            )
-        )
         return "failed"
     return "ok"
 
@@ -459,56 +457,95 @@ def main(argv: list[str] | None = None) -> int:
 
     def bench(run: Bench) -> None:
         console.print(Text(f"gpu-check: {run.what} (cap {run.cap(args):.0f} s)", style="dim"))
-        outcomes.append(run_capped(console, run.command, run.cap(args), run.what))
+        outcome = run_capped(console, run.command, run.cap(args), run.what)
+        if outcome == "failed":
+            console.print(
+                Text(f"gpu-check: failed: {run.what} (its error is above); the check goes on", style="red")
+            )
+        outcomes.append(outcome)
 
-    with phase(console, 1, PHASES, "imports and versions"):
+    failed = 0
+    pair: list[str] = []  # the real-cost target and draft, once built
+
+    def imports() -> None:
         for line in versions_lines(device):
             console.print(Text(line))
-    with phase(console, 2, PHASES, f"the real-cost pair in {args.dtype} as whole steps, profiled"):
-        real_target, real_draft = (str(build.wait()) for build in builds)
-        bench(exact_rows(args, real_target, real_draft, out / "real-whole", whole=True))
-        bench(lossy_rows(args, real_target, real_draft, out / "real-lossy"))
-    k = best_exact_k(out / "real-whole" / "report.json")
-    with phase(console, 3, PHASES, f"the real-cost pair with a 4-bit target (NF4), exact k {k}"):
-        if on_cuda:
-            bench(quantized_rows(args, real_target, real_draft, out / "real-4bit", k))
-        else:
-            console.print(Text("gpu-check: bitsandbytes' 4-bit target runs on CUDA alone: skipped"))
-    with phase(console, 4, PHASES, "today's steps, then transformers' baselines (one process each)"):
-        today = exact_rows(args, real_target, real_draft, out / "real-today", whole=False)
-        static = transformers_row(args, real_target, real_draft, out / "real-hf-static", "hf-static")
-        assisted = transformers_row(args, real_target, real_draft, out / "real-hf-assisted", "hf-assisted")
+
+    def whole_steps() -> None:
+        try:
+            pair.extend(str(build.wait()) for build in builds)
+        except subprocess.CalledProcessError as exc:
+            console.print(
+                Text(
+                    f"gpu-check: the real-cost pair did not build ({exc}); its phases are skipped",
+                    style="red",
+                )
+            )
+            outcomes.append("failed")
+            return
+        bench(exact_rows(args, *pair, out / "real-whole", whole=True))
+        bench(lossy_rows(args, *pair, out / "real-lossy"))
+
+    def quantized() -> None:
+        if not pair or not on_cuda:
+            console.print(
+                Text("gpu-check: skipped (bitsandbytes' 4-bit target needs CUDA and the real-cost pair)")
+            )
+            return
+        bench(
+            quantized_rows(args, *pair, out / "real-4bit", best_exact_k(out / "real-whole" / "report.json"))
+        )
+
+    def today_and_transformers() -> None:
+        if not pair:
+            console.print(Text("gpu-check: skipped (no real-cost pair)"))
+            return
+        today = exact_rows(args, *pair, out / "real-today", whole=False)
+        static = transformers_row(args, *pair, out / "real-hf-static", "hf-static")
+        assisted = transformers_row(args, *pair, out / "real-hf-assisted", "hf-assisted")
         for run in (today, static, assisted):
             bench(run)
         whole = [out / name / "report.json" for name in ("real-whole", "real-lossy")]
         console.print(whole_step_table([today.report, static.report, assisted.report], whole))
-    with phase(console, 5, PHASES, "the scaled story pair as whole steps"):
+
+    def scaled_pair() -> None:
         target = args.target or str(_scaled_target(args.models, args.builder))
         draft = args.draft or str(args.models / "stories260K-draft")
-        scaled = [
+        command = [
             *bench_base(args, target, draft, out / "scaled-whole"),
             *("--baselines", "autoregressive,exact", "--rules", "none", "--draft-tokens", "4"),
             *("--draft-policies", "fixed", "--whole-step", "--profile"),
         ]
-        bench(
-            Bench(
-                f"{Path(target).name} / {Path(draft).name}: target-only, exact k 4",
-                scaled,
-                2,
-                out / "scaled-whole",
-            )
-        )
-    failed = 0
-    with phase(console, 6, PHASES, "the CUDA tests (pytest -m cuda)"):
+        what = f"{Path(target).name} / {Path(draft).name}: target-only, exact k 4"
+        bench(Bench(what, command, 2, out / "scaled-whole"))
+
+    def cuda() -> None:
+        nonlocal failed
         if on_cuda:
             failed = cuda_tests(console, args)
         else:
             console.print(Text("gpu-check: the CUDA tests need CUDA: skipped"))
+
+    phases = [
+        ("imports and versions", imports),
+        (f"the real-cost pair in {args.dtype} as whole steps, profiled", whole_steps),
+        ("the real-cost pair with a 4-bit target (NF4), target-only and the best exact k", quantized),
+        ("today's steps, then transformers' baselines (one process each)", today_and_transformers),
+        ("the scaled story pair as whole steps, profiled", scaled_pair),
+        ("the CUDA tests (pytest -m cuda)", cuda),
+    ]
+    for number, (what, run) in enumerate(phases, 1):
+        if number == 2 and not all(build.done() for build in builds):
+            # Nothing waits on the builder while something else can run: the scaled pair first.
+            console.print(
+                Text("gpu-check: the real-cost pair is still building: the scaled pair first", style="dim")
+            )
+            phases.insert(1, phases.pop(4))
+            what, run = phases[1]
+        with phase(console, number, len(phases), what):
+            run()
     console.print(Text(f"gpu-check: the reports are under {out}/ (one folder a bench)"))
     return 1 if failed or any(o != "ok" for o in outcomes) else 0
-
-
-PHASES = 6
 
 
 def cuda_tests(console: Console, args: argparse.Namespace) -> int:
@@ -519,13 +556,20 @@ def cuda_tests(console: Console, args: argparse.Namespace) -> int:
     # Only the CUDA tests' module: collecting the whole suite would import the chat's and the
     # server's test dependencies, which a GPU image need not have.
     tests = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", f"--junitxml={junit}", "tests/test_cuda.py"]
+    if importlib.util.find_spec("xdist") is not None:
+        # Two workers compile the module's two halves side by side (tests/test_cuda.py's groups).
+        tests += ["-n", "2", "--dist", "loadgroup"]
     outcome = run_capped(console, tests, args.tests_cap, "pytest -m cuda", FSD_CHAT_MODELS=str(args.models))
     try:
         table, failed = _test_table(junit)
     except (OSError, ET.ParseError) as exc:
+        table, failed, why = None, 1, f"no report: {exc}"
+    else:
+        why = "no test ran"
+    if table is None or (not table.row_count and outcome != "ok"):
         console.print(
             Text(
-                f"gpu-check: pytest -m cuda did not start or finish ({outcome}; no report: {exc})",
+                f"gpu-check: pytest -m cuda did not start or finish ({outcome}, {why}; its error is above)",
                 style="red",
             )
         )
