@@ -206,3 +206,21 @@ def test_the_rate_table_pairs_whole_steps_with_compiled_steps(tmp_path: Path) ->
     assert table is not None and table.row_count == 1
     text = rendered(table)
     assert "exact k4" in text and "900" in text and "450" in text and "2.00" in text
+
+
+def test_the_hf_assisted_reproduction_runs_its_variants_in_processes_of_their_own() -> None:
+    """scripts/repro_hf_assisted.py on the CPU (its stall needs CUDA's compilation): a JSON line a
+    variant, assisted generation eager (no frame through torch._dynamo) and producing tokens."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "scripts/repro_hf_assisted.py", str(TARGET_DIR), str(DRAFT_DIR)),
+            *("--device", "cpu", "--dtype", "float32", "--variants", "alone,after-static", "--cap", "300"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [line["variant"] for line in lines] == ["alone", "after-static"]
+    for line in lines:
+        assert line["tok_s"] > 0 and line["warmup_s"] > 0 and line["dynamo_frames_during_assisted"] == 0
