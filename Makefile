@@ -74,6 +74,7 @@ docs: setup
 	sed 's#(docs/#(#g' README.md > docs/index.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# GPU_CHECK_ARGS: more of scripts/gpu_check.py's options, e.g. --big-pair (an 8B/1B-cost pair, last).
 # On a GPU image whose python3 has a CUDA torch and the carried wheels on PYTHONPATH (make
 # gpu-carry), name that interpreter instead of the venv's: make gpu-check GPU_PYTHON=python3 SHARED=shared
 GPU_PYTHON ?= $(BIN)/python
@@ -81,7 +82,7 @@ GPU_PYTHON ?= $(BIN)/python
 gpu-check: $(if $(call GIVEN,GPU_PYTHON),,setup)
 	$(GPU_PYTHON) -m scripts.gpu_check --models "$(MODELS)" --data-dir "$(SHARED)/data" \
 		--builder "$(SHARED)/tools/build_scaled_target.py" \
-		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")
+		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)") $(GPU_CHECK_ARGS)
 
 # What this workplace's GPU machines lack for gpu-check (docs/development.md): fsd-chat's runtime
 # dependencies from requirements.lock less torch's and what the image ships (scripts/gpu_carry.py says

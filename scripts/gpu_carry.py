@@ -120,7 +120,7 @@ def runtime_pins(lock: str, pyproject: str) -> dict[str, str]:
     missing = roots - pins.keys()
     if missing:
         raise ValueError(f"requirements.lock pins none of {sorted(missing)}: run make lock")
-    runtime = set(roots)
+    runtime: set[str] = set(roots)
     grown = True
     while grown:  # to a fixed point: a package is runtime if some runtime package asks for it
         grown = False

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -112,7 +113,7 @@ def _rate_table(junit: Path) -> Table | None:
     return table
 
 
-def _configs(paths: list[Path]) -> list[dict[str, object]]:
+def _configs(paths: list[Path]) -> list[dict[str, Any]]:
     """The configurations of the reports in `paths` that exist (a bench cut at its cap wrote none)."""
     return [
         c for path in paths if path.is_file() for c in json.loads(path.read_text(encoding="utf-8"))["configs"]
@@ -185,9 +186,9 @@ class Build:
     process: subprocess.Popen[bytes] | None
 
     @classmethod
-    def start(cls, builder: Path, source: Path, out: Path, shape: Shape) -> Build:
-        """Start building `source` scaled to `shape` into `out`, unless already built there
-        (deterministic: seed 0)."""
+    def start(cls, builder: Path, source: Path, out: Path, shape: Shape, *options: str) -> Build:
+        """Start building `source` scaled to `shape` into `out` (the builder's `options` too, e.g.
+        --dtype bfloat16 --device cuda), unless already built there (deterministic: seed 0)."""
         if out.is_dir():
             return cls(out, None)
         with open(source / "config.json", encoding="utf-8") as config:
@@ -197,6 +198,7 @@ class Build:
             *(sys.executable, str(builder), str(source), str(partial)),
             *("--hidden", str(shape.hidden), "--intermediate", str(shape.intermediate)),
             *("--extra-layers", str(shape.layers - layers), "--head-dim", str(shape.head_dim)),
+            *options,
         ]
         # A few threads: the CUDA tests beside it launch kernels from the host.
         return cls(out, subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "4"}))
@@ -205,15 +207,22 @@ class Build:
         """Whether the build has ended (or was not needed)."""
         return self.process is None or self.process.poll() is not None
 
-    def wait(self) -> Path:
-        """The built model's folder, once built.
+    def wait(self, timeout: float | None = None) -> Path:
+        """The built model's folder, once built (the builder killed past `timeout` seconds).
 
         Raises:
             subprocess.CalledProcessError: the builder failed.
+            subprocess.TimeoutExpired: it ran past `timeout`.
         """
         if self.process is not None:
-            if self.process.wait():
-                raise subprocess.CalledProcessError(self.process.returncode, self.process.args)
+            try:
+                code = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise
+            if code:
+                raise subprocess.CalledProcessError(code, self.process.args)
             self.out.with_name(self.out.name + ".partial").rename(self.out)
             self.process = None
         return self.out
@@ -230,17 +239,30 @@ def _scaled_target(models: Path, builder: Path) -> Path:
     return out
 
 
-def real_cost_pair(models: Path, builder: Path, target: Shape, draft: Shape) -> tuple[Build, Build]:
+def real_cost_pair(
+    models: Path, builder: Path, target: Shape, draft: Shape, *options: str
+) -> tuple[Build, Build]:
     """Start building the story pair at real models' shapes (`REAL_TARGET`, `REAL_DRAFT` by
-    default) into .cache/, unless already built there."""
+    default; the builder's `options` too) into .cache/, unless already built there."""
+    suffix = "-bf16" if "bfloat16" in options else ""
 
     def folder(name: str, shape: Shape) -> Path:
-        return CACHE / f"{name}-as-{str(shape).replace(',', '-')}"
+        return CACHE / f"{name}-as-{str(shape).replace(',', '-')}{suffix}"
 
     return (
-        Build.start(builder, models / "stories260K", folder("stories260K", target), target),
-        Build.start(builder, models / "stories260K-draft", folder("stories260K-draft", draft), draft),
+        Build.start(builder, models / "stories260K", folder("stories260K", target), target, *options),
+        Build.start(
+            builder, models / "stories260K-draft", folder("stories260K-draft", draft), draft, *options
+        ),
     )
+
+
+BIG_TARGET = Shape(4096, 14336, 32, 128)
+"""Llama-3.1-8B's shape (the builder keeps the source's 2:1 grouping: 32 query, 16 KV heads)."""
+BIG_DRAFT = Shape(2048, 8192, 16, 64)
+"""Llama-3.2-1B's shape."""
+BIG_BUILD = ("--dtype", "bfloat16", "--device", "cuda")
+"""The 8B/1B pair is built on the GPU in bfloat16: 16 GB written, not 30 GB of float32."""
 
 
 WHOLE_KS = "2,4,6"
@@ -261,6 +283,8 @@ def bench_base(args: argparse.Namespace, target: str, draft: str, output: Path) 
     ]
 
 
+MIN_CAP = 15.0
+"""The least a bench is started with: less would not load the pair."""
 REPLIES_SHARE = 0.4
 """The share of a configuration's cap its measured replies may take (the rest is its warm-up's,
 which compiles or captures): 20 s of 50."""
@@ -425,6 +449,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tests-cap", type=float, default=150.0, help="seconds pytest -m cuda may take")
     parser.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        help="seconds the whole check may take: a bench gets at most what is left of it (pytest's cap kept)",
+    )
+    parser.add_argument("--build-cap", type=float, default=240.0, help="seconds a pair's build may take")
+    parser.add_argument(
+        "--big-pair",
+        action="store_true",
+        help="last, an 8B/1B-cost pair (Llama-3.1-8B's and Llama-3.2-1B's shapes, built on the GPU in "
+        "bfloat16): target-only and exact k 4 as whole steps (beyond the 5 minutes)",
+    )
+    parser.add_argument(
         "--output", type=Path, default=CACHE / "gpu-check", help="the reports' folder (one folder a bench)"
     )
     parser.add_argument(
@@ -455,9 +492,25 @@ def main(argv: list[str] | None = None) -> int:
     out = args.output
     outcomes: list[str] = []
 
-    def bench(run: Bench) -> None:
-        console.print(Text(f"gpu-check: {run.what} (cap {run.cap(args):.0f} s)", style="dim"))
-        outcome = run_capped(console, run.command, run.cap(args), run.what)
+    started = time.monotonic()
+    tests_pending = on_cuda
+
+    def bench(run: Bench, *, budgeted: bool = True) -> None:
+        # Within the check's budget, less what pytest (last) may take: a bench that would run past
+        # it gets what is left, and none when too little is.
+        left = args.budget - (time.monotonic() - started) - (args.tests_cap if tests_pending else 0)
+        cap = min(run.cap(args), left) if budgeted else run.cap(args)
+        if cap < MIN_CAP:
+            console.print(
+                Text(
+                    f"gpu-check: cut: {run.what} not run: the check's {args.budget:.0f} s are spent",
+                    style="yellow",
+                )
+            )
+            outcomes.append("cut")
+            return
+        console.print(Text(f"gpu-check: {run.what} (cap {cap:.0f} s)", style="dim"))
+        outcome = run_capped(console, run.command, cap, run.what)
         if outcome == "failed":
             console.print(
                 Text(f"gpu-check: failed: {run.what} (its error is above); the check goes on", style="red")
@@ -473,8 +526,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def whole_steps() -> None:
         try:
-            pair.extend(str(build.wait()) for build in builds)
-        except subprocess.CalledProcessError as exc:
+            pair.extend(str(build.wait(args.build_cap)) for build in builds)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             console.print(
                 Text(
                     f"gpu-check: the real-cost pair did not build ({exc}); its phases are skipped",
@@ -483,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             outcomes.append("failed")
             return
-        bench(exact_rows(args, *pair, out / "real-whole", whole=True))
-        bench(lossy_rows(args, *pair, out / "real-lossy"))
+        bench(exact_rows(args, pair[0], pair[1], out / "real-whole", whole=True))
+        bench(lossy_rows(args, pair[0], pair[1], out / "real-lossy"))
 
     def quantized() -> None:
         if not pair or not on_cuda:
@@ -493,16 +546,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             return
         bench(
-            quantized_rows(args, *pair, out / "real-4bit", best_exact_k(out / "real-whole" / "report.json"))
+            quantized_rows(
+                args, pair[0], pair[1], out / "real-4bit", best_exact_k(out / "real-whole" / "report.json")
+            )
         )
 
     def today_and_transformers() -> None:
         if not pair:
             console.print(Text("gpu-check: skipped (no real-cost pair)"))
             return
-        today = exact_rows(args, *pair, out / "real-today", whole=False)
-        static = transformers_row(args, *pair, out / "real-hf-static", "hf-static")
-        assisted = transformers_row(args, *pair, out / "real-hf-assisted", "hf-assisted")
+        today = exact_rows(args, pair[0], pair[1], out / "real-today", whole=False)
+        static = transformers_row(args, pair[0], pair[1], out / "real-hf-static", "hf-static")
+        assisted = transformers_row(args, pair[0], pair[1], out / "real-hf-assisted", "hf-assisted")
         for run in (today, static, assisted):
             bench(run)
         whole = [out / name / "report.json" for name in ("real-whole", "real-lossy")]
@@ -520,11 +575,32 @@ def main(argv: list[str] | None = None) -> int:
         bench(Bench(what, command, 2, out / "scaled-whole"))
 
     def cuda() -> None:
-        nonlocal failed
+        nonlocal failed, tests_pending
+        tests_pending = False
         if on_cuda:
             failed = cuda_tests(console, args)
         else:
             console.print(Text("gpu-check: the CUDA tests need CUDA: skipped"))
+
+    def big_pair() -> None:
+        console.print(
+            Text(f"gpu-check: building target {BIG_TARGET}, draft {BIG_DRAFT} on the GPU in bfloat16")
+        )
+        built: list[str] = []
+        for build in real_cost_pair(args.models, args.builder, BIG_TARGET, BIG_DRAFT, *BIG_BUILD):
+            try:
+                built.append(str(build.wait(args.build_cap)))
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                console.print(Text(f"gpu-check: the 8B/1B pair did not build ({exc})", style="red"))
+                outcomes.append("failed")
+                return
+        command = [
+            *bench_base(args, built[0], built[1], out / "big-whole"),
+            *("--baselines", "autoregressive,exact", "--rules", "none"),
+            *("--draft-tokens", "4", "--draft-policies", "fixed", "--whole-step", "--profile"),
+        ]
+        what = "the 8B/1B pair: target-only, exact k 4, as whole steps"
+        bench(Bench(what, command, 2, out / "big-whole"), budgeted=False)
 
     phases = [
         ("imports and versions", imports),
@@ -534,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         ("the scaled story pair as whole steps, profiled", scaled_pair),
         ("the CUDA tests (pytest -m cuda)", cuda),
     ]
+    if args.big_pair:
+        phases.append(("the 8B/1B-cost pair (--big-pair)", big_pair))
     for number, (what, run) in enumerate(phases, 1):
         if number == 2 and not all(build.done() for build in builds):
             # Nothing waits on the builder while something else can run: the scaled pair first.

@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 VARIANTS = ("alone", "after-static", "after-static-limit64", "after-twin", "after-twin-and-static")
 PROMPT = [1, 403, 1683, 263, 931, 29892]  # "Once upon a time," in a Llama-style vocabulary
@@ -55,7 +56,7 @@ def child(
     faulthandler.dump_traceback_later(max(cap - 5, 1), exit=False)
     kind = getattr(torch, dtype)
 
-    def load(path: str) -> torch.nn.Module:
+    def load(path: str) -> Any:  # a causal LM (`generate`); PreTrainedModel does not declare it
         return AutoModelForCausalLM.from_pretrained(path, dtype=kind).to(device).eval()
 
     target, draft = load(target_dir), load(draft_dir)

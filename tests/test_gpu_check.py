@@ -69,6 +69,7 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
             *("--device", "cpu", "--dtype", "float32", "--output", str(out)),
             *("--target", str(TARGET_DIR), "--draft", str(DRAFT_DIR), "--data-dir", str(DATA_DIR)),
             *("--limit", "1", "--max-new-tokens", "8", "--load-cap", "20", "--config-cap", "40"),
+            *("--budget", "1500"),  # a loaded 2-core machine; the budget's own test is below
             *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
         ]
     )
@@ -115,6 +116,26 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
         6: (128, 256, 16),
         3: (128, 256, 16),
     }
+
+
+def test_past_the_checks_budget_every_phase_still_prints(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With its budget spent, no bench starts (each says so in one line), and every phase prints."""
+    code = main(
+        [
+            *("--device", "cpu", "--dtype", "float32", "--output", str(tmp_path), "--budget", "1"),
+            *("--target", str(TARGET_DIR), "--draft", str(DRAFT_DIR), "--data-dir", str(DATA_DIR)),
+            *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
+        ]
+    )
+    printed = capfd.readouterr().out
+    assert code == 1
+    for number in range(1, 7):
+        assert f"gpu-check {number}/6: done in " in printed
+    not_run = [line for line in printed.splitlines() if "not run: the check's 1 s are spent" in line]
+    assert len(not_run) == 6  # phase 2's two benches, today's, hf-static, hf-assisted, the scaled pair's
+    assert not list(tmp_path.iterdir())  # no bench ran
 
 
 def test_a_process_past_its_cap_is_killed_with_its_children(tmp_path: Path) -> None:

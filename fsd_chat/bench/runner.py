@@ -71,12 +71,14 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing:
+def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int], *, whole_step: bool = False) -> Timing:
     """Time greedy target-only decoding of `prompt` (shape [prompt tokens]) on `pair`: after an
     untimed warm-up, a `WARMUP_TOKENS` and a `TIMED_TOKENS` reply, whose difference is the tokens'
     cost and the rest each run's (a reply that ends early at EOS counts what it generated), to which
-    the scoring of a run's reply (`target_nll`) is added."""
-    runner = PairRunner(pair)
+    the scoring of a run's reply (`target_nll`) is added. `whole_step`: time whole steps (captured
+    graphs on CUDA, seconds to make) rather than compiled steps (torch.compile, which can take
+    minutes on CUDA and leaves its state in the process)."""
+    runner = PairRunner(pair, whole_step=whole_step)
     config = Configuration(setup, 0.0, "autoregressive")
     try:
         runner.run(config, prompt, max_new_tokens=WARMUP_TOKENS, seed=0, stop_strings=())
