@@ -29,6 +29,7 @@ shapes for the real-cost pair): the pytest phase and the 4-bit target are CUDA's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -362,21 +363,34 @@ def transformers_row(args: argparse.Namespace, target: str, draft: str, output: 
     return Bench(f"transformers' {method}" + (" k 4" if method == "hf-assisted" else ""), command, 1, output)
 
 
+ABORT_GRACE = 5.0
+"""Seconds a process cut at its cap has to print its stacks (SIGABRT) before it is killed."""
+
+
 def run_capped(console: Console, command: list[str], cap: float, what: str, **env: str) -> str:
     """Run `command` in a process group of its own, killed whole (compile workers too) past `cap`
     seconds: "ok", "failed" (its exit status was not 0) or "cut" (killed at the cap, said in one
-    line). Ctrl-C kills it too, and is raised again."""
-    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, **env})
+    line). A cut process first gets SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER)
+    prints every thread's stack, so the log says where it sat; SIGKILL follows. Ctrl-C kills it too,
+    and is raised again."""
+    process = subprocess.Popen(
+        command, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1", **env}
+    )
     try:
         code = process.wait(timeout=cap)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as stop:
-        os.killpg(process.pid, signal.SIGKILL)
+        if isinstance(stop, subprocess.TimeoutExpired):
+            _signal_group(process.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=ABORT_GRACE)
+        _signal_group(process.pid, signal.SIGKILL)
         process.wait()
         if isinstance(stop, KeyboardInterrupt):
             raise
         console.print(
             Text(
-                f"gpu-check: cut: {what} ran past its cap of {cap:.0f} s and was killed; the check goes on",
+                f"gpu-check: cut: {what} ran past its cap of {cap:.0f} s and was killed (its stacks are "
+                "above); the check goes on",
                 style="yellow",
             )
         )
@@ -384,6 +398,12 @@ def run_capped(console: Console, command: list[str], cap: float, what: str, **en
     if code:
         return "failed"
     return "ok"
+
+
+def _signal_group(group: int, number: signal.Signals) -> None:
+    """Send `number` to every process of `group` that is left (none may be)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, number)
 
 
 def best_exact_k(report: Path) -> int:

@@ -73,11 +73,12 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
             *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
         ]
     )
-    printed = capfd.readouterr().out  # the benches run in subprocesses: their output, too
+    printed, errors = capfd.readouterr()  # the benches run in subprocesses: their output, too
     assert code == 1  # a configuration was cut
     for number in range(1, 7):
         assert f"gpu-check {number}/6: " in printed and f"gpu-check {number}/6: done in " in printed
     assert "gpu-check: cut: transformers' hf-assisted k 4 ran past its cap of 20 s and was killed" in printed
+    assert "Fatal Python error: Aborted" in errors  # its stacks, where it sat, before the kill
     assert printed.index("hf-assisted k 4 ran past") < printed.index(
         "whole steps (--whole-step) vs today's steps"
     )
@@ -138,8 +139,11 @@ def test_past_the_checks_budget_every_phase_still_prints(
     assert not list(tmp_path.iterdir())  # no bench ran
 
 
-def test_a_process_past_its_cap_is_killed_with_its_children(tmp_path: Path) -> None:
-    """`run_capped` kills the process group: a child that ignores SIGTERM and its own child go."""
+def test_a_process_past_its_cap_is_killed_with_its_children(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`run_capped` has a cut process print its stacks (faulthandler), then kills its group: a
+    child that ignores SIGTERM and its own child go."""
     pids = tmp_path / "pids"
     script = (
         "import os, signal, subprocess, sys, time\n"
@@ -153,6 +157,8 @@ def test_a_process_past_its_cap_is_killed_with_its_children(tmp_path: Path) -> N
     assert run_capped(console, [sys.executable, "-c", script], 3.0, "a stalled bench") == "cut"
     assert time.monotonic() - start < 30
     assert "cut: a stalled bench ran past its cap of 3 s and was killed" in console.export_text()
+    stacks = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in stacks and 'File "<string>", line 5 in <module>' in stacks
     for pid in map(int, pids.read_text().split()):
         with pytest.raises(ProcessLookupError):
             for _ in range(100):  # the grandchild is reaped by init: gone once it is
