@@ -18,9 +18,13 @@ Its phases, in the order of what they are worth, each printed as soon as it is k
 
 No phase can eat the check: every bench runs in a process of its own with a hard cap (`--load-cap`
 for loading, plus `--config-cap` a configuration: warm-up and replies), killed past it (its process
-group: compile workers too), shown as cut, and the check goes on; transformers' baselines run last,
-one process each. fsd-chat's rows run without a synchronisation per phase (the profile says where
-the time goes). With no CUDA device it says so in one line and exits 0.
+group, after SIGABRT has it print its stacks), shown as cut, and the check goes on; transformers'
+baselines run after fsd-chat's whole-step rows, one process each. The whole check has a budget
+(`--budget`, 300 s): a bench gets at most what is left of it after pytest's cap, and one that would
+get too little is not run and says so. While the real-cost pair still builds, phase 5 runs first.
+fsd-chat's rows run without a synchronisation per phase (the profile says where the time goes).
+`--big-pair` adds an 8B/1B-cost pair last, beyond the budget. With no CUDA device it says so in one
+line and exits 0.
 
 --device cpu runs the benches on the CPU (the CPU suite checks this script that way, with tiny
 shapes for the real-cost pair): the pytest phase and the 4-bit target are CUDA's alone.
