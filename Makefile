@@ -86,6 +86,7 @@ docs: setup
 	sed 's#(docs/#(#g' README.md > docs/index.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# GPU_CHECK_ARGS: more of scripts/gpu_check.py's options, e.g. --big-pair (an 8B/1B-cost pair, last).
 # On a GPU image whose python3 has a CUDA torch and the carried wheels on PYTHONPATH (make
 # gpu-carry), name that interpreter instead of the venv's: make gpu-check GPU_PYTHON=python3 SHARED=shared
 GPU_PYTHON ?= $(BIN)/python
@@ -93,21 +94,22 @@ GPU_PYTHON ?= $(BIN)/python
 gpu-check: $(if $(call GIVEN,GPU_PYTHON),,setup)
 	$(GPU_PYTHON) -m scripts.gpu_check --models "$(MODELS)" --data-dir "$(SHARED)/data" \
 		--builder "$(SHARED)/tools/build_scaled_target.py" \
-		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")
+		$(if $(call GIVEN,TARGET),--target "$(TARGET)") $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)") $(GPU_CHECK_ARGS)
 
-# What this workplace's GPU machines lack for gpu-check (docs/development.md): the locked wheels their
-# image has not, or not at the locked version (python 3.12, manylinux x86_64: about 60 MB, mostly
-# bitsandbytes), into .whl/; the offline pair, the start of the tinystories prompts and the builder
-# into shared/.
-# typer needs pydantic, which the image has not (and pydantic a newer typing-extensions). Of the
-# stories, the first 256 KiB: the check's prompts are the first few, and a device call carries 64 MiB.
-GPU_WHEELS = transformers|bitsandbytes|platformdirs|typer|rich|pydantic|pydantic-core|annotated-types|typing-inspection|typing-extensions
+# What this workplace's GPU machines lack for gpu-check (docs/development.md): fsd-chat's runtime
+# dependencies from requirements.lock less torch's and what the image ships (scripts/gpu_carry.py says
+# which and why; python 3.12, manylinux x86_64, about 30 MB) into .whl/, bitsandbytes' wheel pruned to
+# the image's CUDA; the offline pair, the start of the tinystories prompts and the builder into shared/.
+# Of the stories, the first 256 KiB: the check's prompts are the first few, and a device call carries
+# 64 MiB.
 GPU_PLATFORMS = manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1
 
 gpu-carry: | $(BIN)/python
+	rm -rf .whl  # a wheel left from an older lock would be a second version, and pip refuses both
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(foreach p,$(GPU_PLATFORMS),--platform $(p)_x86_64) -d .whl \
-		$$(grep -E '^($(GPU_WHEELS))==' requirements.lock)
+		$$($(BIN)/python -m scripts.gpu_carry)
+	$(BIN)/python -m scripts.gpu_carry --prune .whl/*.whl
 	mkdir -p shared/data shared/tools
 	cp -r --no-preserve=mode "$(MODELS)" shared/
 	mkdir -p shared/data/tinystories

@@ -1,35 +1,45 @@
 """`make gpu-check`: check a CUDA setup in one command, in under 5 minutes on a fresh machine.
 
-Its phases, each with a line of progress and its seconds:
-1. the CUDA tests (`pytest -m cuda tests/test_cuda.py`: greedy identity, CUDA graphs (`--compile`,
-   on by default on CUDA) against eager decoding, bfloat16 / float16, 8-bit and 4-bit targets,
-   losslessness on batched verdicts, device_map="auto", host synchronisations), and their table;
-2. a pair with real models' costs, built by the shared builder in the background from the start
-   (while the tests run): a target at SmolLM2-1.7B's shape (hidden 2048, intermediate 8192, 24
-   layers, head_dim 64) and a draft at SmolLM2-135M's (hidden 640, intermediate 1536, 30 layers),
-   over the story pair's weights, so that acceptance is the story pair's and the costs those of a
-   1.7B/135M pair;
-3. its bench in bfloat16: target-only, exact, fuzzy and mixture, under fixed k and the chat's
-   default draft policy, against hf-static and hf-assisted (bench's table, its advice line, and
-   its report.json under --real-output);
-4. the same fsd-chat rows with `--whole-step` (one captured CUDA graph a step; its report.json
-   under --whole-step-output), then one table of both: each row's tok/s today and as whole steps,
-   and against hf-static, issue 36's goals read off it;
-5. the scaled story pair, and 6. a short bench of it in bfloat16 (target-only decoding and exact SD
-   against transformers' `generate` with a static cache and its assisted generation; --output).
-With no CUDA device it says so in one line and exits 0.
+Its phases, in the order of what they are worth, each printed as soon as it is known:
+1. the imports and versions (python, torch and its CUDA, transformers, bitsandbytes, gguf, the GPU);
+2. a pair with real models' costs, as whole steps (`--whole-step`, one captured CUDA graph a step):
+   target-only, exact at k 2, 4 and 6 under fixed k and the chat's default draft policy, then fuzzy
+   and mixture at 0.02, each with its profile (`bench --profile`: where a step's time goes, and
+   bandwidth use against a device copy measured in the same run). The pair is built by the shared
+   builder in the background from the start: a target at SmolLM2-1.7B's shape (hidden 2048,
+   intermediate 8192, 24 layers, head_dim 64) and a draft at SmolLM2-135M's (hidden 640,
+   intermediate 1536, 30 layers) over the story pair's weights, so that acceptance is the story
+   pair's and the costs those of a 1.7B/135M pair;
+3. the same with a 4-bit target (bitsandbytes NF4), target-only and the best exact k of phase 2;
+4. transformers' hf-static, today's steps on phase 2's exact rows, then hf-assisted, each in a
+   process of its own, and one table of whole steps against today's steps and hf-static;
+5. the scaled story pair (79M, head_dim 64) as whole steps, target-only and exact k 4;
+6. `pytest -m cuda tests/test_cuda.py`, and its tables.
 
-The scaled pair is stories260K's scaled copy (79M parameters, head_dim 64: the source's head_dim of
-8 sends attention to kernels no real model meets), built once by the shared builder into .cache/,
-with the offline draft; or any pair given with --target / --draft. --device cpu runs the benches on
-the CPU (the CPU suite checks this script that way, with tiny shapes for the real-cost pair).
+No phase can eat the check: every bench runs in a process of its own with a hard cap (`--load-cap`
+for loading, plus `--config-cap` a configuration: warm-up and replies), killed past it (its process
+group, after SIGABRT has it print its stacks), shown as cut, and the check goes on; transformers'
+baselines run after fsd-chat's whole-step rows, one process each. The whole check has a budget
+(`--budget`, 300 s): a bench gets at most what is left of it after pytest's cap, and one that would
+get too little is not run and says so. While the real-cost pair still builds, phase 5 runs first.
+fsd-chat's rows run without a synchronisation per phase (the profile says where the time goes).
+`--big-pair` adds an 8B/1B-cost pair last, beyond the budget. With no CUDA device it says so in one
+line and exits 0.
+
+--device cpu runs the benches on the CPU (the CPU suite checks this script that way, with tiny
+shapes for the real-cost pair): the pytest phase and the 4-bit target are CUDA's alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +48,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -107,13 +118,20 @@ def _rate_table(junit: Path) -> Table | None:
     return table
 
 
-def whole_step_table(today: Path, whole: Path) -> Table:
-    """The real-cost pair's fsd-chat rows, today's steps (`today`'s report.json) beside whole steps
-    (`whole`'s), with hf-static's tok/s: each row's tok/s (mean over its replies), the ratio of the
-    two, and the whole step's tok/s over hf-static's (issue 36's goals: target-only ≥ 1.2× hf-static,
-    exact at its best k ≥ 1.8× target-only, the default policy ≥ its best fixed k, fuzzy or mixture
-    ≥ 1.15× exact). A row missing from either report shows "-"."""
-    reports = [json.loads(path.read_text(encoding="utf-8")) for path in (today, whole)]
+def _configs(paths: list[Path]) -> list[dict[str, Any]]:
+    """The configurations of the reports in `paths` that exist (a bench cut at its cap wrote none)."""
+    return [
+        c for path in paths if path.is_file() for c in json.loads(path.read_text(encoding="utf-8"))["configs"]
+    ]
+
+
+def whole_step_table(today: list[Path], whole: list[Path]) -> Table:
+    """The real-cost pair's rows, today's steps (`today`'s reports, transformers' rows among them)
+    beside whole steps (`whole`'s), with hf-static's tok/s: each row's tok/s (mean over its
+    replies), the ratio of the two, and the whole step's tok/s over hf-static's (issue 36's goals:
+    target-only ≥ 1.2× hf-static, exact at its best k ≥ 1.8× target-only, the default policy ≥ its
+    best fixed k, fuzzy or mixture ≥ 1.15× exact). A row missing (cut, or not run) shows "-"."""
+    reports = [{"configs": _configs(today)}, {"configs": _configs(whole)}]
     rates = [
         {c["label"]: c["tokens_per_second"] for c in r["configs"] if c["status"] == "ok"} for r in reports
     ]
@@ -173,9 +191,9 @@ class Build:
     process: subprocess.Popen[bytes] | None
 
     @classmethod
-    def start(cls, builder: Path, source: Path, out: Path, shape: Shape) -> Build:
-        """Start building `source` scaled to `shape` into `out`, unless already built there
-        (deterministic: seed 0)."""
+    def start(cls, builder: Path, source: Path, out: Path, shape: Shape, *options: str) -> Build:
+        """Start building `source` scaled to `shape` into `out` (the builder's `options` too, e.g.
+        --dtype bfloat16 --device cuda), unless already built there (deterministic: seed 0)."""
         if out.is_dir():
             return cls(out, None)
         with open(source / "config.json", encoding="utf-8") as config:
@@ -185,19 +203,31 @@ class Build:
             *(sys.executable, str(builder), str(source), str(partial)),
             *("--hidden", str(shape.hidden), "--intermediate", str(shape.intermediate)),
             *("--extra-layers", str(shape.layers - layers), "--head-dim", str(shape.head_dim)),
+            *options,
         ]
         # A few threads: the CUDA tests beside it launch kernels from the host.
         return cls(out, subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "4"}))
 
-    def wait(self) -> Path:
-        """The built model's folder, once built.
+    def done(self) -> bool:
+        """Whether the build has ended (or was not needed)."""
+        return self.process is None or self.process.poll() is not None
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """The built model's folder, once built (the builder killed past `timeout` seconds).
 
         Raises:
             subprocess.CalledProcessError: the builder failed.
+            subprocess.TimeoutExpired: it ran past `timeout`.
         """
         if self.process is not None:
-            if self.process.wait():
-                raise subprocess.CalledProcessError(self.process.returncode, self.process.args)
+            try:
+                code = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise
+            if code:
+                raise subprocess.CalledProcessError(code, self.process.args)
             self.out.with_name(self.out.name + ".partial").rename(self.out)
             self.process = None
         return self.out
@@ -214,54 +244,201 @@ def _scaled_target(models: Path, builder: Path) -> Path:
     return out
 
 
-def real_cost_pair(models: Path, builder: Path, target: Shape, draft: Shape) -> tuple[Build, Build]:
+def real_cost_pair(
+    models: Path, builder: Path, target: Shape, draft: Shape, *options: str
+) -> tuple[Build, Build]:
     """Start building the story pair at real models' shapes (`REAL_TARGET`, `REAL_DRAFT` by
-    default) into .cache/, unless already built there."""
+    default; the builder's `options` too) into .cache/, unless already built there."""
+    suffix = "-bf16" if "bfloat16" in options else ""
 
     def folder(name: str, shape: Shape) -> Path:
-        return CACHE / f"{name}-as-{str(shape).replace(',', '-')}"
+        return CACHE / f"{name}-as-{str(shape).replace(',', '-')}{suffix}"
 
     return (
-        Build.start(builder, models / "stories260K", folder("stories260K", target), target),
-        Build.start(builder, models / "stories260K-draft", folder("stories260K-draft", draft), draft),
+        Build.start(builder, models / "stories260K", folder("stories260K", target), target, *options),
+        Build.start(
+            builder, models / "stories260K-draft", folder("stories260K-draft", draft), draft, *options
+        ),
     )
 
 
-def bench_command(args: argparse.Namespace, target: str, draft: str) -> list[str]:
-    """The `fsd-chat bench` command line of the scaled pair: target-only decoding and exact SD
-    against transformers' static-cache generate and assisted generation, few prompts, few tokens
-    (the whole check must fit in 5 minutes)."""
-    return [
-        *(sys.executable, "-m", "fsd_chat", "bench", "--target", target, "--draft", draft),
-        *("--device", args.device, "--dtype", args.dtype, "--quantize-target", args.quantize),
-        *("--prompts", "tinystories", "--data-dir", str(args.data_dir), "--limit", str(args.limit)),
-        *("--max-new-tokens", str(args.max_new_tokens), "--rules", "none"),
-        *("--baselines", "autoregressive,exact,hf-static,hf-assisted", "--output", str(args.output)),
-    ]
+BIG_TARGET = Shape(4096, 14336, 32, 128)
+"""Llama-3.1-8B's shape (the builder keeps the source's 2:1 grouping: 32 query, 16 KV heads)."""
+BIG_DRAFT = Shape(2048, 8192, 16, 64)
+"""Llama-3.2-1B's shape."""
+BIG_BUILD = ("--dtype", "bfloat16", "--device", "cuda")
+"""The 8B/1B pair is built on the GPU in bfloat16: 16 GB written, not 30 GB of float32."""
 
 
-def real_bench_command(
-    args: argparse.Namespace, target: str, draft: str, *, whole_step: bool = False
-) -> list[str]:
-    """The `fsd-chat bench` command line of the real-cost pair: target-only, exact, fuzzy and
-    mixture, under fixed k and the chat's default policy, against hf-static and hf-assisted, in
-    bfloat16 (one threshold per rule). `whole_step`: fsd-chat's rows alone, with `--whole-step`
-    (transformers' rows would be the same as without it), into --whole-step-output."""
-    if whole_step:
-        command = real_bench_command(args, target, draft)
-        command[command.index("--baselines") + 1] = "autoregressive,exact"
-        command[command.index("--output") + 1] = str(args.whole_step_output)
-        return [*command, "--whole-step"]
+WHOLE_KS = "2,4,6"
+LOSSY_THRESHOLD = "0.02"
+"""fuzzy's JS threshold and mixture's per-token KL budget (nats) in phase 2: a cost of at most
+0.02 nats a token."""
+
+
+def bench_base(args: argparse.Namespace, target: str, draft: str, output: Path) -> list[str]:
+    """`fsd-chat bench` on a pair, few prompts and tokens (the check's 5 minutes), each
+    configuration's replies cut past `--config-cap` less its warm-up's share."""
     return [
         *(sys.executable, "-m", "fsd_chat", "bench", "--target", target, "--draft", draft),
         *("--device", args.device, "--dtype", args.dtype),
         *("--prompts", "tinystories", "--data-dir", str(args.data_dir), "--limit", str(args.limit)),
-        *("--max-new-tokens", str(args.max_new_tokens), "--rules", "fuzzy,mixture"),
-        *("--divergences", "js", "--thresholds", "0.05", "--mixture-thresholds", "0.05"),
-        # The chat's own draft policy beside fixed k.
-        *("--draft-policies", f"fixed,{DEFAULT_DRAFT_POLICY}"),
-        *("--baselines", "autoregressive,exact,hf-static,hf-assisted", "--output", str(args.real_output)),
+        *("--max-new-tokens", str(args.max_new_tokens), "--output", str(output)),
+        *("--cut-after", f"{args.config_cap * REPLIES_SHARE:g}", "--temperature", "0"),
     ]
+
+
+MIN_CAP = 15.0
+"""The least a bench is started with: less would not load the pair."""
+REPLIES_SHARE = 0.4
+"""The share of a configuration's cap its measured replies may take (the rest is its warm-up's,
+which compiles or captures): 20 s of 50."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    """One capped `fsd-chat bench` process: what it runs, its configurations' count (its cap) and
+    its report folder."""
+
+    what: str
+    command: list[str]
+    configs: int
+    output: Path
+
+    def cap(self, args: argparse.Namespace) -> float:
+        """Its hard cap in seconds: the load, then `--config-cap` a configuration."""
+        return float(args.load_cap + self.configs * args.config_cap)
+
+    @property
+    def report(self) -> Path:
+        """Its report.json."""
+        return self.output / "report.json"
+
+
+def exact_rows(args: argparse.Namespace, target: str, draft: str, output: Path, *, whole: bool) -> Bench:
+    """Target-only and exact at k 2, 4, 6 under fixed k and the chat's default policy."""
+    command = [
+        *bench_base(args, target, draft, output),
+        *("--baselines", "autoregressive,exact", "--rules", "none", "--draft-tokens", WHOLE_KS),
+        *("--draft-policies", f"fixed,{DEFAULT_DRAFT_POLICY}"),
+    ]
+    if whole:
+        command += ["--whole-step", "--profile"]
+    what = "target-only, exact k 2/4/6 (fixed, default policy)" + (
+        " as whole steps" if whole else ", today's steps"
+    )
+    return Bench(what, command, 1 + 2 * len(WHOLE_KS.split(",")), output)
+
+
+def lossy_rows(args: argparse.Namespace, target: str, draft: str, output: Path) -> Bench:
+    """fuzzy (JS) and mixture at k 4 and `LOSSY_THRESHOLD`, whole steps, profiled."""
+    command = [
+        *bench_base(args, target, draft, output),
+        *("--baselines", "none", "--rules", "fuzzy,mixture", "--draft-tokens", "4", "--divergences", "js"),
+        *(
+            "--thresholds",
+            LOSSY_THRESHOLD,
+            "--mixture-thresholds",
+            LOSSY_THRESHOLD,
+            "--draft-policies",
+            "fixed",
+        ),
+        *("--whole-step", "--profile"),
+    ]
+    return Bench(f"fuzzy and mixture at {LOSSY_THRESHOLD}, k 4, as whole steps", command, 2, output)
+
+
+def quantized_rows(args: argparse.Namespace, target: str, draft: str, output: Path, k: int) -> Bench:
+    """A 4-bit (NF4) target: target-only and exact at `k`, whole steps, profiled."""
+    command = [
+        *bench_base(args, target, draft, output),
+        *("--quantize-target", "4bit", "--baselines", "autoregressive,exact", "--rules", "none"),
+        *("--draft-tokens", str(k), "--draft-policies", "fixed", "--whole-step", "--profile"),
+    ]
+    return Bench(f"4-bit target: target-only and exact k {k}, as whole steps", command, 2, output)
+
+
+def transformers_row(args: argparse.Namespace, target: str, draft: str, output: Path, method: str) -> Bench:
+    """One of transformers' baselines alone in its process (hf-assisted at k 4)."""
+    command = [
+        *bench_base(args, target, draft, output),
+        *("--baselines", method, "--rules", "none", "--draft-tokens", "4", "--draft-policies", "fixed"),
+    ]
+    return Bench(f"transformers' {method}" + (" k 4" if method == "hf-assisted" else ""), command, 1, output)
+
+
+ABORT_GRACE = 5.0
+"""Seconds a process cut at its cap has to print its stacks (SIGABRT) before it is killed."""
+
+
+def run_capped(console: Console, command: list[str], cap: float, what: str, **env: str) -> str:
+    """Run `command` in a process group of its own, killed whole (compile workers too) past `cap`
+    seconds: "ok", "failed" (its exit status was not 0) or "cut" (killed at the cap, said in one
+    line). A cut process first gets SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER)
+    prints every thread's stack, so the log says where it sat; SIGKILL follows. Ctrl-C kills it too,
+    and is raised again."""
+    process = subprocess.Popen(
+        command, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1", **env}
+    )
+    try:
+        code = process.wait(timeout=cap)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as stop:
+        if isinstance(stop, subprocess.TimeoutExpired):
+            _signal_group(process.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=ABORT_GRACE)
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+        if isinstance(stop, KeyboardInterrupt):
+            raise
+        console.print(
+            Text(
+                f"gpu-check: cut: {what} ran past its cap of {cap:.0f} s and was killed (its stacks are "
+                "above); the check goes on",
+                style="yellow",
+            )
+        )
+        return "cut"
+    if code:
+        return "failed"
+    return "ok"
+
+
+def _signal_group(group: int, number: signal.Signals) -> None:
+    """Send `number` to every process of `group` that is left (none may be)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, number)
+
+
+def best_exact_k(report: Path) -> int:
+    """The fixed k of the fastest exact row in `report` (4 when it has none)."""
+    if not report.is_file():
+        return 4
+    configs = json.loads(report.read_text(encoding="utf-8"))["configs"]
+    rows = [
+        c for c in configs if c["method"] == "exact" and c["draft_policy"] == "fixed" and c["status"] == "ok"
+    ]
+    return int(max(rows, key=lambda c: c["tokens_per_second"])["draft_tokens"]) if rows else 4
+
+
+def versions_lines(device: str) -> list[str]:
+    """The imports the check needs and their versions, one line (a missing one says so)."""
+    parts = [f"python {sys.version.split()[0]}"]
+    for name in ("torch", "transformers", "bitsandbytes", "gguf", "textual", "fastapi", "typer"):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            parts.append(f"{name} MISSING ({exc})")
+            continue
+        parts.append(f"{name} {importlib.metadata.version(name)}")
+    import torch
+
+    parts.append(f"CUDA {torch.version.cuda or '-'} on {device}")
+    try:
+        import fsd_chat.cli.app  # noqa: F401  (every command's module-level imports)
+    except ImportError as exc:
+        return [", ".join(parts), f"gpu-check: fsd-chat does not import: {exc}"]
+    return [", ".join(parts)]
 
 
 @contextmanager
@@ -274,24 +451,42 @@ def phase(console: Console, number: int, total: int, what: str) -> Iterator[None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the check; returns the exit code (1 when a CUDA test or a bench failed)."""
+    """Run the check; returns the exit code (1 when a CUDA test or a bench failed or was cut)."""
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=Path("../shared/models"), help="offline models folder")
     parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="bench's prompt sets")
     parser.add_argument("--builder", type=Path, default=Path("../shared/tools/build_scaled_target.py"))
     parser.add_argument("--target", help="target model (default: the scaled stories260K, head_dim 64)")
     parser.add_argument("--draft", help="draft model (default: stories260K-draft)")
-    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the bench alone, no tests)")
-    parser.add_argument("--dtype", default="bfloat16", help="the pair's dtype in the bench")
-    parser.add_argument(
-        "--quantize",
-        default="none",
-        help="the scaled target's quantizations in its bench (e.g. none,8bit,4bit)",
-    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the benches alone)")
+    parser.add_argument("--dtype", default="bfloat16", help="the pairs' dtype in the benches")
     parser.add_argument("--limit", type=int, default=4, help="bench prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="bench tokens per reply")
     parser.add_argument(
-        "--output", type=Path, default=CACHE / "gpu-check-bench", help="the scaled pair's report folder"
+        "--config-cap",
+        type=float,
+        default=50.0,
+        help="seconds a configuration may take, warm-up and replies (40%%) together, before its bench is killed",
+    )
+    parser.add_argument(
+        "--load-cap", type=float, default=60.0, help="seconds a bench may take to load and time"
+    )
+    parser.add_argument("--tests-cap", type=float, default=150.0, help="seconds pytest -m cuda may take")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        help="seconds the whole check may take: a bench gets at most what is left of it (pytest's cap kept)",
+    )
+    parser.add_argument("--build-cap", type=float, default=240.0, help="seconds a pair's build may take")
+    parser.add_argument(
+        "--big-pair",
+        action="store_true",
+        help="last, an 8B/1B-cost pair (Llama-3.1-8B's and Llama-3.2-1B's shapes, built on the GPU in "
+        "bfloat16): target-only and exact k 4 as whole steps (beyond the 5 minutes)",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=CACHE / "gpu-check", help="the reports' folder (one folder a bench)"
     )
     parser.add_argument(
         "--real-target",
@@ -305,19 +500,6 @@ def main(argv: list[str] | None = None) -> int:
         default=REAL_DRAFT,
         help="the real-cost draft's shape (default: SmolLM2-135M's)",
     )
-    parser.add_argument("--no-real", action="store_true", help="skip the real-cost pair")
-    parser.add_argument(
-        "--whole-step-output",
-        type=Path,
-        default=CACHE / "gpu-check-real-whole-step",
-        help="the real-cost pair's report folder with --whole-step",
-    )
-    parser.add_argument(
-        "--real-output",
-        type=Path,
-        default=CACHE / "gpu-check-real",
-        help="the real-cost pair's report folder",
-    )
     args = parser.parse_args(argv)
 
     on_cuda = args.device.startswith("cuda")
@@ -328,76 +510,178 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, soft_wrap=True)  # a log keeps each line whole
     console.print(Text(f"gpu-check on {device}", style="bold"))
     CACHE.mkdir(exist_ok=True)
-    # The real-cost pair (6.5 GB of float32 weights, a minute or more) is built while the CUDA
-    # tests run: the check's 5 minutes have no room for it in series.
-    builds = (
-        None if args.no_real else real_cost_pair(args.models, args.builder, args.real_target, args.real_draft)
-    )
-    failed = 0
-    total = 2 + (0 if args.no_real else 3)
-    number = 0
-    if on_cuda:
-        total += 1
-        number += 1
-        with phase(console, number, total, "the CUDA tests (pytest -m cuda)"):
-            junit = CACHE / "gpu-check-tests.xml"
-            # Only the CUDA tests' module: collecting the whole suite would import the chat's and the
-            # server's test dependencies, which a GPU image need not have.
-            tests = [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-m",
-                "cuda",
-                "-q",
-                f"--junitxml={junit}",
-                "tests/test_cuda.py",
-            ]
-            subprocess.run(tests, env={**os.environ, "FSD_CHAT_MODELS": str(args.models)})
-            table, failed = _test_table(junit)
-            console.print(table)
-            rates = _rate_table(junit)
-            if rates is not None:
-                console.print(rates)
+    # The real-cost pair (6.5 GB of float32 weights, a minute or more) is built while phase 1 and the
+    # scaled pair's build run: the check's 5 minutes have no room for it in series.
+    builds = real_cost_pair(args.models, args.builder, args.real_target, args.real_draft)
+    out = args.output
+    outcomes: list[str] = []
 
-    benches = 0
-    # The real-cost pair first: the figures a user's pair would see, printed even if the check
-    # runs out of time in the scaled pair's bench after it.
-    if builds is not None:
-        number += 1
-        with phase(
-            console, number, total,
-            f"building the real-cost pair: target {args.real_target}, draft {args.real_draft} "
-            "(hidden,intermediate,layers,head_dim; started with the check)",
-        ):  # fmt: skip
-            real_target, real_draft = (build.wait() for build in builds)
-        number += 1
-        with phase(console, number, total, f"bench of the real-cost pair in {args.dtype}"):
-            benches += (
-                subprocess.run(real_bench_command(args, str(real_target), str(real_draft))).returncode != 0
-            )
+    started = time.monotonic()
+    tests_pending = on_cuda
+
+    def bench(run: Bench, *, budgeted: bool = True) -> None:
+        # Within the check's budget, less what pytest (last) may take: a bench that would run past
+        # it gets what is left, and none when too little is.
+        left = args.budget - (time.monotonic() - started) - (args.tests_cap if tests_pending else 0)
+        cap = min(run.cap(args), left) if budgeted else run.cap(args)
+        if cap < MIN_CAP:
             console.print(
-                Text(f"gpu-check: the real-cost pair's report is {args.real_output / 'report.json'}")
+                Text(
+                    f"gpu-check: cut: {run.what} not run: the check's {args.budget:.0f} s are spent",
+                    style="yellow",
+                )
             )
-        number += 1
-        with phase(console, number, total, f"bench of the real-cost pair in {args.dtype}, --whole-step"):
-            command = real_bench_command(args, str(real_target), str(real_draft), whole_step=True)
-            benches += subprocess.run(command).returncode != 0
-            reports = (args.real_output / "report.json", args.whole_step_output / "report.json")
-            if all(path.is_file() for path in reports):
-                console.print(whole_step_table(*reports))
+            outcomes.append("cut")
+            return
+        console.print(Text(f"gpu-check: {run.what} (cap {cap:.0f} s)", style="dim"))
+        outcome = run_capped(console, run.command, cap, run.what)
+        if outcome == "failed":
             console.print(
-                Text(f"gpu-check: the whole-step report is {args.whole_step_output / 'report.json'}")
+                Text(f"gpu-check: failed: {run.what} (its error is above); the check goes on", style="red")
             )
-    number += 1
-    with phase(console, number, total, "building the scaled story pair"):
+        outcomes.append(outcome)
+
+    failed = 0
+    pair: list[str] = []  # the real-cost target and draft, once built
+
+    def imports() -> None:
+        for line in versions_lines(device):
+            console.print(Text(line))
+
+    def whole_steps() -> None:
+        try:
+            pair.extend(str(build.wait(args.build_cap)) for build in builds)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            console.print(
+                Text(
+                    f"gpu-check: the real-cost pair did not build ({exc}); its phases are skipped",
+                    style="red",
+                )
+            )
+            outcomes.append("failed")
+            return
+        bench(exact_rows(args, pair[0], pair[1], out / "real-whole", whole=True))
+        bench(lossy_rows(args, pair[0], pair[1], out / "real-lossy"))
+
+    def quantized() -> None:
+        if not pair or not on_cuda:
+            console.print(
+                Text("gpu-check: skipped (bitsandbytes' 4-bit target needs CUDA and the real-cost pair)")
+            )
+            return
+        bench(
+            quantized_rows(
+                args, pair[0], pair[1], out / "real-4bit", best_exact_k(out / "real-whole" / "report.json")
+            )
+        )
+
+    def today_and_transformers() -> None:
+        if not pair:
+            console.print(Text("gpu-check: skipped (no real-cost pair)"))
+            return
+        today = exact_rows(args, pair[0], pair[1], out / "real-today", whole=False)
+        static = transformers_row(args, pair[0], pair[1], out / "real-hf-static", "hf-static")
+        assisted = transformers_row(args, pair[0], pair[1], out / "real-hf-assisted", "hf-assisted")
+        # hf-static first: the reference of issue 36's goals, worth more than today's steps.
+        for run in (static, today, assisted):
+            bench(run)
+        whole = [out / name / "report.json" for name in ("real-whole", "real-lossy")]
+        console.print(whole_step_table([today.report, static.report, assisted.report], whole))
+
+    def scaled_pair() -> None:
         target = args.target or str(_scaled_target(args.models, args.builder))
         draft = args.draft or str(args.models / "stories260K-draft")
-    number += 1
-    with phase(console, number, total, f"bench of {Path(target).name} / {Path(draft).name} in {args.dtype}"):
-        benches += subprocess.run(bench_command(args, target, draft)).returncode != 0
-        console.print(Text(f"gpu-check: the bench's report is {args.output / 'report.json'}"))
-    return 1 if failed or benches else 0
+        command = [
+            *bench_base(args, target, draft, out / "scaled-whole"),
+            *("--baselines", "autoregressive,exact", "--rules", "none", "--draft-tokens", "4"),
+            *("--draft-policies", "fixed", "--whole-step", "--profile"),
+        ]
+        what = f"{Path(target).name} / {Path(draft).name}: target-only, exact k 4"
+        bench(Bench(what, command, 2, out / "scaled-whole"))
+
+    def cuda() -> None:
+        nonlocal failed, tests_pending
+        tests_pending = False
+        if on_cuda:
+            failed = cuda_tests(console, args)
+        else:
+            console.print(Text("gpu-check: the CUDA tests need CUDA: skipped"))
+
+    def big_pair() -> None:
+        console.print(
+            Text(f"gpu-check: building target {BIG_TARGET}, draft {BIG_DRAFT} on the GPU in bfloat16")
+        )
+        built: list[str] = []
+        for build in real_cost_pair(args.models, args.builder, BIG_TARGET, BIG_DRAFT, *BIG_BUILD):
+            try:
+                built.append(str(build.wait(args.build_cap)))
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                console.print(Text(f"gpu-check: the 8B/1B pair did not build ({exc})", style="red"))
+                outcomes.append("failed")
+                return
+        command = [
+            *bench_base(args, built[0], built[1], out / "big-whole"),
+            *("--baselines", "autoregressive,exact", "--rules", "none"),
+            *("--draft-tokens", "4", "--draft-policies", "fixed", "--whole-step", "--profile"),
+        ]
+        what = "the 8B/1B pair: target-only, exact k 4, as whole steps"
+        bench(Bench(what, command, 2, out / "big-whole"), budgeted=False)
+
+    phases = [
+        ("imports and versions", imports),
+        (f"the real-cost pair in {args.dtype} as whole steps, profiled", whole_steps),
+        ("the real-cost pair with a 4-bit target (NF4), target-only and the best exact k", quantized),
+        ("hf-static, today's steps and hf-assisted (one process each)", today_and_transformers),
+        ("the scaled story pair as whole steps, profiled", scaled_pair),
+        ("the CUDA tests (pytest -m cuda)", cuda),
+    ]
+    if args.big_pair:
+        phases.append(("the 8B/1B-cost pair (--big-pair)", big_pair))
+    for number, (what, run) in enumerate(phases, 1):
+        if number == 2 and not all(build.done() for build in builds):
+            # Nothing waits on the builder while something else can run: the scaled pair first.
+            console.print(
+                Text("gpu-check: the real-cost pair is still building: the scaled pair first", style="dim")
+            )
+            phases.insert(1, phases.pop(4))
+            what, run = phases[1]
+        with phase(console, number, len(phases), what):
+            run()
+    console.print(Text(f"gpu-check: the reports are under {out}/ (one folder a bench)"))
+    return 1 if failed or any(o != "ok" for o in outcomes) else 0
+
+
+def cuda_tests(console: Console, args: argparse.Namespace) -> int:
+    """`pytest -m cuda tests/test_cuda.py` under `--tests-cap`, and its tables; the number of tests
+    that failed (1 when pytest did not start or was cut: one line says so)."""
+    junit = CACHE / "gpu-check-tests.xml"
+    junit.unlink(missing_ok=True)
+    # Only the CUDA tests' module: collecting the whole suite would import the chat's and the
+    # server's test dependencies, which a GPU image need not have.
+    tests = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", f"--junitxml={junit}", "tests/test_cuda.py"]
+    if importlib.util.find_spec("xdist") is not None:
+        # Two workers compile the module's two halves side by side (tests/test_cuda.py's groups).
+        tests += ["-n", "2", "--dist", "loadgroup"]
+    outcome = run_capped(console, tests, args.tests_cap, "pytest -m cuda", FSD_CHAT_MODELS=str(args.models))
+    try:
+        table, failed = _test_table(junit)
+    except (OSError, ET.ParseError) as exc:
+        table, failed, why = None, 1, f"no report: {exc}"
+    else:
+        why = "no test ran"
+    if table is None or (not table.row_count and outcome != "ok"):
+        console.print(
+            Text(
+                f"gpu-check: pytest -m cuda did not start or finish ({outcome}, {why}; its error is above)",
+                style="red",
+            )
+        )
+        return 1
+    console.print(table)
+    rates = _rate_table(junit)
+    if rates is not None:
+        console.print(rates)
+    return failed or outcome != "ok"
 
 
 if __name__ == "__main__":

@@ -199,8 +199,9 @@ def test_whole_step_rows_decode_as_the_usual_ones(
     torch.set_num_threads(threads)
     plain, whole = reports
     assert plain["sweep"]["whole_step"] is False and whole["sweep"]["whole_step"] is True
-    # Two configurations, each one decoder with whole steps, kept for its warm-up and two prompts.
-    assert made == [True] * 2
+    # The timing pass's target-only decoder (whole steps too: it compiles nothing), then two
+    # configurations, each one decoder with whole steps, kept for its warm-up and two prompts.
+    assert made == [True] * 3
     for before, after in zip(plain["configs"], whole["configs"], strict=True):
         assert (before["method"], after["method"]) in {("autoregressive",) * 2, ("exact",) * 2}
         assert after["quality"]["greedy_agreement"] == before["quality"]["greedy_agreement"] == 1.0

@@ -43,10 +43,18 @@ from tests.test_sampling_lossless import (
     exact_first_two,
 )
 
+# gpu-check runs this module on two pytest-xdist workers (`-n 2 --dist loadgroup`, where the image
+# has xdist): most of its 194 s on an H200 (2026-11-27) was compilation, on the host's CPUs, in
+# three lumps that share nothing: the float32 pair's graphs (47 s, the first test), the bfloat16
+# pair's (27 + 14 s) and the compiled whole steps (46 s). The second worker takes the last two, so
+# that each worker compiles about half (xdist joins a test's group names: those three form a
+# group of their own).
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)"),
+    pytest.mark.xdist_group("float32"),
 ]
+SECOND_WORKER = pytest.mark.xdist_group("bfloat16-and-compiled-steps")
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
 REPLIES = 300
@@ -87,6 +95,7 @@ def test_greedy_float32_equals_target_only(pair32: ModelPair, rule: str) -> None
         assert greedy_ids(speculative, pair32, prompt) == greedy_ids(target_only, pair32, prompt)
 
 
+@SECOND_WORKER
 @pytest.mark.parametrize(
     ("dtype", "quantize_target"),
     [("bfloat16", "none"), ("float16", "none"), ("bfloat16", "8bit"), ("bfloat16", "4bit")],
@@ -219,6 +228,7 @@ def test_graphs_greedy_float32_equals_eager(pair32: ModelPair, rule: str) -> Non
     assert graphs.compile_error is None
 
 
+@SECOND_WORKER
 def test_graphs_greedy_bfloat16_equals_target_only(pair_bf16: ModelPair) -> None:
     """Exact speculative decoding with CUDA graphs in bfloat16 is the target's greedy text: the
     graphs' target-only decoding. (Verify widths and one-token steps round differently in
@@ -349,6 +359,7 @@ def test_whole_step_graphs_speed(pair32: ModelPair, record_property: Callable[[s
     assert rates["target-only graphs"] >= rates["target-only compiled"]
 
 
+@SECOND_WORKER
 def test_whole_step_graphs_of_compiled_steps(pair32: ModelPair) -> None:
     """`CapturedSteps(compile=True)`: the step functions compiled (inductor, fullgraph, static
     shapes) and then captured, deciding as eager decoding does (greedy, fuzzy); how long the

@@ -3,9 +3,12 @@ its arguments, and its bench run through the same code on the CPU (the tiny offl
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY
-from scripts.gpu_check import _rate_table, _test_table, main
+from scripts import gpu_check
+from scripts.gpu_check import _rate_table, _test_table, main, run_capped
 from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.test_bench import DATA_DIR
 
@@ -35,49 +39,75 @@ def test_a_bad_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--limit" in capsys.readouterr().err
 
 
-def test_on_the_cpu_the_benches_report_every_method(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The check's phases on the CPU with the tiny pair, and the real-cost pair built at tiny
-    shapes by the shared builder: each bench's report has its methods, each with tok/s and ×AR,
-    its advice line, and no configuration compiled during its measured runs."""
-    out, real, whole = tmp_path / "bench", tmp_path / "real", tmp_path / "whole"
+    """The check's whole flow on the CPU with the tiny pair, and the real-cost pair built at tiny
+    shapes by the shared builder: every phase prints; each bench's report has its rows, the
+    whole-step rows their profile (kernel counts 0 on the CPU, and the table says so); and a
+    configuration that stalls (hf-assisted replaced by a process that sleeps: the GPU's hang cannot
+    run here) is killed at its cap, shown as cut, and the check goes on."""
+    real_row = gpu_check.transformers_row
+
+    def stalled(
+        args: argparse.Namespace, target: str, draft: str, output: Path, method: str
+    ) -> gpu_check.Bench:
+        if method != "hf-assisted":
+            return real_row(args, target, draft, output, method)
+        sleeper = [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)",
+        ]
+        return gpu_check.Bench("transformers' hf-assisted k 4", sleeper, 0, output)
+
+    monkeypatch.setattr(gpu_check, "transformers_row", stalled)
+    out = tmp_path / "reports"
+    start = time.monotonic()
     code = main(
         [
-            *("--device", "cpu", "--dtype", "float32"),
+            *("--device", "cpu", "--dtype", "float32", "--output", str(out)),
             *("--target", str(TARGET_DIR), "--draft", str(DRAFT_DIR), "--data-dir", str(DATA_DIR)),
-            *("--limit", "1", "--max-new-tokens", "8", "--output", str(out), "--real-output", str(real)),
-            *("--whole-step-output", str(whole)),
+            *("--limit", "1", "--max-new-tokens", "8", "--load-cap", "20", "--config-cap", "40"),
+            *("--budget", "1500"),  # a loaded 2-core machine; the budget's own test is below
             *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
         ]
     )
-    assert code == 0
-    printed = capfd.readouterr().out  # the benches run in subprocesses: their output, too
-    for phase in range(1, 6):
-        assert f"gpu-check {phase}/5: " in printed and f"gpu-check {phase}/5: done in " in printed
-    scaled = json.loads((out / "report.json").read_text())
-    assert {c["method"] for c in scaled["configs"]} == {"autoregressive", "exact", "hf-static", "hf-assisted"}
-    report = json.loads((real / "report.json").read_text())
-    rows = {(c["method"], c["draft_policy"]) for c in report["configs"]}
-    fsd = {(m, p) for m in ("exact", "fuzzy", "mixture") for p in ("fixed", DEFAULT_DRAFT_POLICY)}
-    assert rows == {("autoregressive", "fixed"), ("hf-static", "fixed"), ("hf-assisted", "fixed"), *fsd}
-    # The same fsd-chat rows as whole steps, and one table of both.
-    whole_report = json.loads((whole / "report.json").read_text())
-    assert whole_report["sweep"]["whole_step"] is True
-    assert {(c["method"], c["draft_policy"]) for c in whole_report["configs"]} == {
-        ("autoregressive", "fixed"),
-        *fsd,
-    }
-    assert "whole steps (--whole-step) vs today's steps" in printed
-    assert all(c["tokens_per_second"] > 0 for c in whole_report["configs"])
-    for data in (scaled, report):
-        assert data["advice"].startswith("advice: ") and data["advice"] in printed
+    printed, errors = capfd.readouterr()  # the benches run in subprocesses: their output, too
+    assert code == 1  # a configuration was cut
+    for number in range(1, 7):
+        assert f"gpu-check {number}/6: " in printed and f"gpu-check {number}/6: done in " in printed
+    assert "gpu-check: cut: transformers' hf-assisted k 4 ran past its cap of 20 s and was killed" in printed
+    assert "Fatal Python error: Aborted" in errors  # its stacks, where it sat, before the kill
+    assert printed.index("hf-assisted k 4 ran past") < printed.index(
+        "whole steps (--whole-step) vs today's steps"
+    )
+    assert time.monotonic() - start < 20 * 60
+
+    def rows(name: str) -> dict[tuple[str, object, str], dict[str, object]]:
+        report = json.loads((out / name / "report.json").read_text())
         assert report["sweep"]["max_new_tokens"] == 8 and report["sweep"]["prompt_count"] == 1
-        for c in data["configs"]:
-            assert c["tokens_per_second"] > 0 and c["speedup"]["autoregressive"] > 0
-            assert c["compiled_graphs"] == 0 and c["status"] == "ok" and c["warmup_seconds"] > 0
-        (autoregressive,) = [c for c in data["configs"] if c["method"] == "autoregressive"]
-        assert autoregressive["speedup"]["autoregressive"] == pytest.approx(1.0)
+        return {(c["method"], c["draft_tokens"], c["draft_policy"]): c for c in report["configs"]}
+
+    whole = rows("real-whole")
+    exact = {("exact", k, p) for k in (2, 4, 6) for p in ("fixed", DEFAULT_DRAFT_POLICY)}
+    assert whole.keys() == {("autoregressive", None, "fixed"), *exact}
+    assert rows("real-today").keys() == whole.keys()
+    assert {m for m, _, _ in rows("real-lossy")} == {"fuzzy", "mixture"}
+    assert {m for m, _, _ in rows("real-hf-static")} == {"hf-static"}
+    assert not (out / "real-hf-assisted" / "report.json").exists()  # killed before it wrote one
+    for name in ("real-whole", "real-lossy", "scaled-whole"):
+        for c in rows(name).values():
+            assert c["status"] == "ok" and c["tokens_per_second"] > 0 and c["compiled_graphs"] == 0
+            profile = c["profile"]
+            assert profile["on_device"] is False and profile["kernels"] == 0 and profile["busy_ms"] == 0
+            assert (
+                profile["wall_ms"] > 0
+                and profile["weight_bytes_per_token"] > 0
+                and profile["bandwidth_use"] > 0
+            )
+    assert all(c["profile"] is None for c in rows("real-today").values())
+    assert "on the CPU there are no kernels: kernel, busy, launch and wait columns are 0" in printed
     # The builder's shapes (the source's 5 and 2 layers scaled to 6 and 3).
     built = {
         json.loads(path.read_text())["num_hidden_layers"]: json.loads(path.read_text())
@@ -87,6 +117,69 @@ def test_on_the_cpu_the_benches_report_every_method(
         6: (128, 256, 16),
         3: (128, 256, 16),
     }
+
+
+def test_past_the_checks_budget_every_phase_still_prints(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With its budget spent, no bench starts (each says so in one line), and every phase prints."""
+    code = main(
+        [
+            *("--device", "cpu", "--dtype", "float32", "--output", str(tmp_path), "--budget", "1"),
+            *("--target", str(TARGET_DIR), "--draft", str(DRAFT_DIR), "--data-dir", str(DATA_DIR)),
+            *("--real-target", "128,256,6,16", "--real-draft", "128,256,3,16"),
+        ]
+    )
+    printed = capfd.readouterr().out
+    assert code == 1
+    for number in range(1, 7):
+        assert f"gpu-check {number}/6: done in " in printed
+    not_run = [line for line in printed.splitlines() if "not run: the check's 1 s are spent" in line]
+    assert len(not_run) == 6  # phase 2's two benches, today's, hf-static, hf-assisted, the scaled pair's
+    assert not list(tmp_path.iterdir())  # no bench ran
+
+
+def test_a_process_past_its_cap_is_killed_with_its_children(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`run_capped` has a cut process print its stacks (faulthandler), then kills its group: a
+    child that ignores SIGTERM and its own child go."""
+    pids = tmp_path / "pids"
+    script = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+        "time.sleep(600)\n"
+    )
+    console = Console(record=True, width=200)
+    start = time.monotonic()
+    assert run_capped(console, [sys.executable, "-c", script], 3.0, "a stalled bench") == "cut"
+    assert time.monotonic() - start < 30
+    assert "cut: a stalled bench ran past its cap of 3 s and was killed" in console.export_text()
+    stacks = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in stacks and 'File "<string>", line 5 in <module>' in stacks
+    for pid in map(int, pids.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # the grandchild is reaped by init: gone once it is
+                os.kill(pid, 0)
+                time.sleep(0.05)
+    assert run_capped(console, [sys.executable, "-c", "pass"], 30.0, "a quick one") == "ok"
+    assert (
+        run_capped(console, [sys.executable, "-c", "raise SystemExit(3)"], 30.0, "a failing one") == "failed"
+    )
+
+
+def test_pytest_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No JUnit report (conftest failed to import, as on the first GPU run): one line, the check
+    goes on (1 counts as a failure)."""
+    monkeypatch.chdir(tmp_path)  # no tests/ here: pytest exits 4 without a report
+    (tmp_path / ".cache").mkdir()
+    console = Console(record=True, width=200)
+    args = argparse.Namespace(tests_cap=60.0, models=tmp_path)
+    assert gpu_check.cuda_tests(console, args) == 1
+    text = console.export_text()
+    assert text.count("\n") == 1 and "gpu-check: pytest -m cuda did not start or finish (failed" in text
 
 
 def junit_report(folder: Path, test_file: str) -> Path:
@@ -140,3 +233,21 @@ def test_the_rate_table_pairs_whole_steps_with_compiled_steps(tmp_path: Path) ->
     assert table is not None and table.row_count == 1
     text = rendered(table)
     assert "exact k4" in text and "900" in text and "450" in text and "2.00" in text
+
+
+def test_the_hf_assisted_reproduction_runs_its_variants_in_processes_of_their_own() -> None:
+    """scripts/repro_hf_assisted.py on the CPU (its stall needs CUDA's compilation): a JSON line a
+    variant, assisted generation eager (no frame through torch._dynamo) and producing tokens."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "scripts/repro_hf_assisted.py", str(TARGET_DIR), str(DRAFT_DIR)),
+            *("--device", "cpu", "--dtype", "float32", "--variants", "alone,after-static", "--cap", "300"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [line["variant"] for line in lines] == ["alone", "after-static"]
+    for line in lines:
+        assert line["tok_s"] > 0 and line["warmup_s"] > 0 and line["dynamo_frames_during_assisted"] == 0

@@ -284,7 +284,8 @@ class PairRunner:
         )
         if config.draft_policy in ("latency", "goodput"):
             self.pair.forward_timings()  # modelled once per pair, before any meter starts
-        # Exact phase times on CUDA: the report splits draft, target and other seconds.
+        # No synchronisation per phase (time_phases): on CUDA it would stall every phase, a cost
+        # transformers' rows do not pay; `bench --profile` says where a step's time goes instead.
         # A decoder a reply, but under --whole-step one a configuration, kept from reply to reply
         # (its KV caches and draft policy carry over, as in the chat): its graphs are captured
         # once, here, before the meters start (untimed, as the chat captures them at load).
@@ -294,7 +295,7 @@ class PairRunner:
         decoder = self.pair.decoder(
             controls,
             autoregressive=config.method == "autoregressive",
-            time_phases=True,
+            time_phases=False,
             whole_step=self.whole_step,
         )
         if self.whole_step:

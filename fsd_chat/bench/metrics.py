@@ -44,6 +44,7 @@ from fsd_chat.bench.records import (
     ConfigurationRecord,
     Measurement,
     Method,
+    ReplyProfile,
     Setup,
 )
 from fsd_chat.bench.stats import Spread, mean_ci95, median_with_ci95, paired_ratios
@@ -131,6 +132,7 @@ class Summary:
         cut_after_seconds: That budget, for its warm-up and for its measured replies (None: none).
         warmup_seconds: Seconds of its untimed warm-up reply, compilation included.
         compiled_graphs: Graphs torch.compile compiled during its measured runs (0 expected).
+        profile: One more reply under torch.profiler (`bench --profile`; None without).
     """
 
     config: Configuration
@@ -159,6 +161,7 @@ class Summary:
     cut_after_seconds: float | None = None
     warmup_seconds: float | None = None
     compiled_graphs: int | None = None
+    profile: ReplyProfile | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict: the configuration's fields flattened in with its `label`, `setup` and
@@ -533,6 +536,7 @@ def _record_fields(record: ConfigurationRecord | None, cut_after: float | None) 
         "cut_after_seconds": cut_after,
         "warmup_seconds": record.warmup_seconds,
         "compiled_graphs": record.compiled_graphs,
+        "profile": record.profile,
     }
 
 

@@ -26,6 +26,7 @@ from fsd_chat.bench.advice import advise
 from fsd_chat.bench.curves import compare_curves
 from fsd_chat.bench.environment import environment
 from fsd_chat.bench.metrics import summarize
+from fsd_chat.bench.profile import copy_bandwidth, profile_table
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.records import (
     HF_ASSISTED,
@@ -148,12 +149,14 @@ def run_bench(
     budget: TimeBudget | None = None,
     cut_after: float | None = None,
     whole_step: bool = False,
+    profile: bool = False,
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
     cut the sweep short (what was measured is reported all the same). `cut_after`: each
     configuration's time budget for its measured replies (None: `cut_budget`'s). `whole_step`:
     every fsd-chat row decodes whole steps (`--whole-step`; transformers' rows are unchanged),
-    said in the report's title and its sweep record.
+    said in the report's title and its sweep record. `profile`: one more reply of each fsd-chat row
+    under torch.profiler, against the device's copy bandwidth measured here (`bench.profile`).
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -225,8 +228,16 @@ def run_bench(
 
     # Up front, what the sweep will take; under a budget, cut to keep it.
     scorer = by_setup[setups[0]]
+    # Timed as whole steps unless a row decodes compiled steps (which then reuse the compilation):
+    # compiling steps no row decodes could take longer than the sweep (target-only's compiled steps
+    # warmed up in 27 s on the 1.5B real-cost pair, H200), and a bench of transformers' rows alone
+    # then leaves none of fsd-chat's compilation in the process.
+    compiled_rows = not whole_step and any(c.method not in HF_METHODS for c in configs)
     timing = time_target_only(
-        scorer, setups[0], prompt_ids(scorer.tokenizer, [Message("user", prompt_set.items[0].text)])
+        scorer,
+        setups[0],
+        prompt_ids(scorer.tokenizer, [Message("user", prompt_set.items[0].text)]),
+        whole_step=not compiled_rows,
     )
     asked = (len(prompt_set.items), max_new_tokens)
     if budget is not None:
@@ -266,6 +277,7 @@ def run_bench(
             )
         )
 
+    bandwidth = copy_bandwidth(scorer.device) if profile else None
     runs_total = len(configs) * (1 + len(prompt_set.items) * repeats)
     with interrupts(), _progress(console, runs_total) as advance:
         result = run_sweep(
@@ -280,6 +292,8 @@ def run_bench(
             cut_after=cut_after,
             warmup_cut_after=warmup_cut_after,
             whole_step=whole_step,
+            profile=profile,
+            bandwidth=bandwidth,
         )
     write_outputs(
         output,
@@ -293,6 +307,7 @@ def run_bench(
             "cut_after_seconds": cut_after,
             "warmup_cut_after_seconds": warmup_cut_after,
             "whole_step": whole_step,
+            "copy_bandwidth_bytes_per_second": bandwidth,
         },
         records=result.records,
         cut_after=cut_after,
@@ -394,6 +409,10 @@ def write_outputs(
         Text(visible(title), style="bold"), Text(" (interrupted)", style="red") if interrupted else ""
     )
     terminal.show(console, summaries)
+    profiled = [(s.config.label, s.profile) for s in summaries if s.profile is not None]
+    if profiled:
+        bandwidth = sweep.get("copy_bandwidth_bytes_per_second")
+        console.print(profile_table(profiled, bandwidth if isinstance(bandwidth, float) else None))
     for verdict in verdicts:
         console.print(Text("\n".join(verdict.lines())))
     try:

@@ -244,6 +244,37 @@ class Measurement:
     correct: bool | None
 
 
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """A kernel's name (shortened to 80 characters), its device milliseconds in a profiled reply and
+    its calls."""
+
+    name: str
+    milliseconds: float
+    calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyProfile:
+    """One profiled reply of a configuration (`bench.profile`, `bench --profile`), per generated
+    token: wall ms, device busy ms (its kernels' time), kernels, µs in cudaGraphLaunch and in host
+    waits for the device; kernels a layer pass; the weight bytes its forward passes read, and those
+    per wall second over the device's copy bandwidth (`bandwidth_use`; None: none measured)."""
+
+    tokens: int
+    wall_ms: float
+    busy_ms: float
+    kernels: float
+    graph_launch_us: float
+    host_wait_us: float
+    kernels_per_layer: float
+    weight_bytes_per_token: float
+    bandwidth_use: float | None
+    on_device: bool
+    """Whether kernels could be recorded (False on the CPU: the kernel columns are 0)."""
+    top_kernels: list[Kernel] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class ConfigurationRecord:
     """What a sweep records of one configuration besides its measurements.
@@ -256,12 +287,14 @@ class ConfigurationRecord:
         cut: Whether it ran past its time budget and was stopped (the reply it was in is dropped,
             and it runs no more).
         measured_seconds: Seconds spent in its measured replies, the one it was cut in included.
+        profile: One more reply of it under torch.profiler (`bench --profile`; fsd-chat's rows).
     """
 
     warmup_seconds: float | None = None
     compiled_graphs: int = 0
     cut: bool = False
     measured_seconds: float = 0.0
+    profile: ReplyProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ and keeps what was measured.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +23,17 @@ from dataclasses import dataclass
 from torch._dynamo.utils import counters
 
 from fsd_chat.bench.methods import Deadline, PairRunner
+from fsd_chat.bench.profile import profile_reply
 from fsd_chat.bench.prompts import PromptSet
 from fsd_chat.bench.quality import target_nll
-from fsd_chat.bench.records import Configuration, ConfigurationRecord, Measurement, Setup, SweepResult
+from fsd_chat.bench.records import (
+    HF_METHODS,
+    Configuration,
+    ConfigurationRecord,
+    Measurement,
+    Setup,
+    SweepResult,
+)
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.interrupts import exit_status
@@ -62,12 +71,14 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int]) -> Timing:
+def time_target_only(pair: ModelPair, setup: Setup, prompt: list[int], *, whole_step: bool = False) -> Timing:
     """Time greedy target-only decoding of `prompt` (shape [prompt tokens]) on `pair`: after an
     untimed warm-up, a `WARMUP_TOKENS` and a `TIMED_TOKENS` reply, whose difference is the tokens'
     cost and the rest each run's (a reply that ends early at EOS counts what it generated), to which
-    the scoring of a run's reply (`target_nll`) is added."""
-    runner = PairRunner(pair)
+    the scoring of a run's reply (`target_nll`) is added. `whole_step`: time whole steps (captured
+    graphs on CUDA, seconds to make) rather than compiled steps (torch.compile, which can take
+    minutes on CUDA and leaves its state in the process)."""
+    runner = PairRunner(pair, whole_step=whole_step)
     config = Configuration(setup, 0.0, "autoregressive")
     try:
         runner.run(config, prompt, max_new_tokens=WARMUP_TOKENS, seed=0, stop_strings=())
@@ -101,6 +112,8 @@ def run_sweep(
     cut_after: float | None = None,
     warmup_cut_after: float | None = None,
     whole_step: bool = False,
+    profile: bool = False,
+    bandwidth: float | None = None,
 ) -> SweepResult:
     """Run every configuration on every prompt `repeats` times; quality is scored by the target
     of the first setup (so that quantized or low-precision setups are judged by one reference).
@@ -116,6 +129,9 @@ def run_sweep(
             (None: none; see the module docstring).
         warmup_cut_after: The same for its warm-up reply, which compiles (None: `cut_after`).
         whole_step: fsd-chat's decoders run whole steps (see `PairRunner`).
+        profile: After the measured replies, one more reply of each fsd-chat configuration not cut
+            (the first prompt) under torch.profiler (`bench.profile`), into its record.
+        bandwidth: The device's copy bandwidth, bytes/s, for the profiles' bandwidth use.
     """
     notify = on_run or (lambda _config, _phase: None)
     scorer = next(iter(pairs.values()))
@@ -188,6 +204,27 @@ def run_sweep(
                     runs.append(Measurement(config, index, repeat, ids[index], generation, nll, correct))
                     notify(config, "measure")
                 trial += 1
+        if profile:
+            for config in configs:
+                record = records[config]
+                if record.cut or config.method in HF_METHODS:
+                    continue
+                pair = pairs[config.setup]
+                runner = runners[config.setup]
+                record.profile = profile_reply(
+                    functools.partial(
+                        runner.run,
+                        config,
+                        ids[0],
+                        max_new_tokens=max_new_tokens,
+                        seed=seed,
+                        stop_strings=prompt_set.stop_strings,
+                    ),
+                    pair.device,
+                    pair.target,
+                    pair.draft if pair.draft_kind == "model" else None,
+                    bandwidth,
+                )
     except KeyboardInterrupt as interrupt:
         return SweepResult(runs, exit_status(interrupt), records, cut_after)
     finally:

@@ -184,6 +184,15 @@ def bench(
             "the sweep goes on). Default: 4× what target-only decoding would take, at least 30.",
         ),
     ] = None,
+    profile: Annotated[
+        bool,
+        _opt(
+            "--profile",
+            "After the sweep, one more reply of each fsd-chat row under torch.profiler: per token its wall "
+            "ms, GPU busy ms, kernels, graph-launch and host-wait µs, kernels a layer, top kernels, and "
+            "bandwidth use against a device copy measured in the same run (docs/benchmarks.md).",
+        ),
+    ] = False,
     **values: Any,
 ) -> None:
     """Measure FSD's speed/quality trade-off against autoregressive decoding, exact speculative
@@ -242,6 +251,7 @@ def bench(
         else None,
         cut_after=cut_after,
         whole_step=o.WHOLE_STEP.of(values),
+        profile=profile,
     )
     if status:
         raise typer.Exit(status)
