@@ -30,7 +30,7 @@ from tests.decoding_helpers import collect
 from tests.gguf_models import CHATML, write_gguf
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
-CPU = LoadOptions(device="cpu", dtype="float32")
+CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 TEXT = "Once upon a time, there was a little girl named Lily. She had 3 red balls!"
 
 

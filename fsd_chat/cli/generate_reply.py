@@ -98,7 +98,7 @@ def run_generate(
         OSError: standard output cannot be written (a full disk).
     """
     pair = load_pair(target, draft, options)
-    resolved = sampling.resolve(pair.target.generation_config, Path(target.source).name)
+    resolved = sampling.resolve(pair.generation_config, Path(target.source).name)
     if resolved.not_applied and not as_json:
         sys.stderr.write(
             f"fsd-chat: not applied (the model's generation_config): {', '.join(resolved.not_applied)}\n"

@@ -148,7 +148,7 @@ def warm_up(pair: ModelPair, engine: Engine, options: ServeOptions) -> None:
         ids = prompt_ids(
             pair.tokenizer, hello, raw=options.raw, vocab_size=pair.vocab_size, limits=RenderLimits()
         )
-        sampling = options.sampling.resolve(pair.target.generation_config, options.model_id).config
+        sampling = options.sampling.resolve(pair.generation_config, options.model_id).config
     except FsdChatError as exc:
         log.warning("not warmed up: %s", exc)
         return
