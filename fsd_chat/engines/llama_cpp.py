@@ -25,6 +25,7 @@ llama-cpp-python (the GPU image has none).
 from __future__ import annotations
 
 import functools
+import itertools
 import importlib
 import importlib.util
 from pathlib import Path
@@ -221,11 +222,9 @@ class LlamaCppModel:
         ids = seq[0, self.seen : upto].numpy()
         start = self.seen
         first = (len(ids) - 1) % BATCH + 1
-        for begin in range(0, len(ids), BATCH):
-            end = first if begin == 0 else begin + BATCH
-            chunk = ids[begin:end]
-            n = len(chunk)
-            self._tokens[:n] = chunk
+        for begin, end in itertools.pairwise([0, *range(first, len(ids) + 1, BATCH)]):
+            n = end - begin
+            self._tokens[:n] = ids[begin:end]
             np.add(self._offsets[:n], start + begin, out=self._positions[:n])
             self._outputs[:n] = 0
             if end == len(ids):
@@ -237,8 +236,8 @@ class LlamaCppModel:
                 if code == 1:
                     raise ContextLengthError(f"llama.cpp found no room in its KV cache ({self.n_ctx} tokens)")
                 raise RuntimeError(f"llama_decode returned {code}")
-            self._ids[start + begin : start + begin + n] = chunk
-            self.seen = start + begin + n
+            self._ids[start + begin : start + end] = ids[begin:end]
+            self.seen = start + end
 
     def rollback(self, length: int) -> None:
         """See `ModelRunner.rollback`: `llama_memory_seq_rm` of the positions from `length` on.

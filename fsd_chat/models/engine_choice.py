@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.decoding.vocab_map import coverage
-from fsd_chat.engines.llama_cpp import LlamaCppModel, gpu_offload, open_gguf, unavailable
+from fsd_chat.engines.llama_cpp import CONTEXT, LlamaCppModel, gpu_offload, open_gguf, unavailable
 from fsd_chat.models.default_model import resolve_target
-from fsd_chat.models.gguf_files import Progress, gguf_file, gguf_tokenizer, on_stderr
+from fsd_chat.models.gguf_files import Progress, gguf_file, gguf_tokenizer, on_stderr, trained_context
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, check_device_name
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.models.vocabulary import check_coverage, draft_vocabulary
@@ -127,6 +128,11 @@ def _wants_gpu(options: LoadOptions) -> bool:
     return True
 
 
+def _open(path: Path, threads: int, gpu: bool) -> Any:
+    """`open_gguf` with a KV cache of the file's trained context, at most CONTEXT tokens."""
+    return open_gguf(path, threads=threads, gpu=gpu, context=min(trained_context(path) or CONTEXT, CONTEXT))
+
+
 def load_llama_cpp_pair(
     choice: EngineChoice,
     target: ModelSpec,
@@ -152,15 +158,13 @@ def load_llama_cpp_pair(
     tokenizer, generation = gguf_tokenizer(choice.target_file, announce)
     where = "GPU" if gpu else f"CPU, {threads} thread{'s' * (threads > 1)}"
     report(f"loading target model {target.name} on llama.cpp ({where})")
-    target_model = LlamaCppModel(open_gguf(choice.target_file, threads=threads, gpu=gpu), len(tokenizer))
+    target_model = LlamaCppModel(_open(choice.target_file, threads, gpu), len(tokenizer))
     vocab_size = target_model.vocab_size
     draft_model = vocab_map = share = draft_tokenizer = None
     if choice.draft_file is not None:
         draft_tokenizer, _ = gguf_tokenizer(choice.draft_file, announce)
         report(f"loading draft model {draft.name} on llama.cpp")
-        draft_model = LlamaCppModel(
-            open_gguf(choice.draft_file, threads=threads, gpu=gpu), len(draft_tokenizer)
-        )
+        draft_model = LlamaCppModel(_open(choice.draft_file, threads, gpu), len(draft_tokenizer))
         vocab_size, vocab_map = draft_vocabulary(
             tokenizer, draft_tokenizer, target_model.vocab_size, draft_model.vocab_size
         )

@@ -227,6 +227,17 @@ def _convert_into(path: Path, table: TensorTable, folder: Path, progress: Progre
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def trained_context(path: Path) -> int | None:
+    """The context window the GGUF file `path` was trained for, in tokens (its
+    `{architecture}.context_length` key; None when it has none or cannot be read)."""
+    try:
+        table = read_table(path)
+    except (ValueError, struct.error, UnicodeDecodeError, OSError):
+        return None
+    value = table.metadata.get(f"{table.architecture}.context_length")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 TOKENIZER_FORMAT = 1
 """Bumped when the cached tokenizer folder's contents change (`gguf_tokenizer`)."""
 
