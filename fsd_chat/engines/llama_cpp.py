@@ -25,9 +25,9 @@ llama-cpp-python (the GPU image has none).
 from __future__ import annotations
 
 import functools
-import itertools
 import importlib
 import importlib.util
+import itertools
 from pathlib import Path
 from typing import Any
 
