@@ -274,6 +274,24 @@ def gpu_offload() -> bool:
     return bool(llama_cpp_module().llama_supports_gpu_offload())
 
 
+FORWARD_SECONDS = 5.0e-4
+"""`forward_seconds`: the fixed part of a forward on llama.cpp (a decode call, its graph)."""
+BYTE_SECONDS = 7.0e-11
+"""`forward_seconds`: seconds per byte of weights (`llama_model_size`) a forward reads once."""
+TOKEN_PARAMETER_SECONDS = 8.0e-11
+"""`forward_seconds`: seconds per token of a forward's width and per parameter. On a CPU llama.cpp's
+quantized matrix products cost each token of a batch nearly as much as the first: measured on
+SmolLM2-135M Q4_1 (96.6 MB, 134.5 M parameters), one thread, 64 tokens of context, best of 5 on a
+shared 2-core CPU (2026-11-27): V(1) 18.1 ms, V(2) 31.0, V(4) 41.9, V(8) 85.9, V(17) 165, V(33) 357,
+which 0.5 + 6.8 + 10.8 w ms fits within 10% (the model gives 18.1, 28.9, 50.5, 93.5, 191, 364)."""
+ATTENTION_SECONDS = 4.1e-10
+"""`modelled_timings`: seconds a 1-token forward adds per token of context, per layer and unit of
+hidden width (same measurement: V(1) 18.1 ms over 64 tokens of context, 24.7 over 1,000)."""
+ATTENTION_WIDTH_SECONDS = 6.8e-10
+"""`modelled_timings`: what each further token of a forward's width adds to ATTENTION_SECONDS (same
+measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000)."""
+
+
 def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
     """The draft and verify forward times of models on llama.cpp, from their sizes alone (as
     `fsd_chat.decoding.draft_policy.modelled_timings` does for transformers models): no clock, so a
@@ -299,14 +317,8 @@ def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> Forw
     )
 
 
-FORWARD_SECONDS = 1.0e-3
-BYTE_SECONDS = 1.0e-10
-TOKEN_PARAMETER_SECONDS = 1.0e-11
-ATTENTION_SECONDS = 1.0e-10
-ATTENTION_WIDTH_SECONDS = 1.0e-11
-
-
 def forward_seconds(model: LlamaCppModel, width: int) -> float:
-    """The modelled seconds of a forward of `width` tokens on llama.cpp (`modelled_timings`)."""
+    """The modelled seconds of a forward of `width` tokens on llama.cpp (`modelled_timings`): a fixed
+    part, the weights read once, and a part per token and parameter (see the constants)."""
     params = int(model._llama_cpp.llama_model_n_params(model.llama.model))
     return FORWARD_SECONDS + model.file_bytes * BYTE_SECONDS + width * params * TOKEN_PARAMETER_SECONDS
