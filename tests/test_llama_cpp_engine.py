@@ -259,3 +259,17 @@ def test_a_lookup_decoder_on_a_runner_needs_its_engines_timings(llama_pair: Mode
 
     with pytest.raises(TypeError, match="timings"):
         SpeculativeDecoder(llama_pair.target, PromptLookup(3), llama_pair.tokenizer)  # type: ignore[arg-type]
+
+
+def test_the_tokenizer_read_from_the_gguf_file_is_the_models_own(
+    llama_pair: ModelPair, pair: ModelPair
+) -> None:
+    """Read from the file's metadata (`gguf_tokenizer`), the tokenizer encodes and decodes text as
+    the folder's tokenizer.json does (a special token typed in the text spaces differently once
+    transformers converts a GGUF vocabulary, as for the transformers engine: not a case here)."""
+    text = "Once upon a time, Lily said: hi. Ünïcödé 東京 42!"
+    assert llama_pair.tokenizer.get_vocab() == pair.tokenizer.get_vocab()
+    assert llama_pair.tokenizer(text).input_ids == pair.tokenizer(text).input_ids
+    ids = pair.tokenizer(text).input_ids
+    assert llama_pair.tokenizer.decode(ids) == pair.tokenizer.decode(ids)
+    assert (llama_pair.tokenizer.bos_token_id, llama_pair.tokenizer.eos_token_id) == (1, 2)

@@ -285,8 +285,12 @@ class PairRunner:
         return generation
 
     def _decoder(self, config: Configuration) -> Decoder | None:
-        """fsd-chat's decoder for `config` (None for transformers' methods, which decode alone)."""
-        if config.method in HF_METHODS or config.method in LLAMA_CPP_METHODS:
+        """fsd-chat's decoder for `config` (None for transformers' and llama.cpp's methods, which decode
+        alone; a llama.cpp baseline's `Llama` is opened here, before any clock starts)."""
+        if config.method in LLAMA_CPP_METHODS:
+            self._llama(config)  # opened here, before the clock starts: no part of the reply
+            return None
+        if config.method in HF_METHODS:
             return None
         defaults = DecodingSettings()
         controls = Controls(
