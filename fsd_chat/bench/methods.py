@@ -252,6 +252,7 @@ class PairRunner:
         # Built before the meters start: a decoder's KV caches run a probe forward pass when they
         # are made (`CachedModel`), which is no part of the reply (the chat builds its decoder once).
         decoder = self._decoder(config)
+        self._empty_llama_caches(config)
         target_meter, draft_meter = self._meters[id(self.hf if config.method in HF_METHODS else self.pair)]
         static = config.method in UNMETERED
         # llama.cpp's baselines run on `Llama`s of their own, which meter their own passes.
@@ -393,6 +394,17 @@ class PairRunner:
             if deadline is not None and deadline.passed():
                 break
         return Generation(ids, clock.lap(), stats, target, draft)
+
+    def _empty_llama_caches(self, config: Configuration) -> None:
+        """Every reply reads its whole prompt, as a transformers model's decoder does (a new
+        `CachedModel` a decoder): a llama.cpp model keeps its KV cache from decoder to decoder, and
+        a `Llama` its own, so a reply would otherwise find its prompt read by the configuration
+        run before it, and one method of a prompt's would pay for the others' prefill."""
+        for model in (self.pair.target, self.pair.draft):
+            if isinstance(model, LlamaCppModel):
+                model.reset()
+        if config.method in LLAMA_CPP_METHODS:
+            self._llama(config).reset()
 
     def _llama(self, config: Configuration) -> Any:
         """The `Llama` of a llama.cpp baseline, opened at its first run (one a k for
