@@ -194,11 +194,21 @@ def test_prefix_reuse_across_turns_reads_only_the_new_tokens(llama_pair: ModelPa
     assert controls.cached_prompt_tokens >= len(first) + len(reply) - 1
 
 
-def test_threads_set_llama_cpps_threads(llama_pair: ModelPair) -> None:
-    assert isinstance(llama_pair.target, engine.LlamaCppModel)
-    assert llama_pair.target.threads == 1
-    assert llama_cpp.llama_n_threads(llama_pair.target.llama.ctx) == 1
-    assert "llama.cpp cpu, 1 threads" in llama_pair.describe()
+def test_threads_set_llama_cpps_threads_and_leave_torch_one(llama_pair: ModelPair) -> None:
+    """`--threads` (`ModelPair.use_threads`, which every command calls after loading) sets both
+    models' llama.cpp threads; torch keeps one."""
+    target, draft = llama_pair.target, llama_pair.draft
+    assert isinstance(target, engine.LlamaCppModel) and isinstance(draft, engine.LlamaCppModel)
+    assert target.threads == 1 and llama_cpp.llama_n_threads(target.llama.ctx) == 1
+    try:
+        llama_pair.use_threads(2)
+        for model in (target, draft):
+            assert llama_cpp.llama_n_threads(model.llama.ctx) == 2
+            assert llama_cpp.llama_n_threads_batch(model.llama.ctx) == 2
+        assert torch.get_num_threads() == 1
+        assert "llama.cpp cpu, 2 threads" in llama_pair.describe()
+    finally:
+        llama_pair.use_threads(1)
 
 
 def test_auto_takes_llama_cpp_for_a_gguf_file_and_transformers_for_a_folder(

@@ -178,6 +178,12 @@ class LlamaCppModel:
             self._llama_cpp.llama_batch_free(batch)
             self._batch = None
 
+    def set_threads(self, threads: int) -> None:
+        """Decode with `threads` CPU threads from now on, single tokens and batches alike
+        (`llama_set_n_threads`)."""
+        self._llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+        self.threads = threads
+
     @property
     def context(self) -> int | None:
         """See `ModelRunner.context`: the KV cache's size (n_ctx)."""

@@ -142,8 +142,9 @@ def load_llama_cpp_pair(
     announce: Progress,
 ) -> ModelPair:
     """The pair on llama.cpp: the GGUF files loaded as they are (no conversion, no float32 copy),
-    the tokenizers read from them (`gguf_tokenizer`, cached after the first start); torch then
-    runs on one thread (the comment below says why). `progress`
+    the tokenizers read from them (`gguf_tokenizer`, cached after the first start), on
+    `options.threads` (None: torch's thread count), torch then on one (`ModelPair.use_threads`
+    says why; a command sets both there after loading). `progress`
     is told each phase (None: nothing shown); `announce` the first start's reading of a tokenizer.
 
     Raises:
@@ -155,11 +156,7 @@ def load_llama_cpp_pair(
     report = progress or (lambda _message: None)
     gpu = _wants_gpu(options)
     threads = options.threads or torch.get_num_threads()
-    # The decoding loop's torch work on this engine is a few vector operations a step: on one
-    # thread. torch's idle OpenMP threads spin-wait for CPU that llama.cpp's threads need: with two
-    # torch threads beside one llama.cpp thread, target-only decoding of the default model ran at
-    # 31 tokens/s against llama.cpp's own 56 (2-core CPU); with one, at its speed.
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # see `ModelPair.use_threads`
     report(f"loading the tokenizer of {target.name}")
     tokenizer, generation = gguf_tokenizer(choice.target_file, announce)
     where = "GPU" if gpu else f"CPU, {threads} thread{'s' * (threads > 1)}"
