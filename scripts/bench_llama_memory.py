@@ -12,7 +12,9 @@ chat prompt and `--tokens` tokens:
   an earlier start);
 - `first prompt, new file`: `fsd-chat generate --max-new-tokens 1` on a copy of the file under a new
   name, into an empty cache (the tokenizer is read from the file: no conversion); `second start`:
-  the same again (the tokenizer cached).
+  the same again (the tokenizer cached). Their `load_s`: in such a process, once fsd-chat and its
+  libraries are imported, the seconds from `load_pair` to the first token of the reply (what a new
+  file costs beyond Python's imports, which any start pays).
 
 The runs alternate over `--repeats` rounds (the machine's load drifts into all alike); each figure is
 the median over rounds. The goal it checks (issue 46): fsd-chat on llama.cpp peaks at no more than
@@ -46,6 +48,18 @@ from llama_cpp import Llama
 llama = Llama(model_path=sys.argv[1], n_ctx=8192, n_threads=1, n_threads_batch=1, verbose=False)
 messages = [{"role": "user", "content": sys.argv[2]}]
 llama.create_chat_completion(messages, max_tokens=int(sys.argv[3]), temperature=0.0)
+"""
+FIRST_TOKEN = """
+import sys, time
+from fsd_chat.decoding import Controls
+from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+start = time.perf_counter()
+pair = load_pair(ModelSpec(sys.argv[1]), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1), lambda _: None)
+ids = prompt_ids(pair.tokenizer, [Message("user", sys.argv[2])])
+next(iter(pair.speculative(Controls()).generate(ids, max_new_tokens=1)))
+print(time.perf_counter() - start)
 """
 KV_BYTES = """
 import sys
@@ -106,6 +120,18 @@ def main() -> None:
             first = [python, "-m", "fsd_chat", "generate", "--threads", "1", "--max-new-tokens", "1"]
             for name in ("first prompt, new file", "second start"):
                 runs.setdefault(name, []).append(timed([*first, "--target", str(copy), PROMPT], cache))
+            # The same pair of starts, timed from load_pair on (imports done), on another copy.
+            copy = shutil.copy(gguf, fresh / f"newer-{repeat}.gguf")
+            cache = {**env, ENV_CACHE_DIR: str(fresh / "cache-load")}
+            for name in ("first prompt, new file", "second start"):
+                done = subprocess.run(
+                    [python, "-c", FIRST_TOKEN, str(copy), PROMPT],
+                    capture_output=True,
+                    text=True,
+                    env=cache,
+                    check=True,
+                )
+                runs[name][-1]["load_s"] = float(done.stdout.strip().splitlines()[-1])
             print(
                 f"round {repeat + 1}: "
                 + ", ".join(f"{n} {r[-1]['rss_mb']:.0f} MB {r[-1]['wall_s']:.1f} s" for n, r in runs.items()),
@@ -119,7 +145,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     medians = {
-        name: {key: statistics.median(r[key] for r in rounds) for key in ("rss_mb", "wall_s")}
+        name: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
         for name, rounds in runs.items()
     }
     file_mb, kv_mb = gguf.stat().st_size / 2**20, kv / 2**20
@@ -137,7 +163,8 @@ def main() -> None:
     }
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     for name, figures in medians.items():
-        print(f"{name:24} {figures['rss_mb']:7.0f} MB {figures['wall_s']:6.1f} s")
+        load = f", load to first token {figures['load_s']:.1f} s" if "load_s" in figures else ""
+        print(f"{name:24} {figures['rss_mb']:7.0f} MB {figures['wall_s']:6.1f} s{load}")
     print(
         f"goal: fsd-chat llama.cpp ≤ {bound:.0f} MB (imports + 1.3 × (file {file_mb:.0f} MB + KV {kv_mb:.0f} MB))"
     )

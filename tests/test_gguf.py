@@ -300,7 +300,8 @@ async def test_a_truncated_file_in_the_chat_is_shown_on_the_loading_view(
 def test_the_command_line_says_on_stderr_that_it_converts(
     stories_gguf: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["generate", "--target", str(stories_gguf), "--device", "cpu", "--max-new-tokens", "4", "Once"]
+    args = ["generate", "--target", str(stories_gguf), "--engine", "transformers", "--device", "cpu"]
+    args += ["--max-new-tokens", "4", "Once"]
     main(args)
     assert "fsd-chat: converting stories.gguf (first start only)\n" in capsys.readouterr().err
     main(args)

@@ -38,12 +38,15 @@ class EngineChoice:
         reason: e.g. "a GGUF file, llama-cpp-python installed", "--engine transformers".
         target_file: The target's GGUF file (None: not a GGUF model).
         draft_file: The draft's GGUF file (None: prompt lookup, or not a GGUF model).
+        target_is_gguf: The target is a GGUF file, which either engine runs (the choice is worth
+            saying).
     """
 
     engine: str
     reason: str
     target_file: Path | None = None
     draft_file: Path | None = None
+    target_is_gguf: bool = False
 
     def describe(self) -> str:
         """One line: "engine llama.cpp (a GGUF file, llama-cpp-python installed)"."""
@@ -63,6 +66,7 @@ def choose_engine(
     if asked == TRANSFORMERS:
         return EngineChoice(TRANSFORMERS, "--engine transformers")
     target_file = gguf_file(target.source, progress)
+    gguf = target_file is not None
     draft_file = None if draft.source == LOOKUP else gguf_file(draft.source, progress)
     not_gguf = next(
         (
@@ -87,14 +91,15 @@ def choose_engine(
             )
         if missing is not None:
             raise ModelLoadError(missing)
-        return EngineChoice(LLAMA_CPP, "--engine llama.cpp", target_file, draft_file)
+        return EngineChoice(LLAMA_CPP, "--engine llama.cpp", target_file, draft_file, True)
     if not_gguf is not None:
-        return EngineChoice(TRANSFORMERS, f"{not_gguf} is not a GGUF file")
+        return EngineChoice(TRANSFORMERS, f"{not_gguf} is not a GGUF file", target_is_gguf=gguf)
     if quantized is not None:
-        return EngineChoice(TRANSFORMERS, "bitsandbytes quantization asked for")
+        return EngineChoice(TRANSFORMERS, "bitsandbytes quantization asked for", target_is_gguf=gguf)
     if missing is not None:
-        return EngineChoice(TRANSFORMERS, f"a GGUF file, but llama-cpp-python is not available: {missing}")
-    return EngineChoice(LLAMA_CPP, "a GGUF file, llama-cpp-python installed", target_file, draft_file)
+        reason = f"a GGUF file, but llama-cpp-python is not available: {missing}"
+        return EngineChoice(TRANSFORMERS, reason, target_is_gguf=True)
+    return EngineChoice(LLAMA_CPP, "a GGUF file, llama-cpp-python installed", target_file, draft_file, True)
 
 
 def engine_for(target: str, draft: str, engine: Engine) -> str:

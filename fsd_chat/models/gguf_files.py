@@ -125,9 +125,10 @@ def _download(repo: str, filename: str, progress: Progress) -> Path:
         raise ModelLoadError(f"could not download {filename} from {repo}: {first_line(exc)}") from None
 
 
-def readable_table(path: Path) -> TensorTable:
+def readable_table(path: Path, *, dequantized: bool = True) -> TensorTable:
     """The GGUF file's metadata and tensor table, once its tensors' types are all ones the gguf
-    package dequantizes and its data is all there.
+    package dequantizes (`dequantized`: for a conversion; llama.cpp reads its file itself) and its
+    data is all there (the sizes of types the gguf package does not know are not checked).
 
     Raises:
         ModelLoadError: the file is not GGUF, or is damaged or truncated, or holds a tensor type no
@@ -141,12 +142,13 @@ def readable_table(path: Path) -> TensorTable:
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
     unreadable = {entry.type_id for entry in table.tensors} - dequantizable()
-    if unreadable:
+    if unreadable and dequantized:
         raise ModelLoadError(
             f"{path} holds tensors of a ggml type that no dequantizer reads: {holders(table, unreadable)} "
             f"(fsd-chat reads {type_names(dequantizable())})"
         )
-    needed = table.data_start + max((entry.offset + entry.nbytes for entry in table.tensors), default=0)
+    sized = [entry for entry in table.tensors if entry.type_id not in unreadable]
+    needed = table.data_start + max((entry.offset + entry.nbytes for entry in sized), default=0)
     size = path.stat().st_size
     if size < needed:
         raise ModelLoadError(
@@ -252,13 +254,10 @@ def gguf_tokenizer(path: Path, progress: Progress) -> tuple[PreTrainedTokenizerB
     copy is (0.3 s to load); a converted copy, where one exists, already holds it.
 
     Raises:
-        ModelLoadError: the file is not a readable GGUF file, or transformers cannot read its
-            tokenizer, or the cache is not writable.
+        ModelLoadError: the file is not a readable GGUF file, or is truncated (`readable_table`),
+            or transformers cannot read its tokenizer, or the cache is not writable.
     """
-    try:
-        table = read_table(path)
-    except (ValueError, struct.error, UnicodeDecodeError, OSError) as exc:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {first_line(exc)}") from None
+    table = readable_table(path, dequantized=False)
     key = identity(table, f"fsd-chat gguf tokenizer {TOKENIZER_FORMAT}")
     root = cache_dir() / "gguf-tokenizers"
     folder = root / f"{path.stem}-{key}"

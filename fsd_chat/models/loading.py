@@ -235,7 +235,9 @@ def load_pair(
     progress: Progress | None = None,
 ) -> ModelPair:
     """Load and check a target/draft pair, on the engine `options.engine` chooses
-    (`engine_choice.choose_engine`; the choice and its reason are reported first).
+    (`engine_choice.choose_engine`). The choice and its reason are told to `progress` first; with
+    no `progress`, for a GGUF target (where there was a choice), on stderr once the pair has
+    loaded (so that a load that fails says so in one line).
 
     With several GPUs and `device` auto or cuda, the target is spread over them
     (`device_map="auto"`); the draft stays on the first.
@@ -254,11 +256,23 @@ def load_pair(
             its tokens cover too little of the target's probability mass (`check_coverage`).
         UnsupportedCacheError: a model on llama.cpp keeps recurrent state.
     """
-    announce = progress or on_stderr  # the engine and slow first starts are said on stderr
+    announce = progress or on_stderr  # a download or a slow first start is said on stderr
     choice = choose_engine(target, draft, options, announce)
-    announce(choice.describe())
-    if choice.engine != TRANSFORMERS:
-        return load_llama_cpp_pair(choice, target, draft, options, progress, announce)
+    if progress is not None:
+        progress(choice.describe())
+    if choice.engine == TRANSFORMERS:
+        pair = _load_on_transformers(target, draft, options, progress)
+    else:
+        pair = load_llama_cpp_pair(choice, target, draft, options, progress, announce)
+    if progress is None and choice.target_is_gguf:
+        on_stderr(choice.describe())
+    return pair
+
+
+def _load_on_transformers(
+    target: ModelSpec, draft: ModelSpec, options: LoadOptions, progress: Progress | None
+) -> ModelPair:
+    """`load_pair` on the transformers engine."""
     report = progress or (lambda _message: None)
     device = resolve_device(options.device)
     if draft.source == LOOKUP:
