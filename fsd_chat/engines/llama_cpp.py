@@ -34,12 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fsd_chat.decoding.draft_policy import (
-    MEASURED_WIDTHS,
-    STEP_SECONDS,
-    STEP_VOCAB_SECONDS,
-    ForwardTimings,
-)
+from fsd_chat.decoding.draft_policy import ForwardTimings, timings_of
 from fsd_chat.support.errors import ContextLengthError, ModelLoadError, UnsupportedCacheError
 
 BATCH = 512
@@ -304,20 +299,14 @@ def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> Forw
     seed gives the same reply under any load. A forward of w tokens costs a fixed part, the read of
     its weights (`llama_model_size`) and a part per token and parameter; prompt lookup's positions
     cost nothing."""
-    verify = tuple(forward_seconds(target, width) for width in MEASURED_WIDTHS)
-    draft_seconds = 0.0 if draft is None else forward_seconds(draft, 1)
-    catch_up = 0.0 if draft is None else forward_seconds(draft, 3) - forward_seconds(draft, 2)
     lib = target._llama_cpp
-    attended = int(lib.llama_model_n_layer(target.llama.model)) * int(
-        lib.llama_model_n_embd(target.llama.model)
-    )
-    return ForwardTimings(
-        draft=draft_seconds,
-        widths=MEASURED_WIDTHS,
-        verify=verify,
-        measured=False,
-        step=STEP_SECONDS + target.vocab_size * STEP_VOCAB_SECONDS,
-        catch_up=catch_up,
+    model = target.llama.model
+    attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model))
+    return timings_of(
+        forward_seconds,
+        target,
+        draft,
+        vocab=target.vocab_size,
         attention=attended * ATTENTION_SECONDS,
         attention_width=attended * ATTENTION_WIDTH_SECONDS,
     )

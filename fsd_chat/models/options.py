@@ -35,10 +35,9 @@ def check_engine(engine: str) -> Engine:
     Raises:
         ModelLoadError: not one of ENGINES.
     """
-    for known in ENGINES:
-        if engine == known:
-            return known
-    raise ModelLoadError(f"unknown engine {engine!r}; use {', '.join(ENGINES)}")
+    if engine not in ENGINES:
+        raise ModelLoadError(f"unknown engine {engine!r}; use {', '.join(ENGINES)}")
+    return engine
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
