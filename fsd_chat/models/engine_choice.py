@@ -77,7 +77,6 @@ def choose_engine(
         None,
     )
     quantized = next((s.name for s in (target, draft) if s.quantization != "none"), None)
-    missing = unavailable()
     if asked == LLAMA_CPP:
         if not_gguf is not None:
             raise ModelLoadError(
@@ -89,14 +88,15 @@ def choose_engine(
                 f"--engine llama.cpp runs a GGUF file as it is quantized: drop --quantize-target / "
                 f"--quantize-draft (bitsandbytes, asked for {quantized}), or use --engine transformers"
             )
-        if missing is not None:
+        if (missing := unavailable()) is not None:
             raise ModelLoadError(missing)
         return EngineChoice(LLAMA_CPP, "--engine llama.cpp", target_file, draft_file, True)
     if not_gguf is not None:
         return EngineChoice(TRANSFORMERS, f"{not_gguf} is not a GGUF file", target_is_gguf=gguf)
     if quantized is not None:
         return EngineChoice(TRANSFORMERS, "bitsandbytes quantization asked for", target_is_gguf=gguf)
-    if missing is not None:
+    # Asked last: it imports llama_cpp, which no other choice needs.
+    if (missing := unavailable()) is not None:
         reason = f"a GGUF file, but llama-cpp-python is not available: {missing}"
         return EngineChoice(TRANSFORMERS, reason, target_is_gguf=True)
     return EngineChoice(LLAMA_CPP, "a GGUF file, llama-cpp-python installed", target_file, draft_file, True)
