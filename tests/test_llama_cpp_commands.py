@@ -1,7 +1,8 @@
 """The commands over the llama.cpp engine, on a real llama.cpp: `generate` names its engine and
 decodes a GGUF file on it, `--engine llama.cpp` with a model that is not a GGUF file is one line and
-exit status 2, `serve` answers and reuses the cached prefix of a resent history, and `bench` runs
-llama.cpp's own baselines beside fsd-chat's rows."""
+exit status 2, the chat's loading screen names the engine and the chat opens on it, `serve` answers
+and reuses the cached prefix of a resent history, and `bench` runs llama.cpp's own baselines beside
+fsd-chat's rows."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ import json
 from pathlib import Path
 
 import pytest
+from textual.widgets import Static
 
+from fsd_chat.conversation.controller import ChatOptions
+from fsd_chat.conversation.store import SessionStore
+from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.tui.app import FsdChatApp
 from tests.conftest import LLAMA_CPP_MISSING
 from tests.test_bench_cli import DATA_DIR
 from tests.test_cli_generate import run_cli
 from tests.test_server import MODEL, extra, serving, user
+from tests.tui.helpers import SIZE, wait_for_chat
 
 pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
 
@@ -97,3 +106,29 @@ def test_bench_runs_llama_cpps_own_baselines(
         assert by_method[method]["target_forwards_per_token"] > 0
     assert "llama.cpp" in by_method["fuzzy"]["speedup"]
     assert "llama.cpp-lookup" in by_method["fuzzy"]["speedup"]
+
+
+async def test_the_chat_names_the_engine_while_loading_and_opens_on_llama_cpp(
+    stories_gguf_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    options = ChatOptions(
+        target=ModelSpec(str(stories_gguf_files[0])),
+        draft=ModelSpec(LOOKUP),
+        load=LoadOptions(device="cpu"),
+        store=SessionStore(tmp_path / "s.sqlite3"),
+    )
+    seen: list[str] = []
+
+    def loader(progress):  # type: ignore[no-untyped-def]
+        def report(text: str) -> None:
+            seen.append(text)
+            progress(text)
+
+        return load_pair(options.target, options.draft, options.load, report)
+
+    app = FsdChatApp(options, loader=loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        assert seen[0] == "engine llama.cpp (a GGUF file, llama-cpp-python installed)"
+        assert "llama.cpp cpu" in str(app.screen.query_one("#header", Static).content)
