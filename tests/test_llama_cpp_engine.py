@@ -283,3 +283,28 @@ def test_the_tokenizer_read_from_the_gguf_file_is_the_models_own(
     ids = pair.tokenizer(text).input_ids
     assert llama_pair.tokenizer.decode(ids) == pair.tokenizer.decode(ids)
     assert (llama_pair.tokenizer.bos_token_id, llama_pair.tokenizer.eos_token_id) == (1, 2)
+
+
+def test_a_gguf_draft_of_another_vocabulary_is_mapped_on_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stories_gguf_files: tuple[Path, Path]
+) -> None:
+    """The draft with its token ids shuffled, as a GGUF file: its vocabulary is mapped onto the
+    target's (coverage read through the llama.cpp runner), and exact greedy decoding with it is
+    the target's own."""
+    from tests.conftest import DRAFT_DIR
+    from tests.gguf_models import write_gguf
+    from tests.mapped_pairs import permuted_draft
+
+    monkeypatch.setenv("FSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    folder, _ = permuted_draft(DRAFT_DIR, tmp_path / "shuffled", seed=0)
+    draft = write_gguf(folder, tmp_path / "shuffled.gguf")
+    options = LoadOptions(device="cpu", engine="llama.cpp", threads=1)
+    mapped = load_pair(ModelSpec(str(stories_gguf_files[0])), ModelSpec(str(draft)), options)
+    assert mapped.draft_kind == "mapped" and mapped.coverage is not None and mapped.coverage > 0.9
+    prompt = mapped.tokenizer(PROMPT).input_ids
+    decoder = mapped.speculative(
+        Controls(DecodingSettings(rule="exact", draft_tokens=3, draft_policy="fixed"))
+    )
+    steps = list(decoder.generate(prompt, max_new_tokens=30, sampling=SamplingConfig()))
+    assert [t.id for s in steps for t in s.tokens] == decoded(mapped.autoregressive(Controls()), prompt, 30)
+    assert sum(s.stats.accepted_exact for s in steps) > 0
