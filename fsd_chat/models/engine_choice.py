@@ -16,13 +16,12 @@ from typing import Any
 import torch
 
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.decoding.vocab_map import coverage
 from fsd_chat.engines.llama_cpp import CONTEXT, LlamaCppModel, gpu_offload, open_gguf, unavailable
 from fsd_chat.models.default_model import resolve_target
 from fsd_chat.models.gguf_files import Progress, gguf_file, gguf_tokenizer, on_stderr, trained_context
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, check_device_name
 from fsd_chat.models.pair import ModelPair
-from fsd_chat.models.vocabulary import check_coverage, draft_vocabulary
+from fsd_chat.models.vocabulary import checked_coverage, draft_vocabulary
 from fsd_chat.support.errors import ModelLoadError
 
 LLAMA_CPP = "llama.cpp"
@@ -180,9 +179,7 @@ def load_llama_cpp_pair(
         if vocab_map is None:
             draft_model.vocab_size = vocab_size
         else:
-            report(f"mapping {draft.name}'s vocabulary onto the target's")
-            share = coverage(target_model, tokenizer, vocab_map)
-            check_coverage(share, draft)
+            share = checked_coverage(target_model, tokenizer, vocab_map, draft, report)
     report("ready")
     return ModelPair(
         target=target_model,

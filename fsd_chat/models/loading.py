@@ -29,7 +29,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.decoding.vocab_map import coverage
 from fsd_chat.models.engine_choice import TRANSFORMERS, choose_engine, load_llama_cpp_pair
 from fsd_chat.models.gguf_files import Progress as Progress  # re-exported: the TUI's loading screen
 from fsd_chat.models.gguf_files import local_model, on_stderr
@@ -50,7 +49,7 @@ from fsd_chat.models.options import (
     check_quantization,
 )
 from fsd_chat.models.pair import ModelPair
-from fsd_chat.models.vocabulary import check_coverage, draft_vocabulary
+from fsd_chat.models.vocabulary import checked_coverage, draft_vocabulary
 from fsd_chat.support.errors import ModelLoadError
 
 
@@ -296,9 +295,7 @@ def _load_on_transformers(
     draft_model = _load_model(draft, options, draft_source, draft_config, device_map=None)
     share = None
     if vocab_map is not None:
-        report(f"mapping {draft.name}'s vocabulary onto the target's")
-        share = coverage(target_model, target_tokenizer, vocab_map)
-        check_coverage(share, draft)
+        share = checked_coverage(target_model, target_tokenizer, vocab_map, draft, report)
     report("ready")
     return ModelPair(
         target=target_model,

@@ -4,9 +4,12 @@ pair, whatever engine runs it."""
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable
 
-from fsd_chat.decoding.vocab_map import VocabularyMap, map_vocabularies
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import IncompatibleModelsError
 
@@ -81,3 +84,22 @@ def check_coverage(share: float, draft: ModelSpec) -> None:
             f"mass (at least {MIN_COVERAGE:.0%} pays for a draft with another tokenizer): choose a draft "
             "whose vocabulary is closer to the target's"
         )
+
+
+def checked_coverage(
+    target: PreTrainedModel | ModelRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    mapping: VocabularyMap,
+    draft: ModelSpec,
+    report: Callable[[str], object],
+) -> float:
+    """The share of the target's probability mass a mapped draft's tokens cover (`coverage`, on
+    either engine), said to `report` first.
+
+    Raises:
+        IncompatibleModelsError: under MIN_COVERAGE (`check_coverage`).
+    """
+    report(f"mapping {draft.name}'s vocabulary onto the target's")
+    share = coverage(target, tokenizer, mapping)
+    check_coverage(share, draft)
+    return share
