@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import fsd_chat.models.loading
+import fsd_chat.models.vocabulary
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
@@ -47,7 +47,7 @@ def _pairs(target: str, draft: Path, folder: Path) -> dict[str, ModelPair]:
         removed = {multi[i] for i in order[: round(share * len(multi))]}
         drafts[f"mapped, {share:.0%} removed"] = pruned_draft(draft, folder / f"pruned-{share}", removed)[0]
     # Measured here, not refused: the threshold is what this script is for.
-    fsd_chat.models.loading.MIN_COVERAGE = 0.0
+    fsd_chat.models.vocabulary.MIN_COVERAGE = 0.0
     return {
         name: load_pair(ModelSpec(target), ModelSpec(str(path)), options) for name, path in drafts.items()
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-import fsd_chat.models.loading
+import fsd_chat.models.vocabulary
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fsd_chat.models.loading.MIN_COVERAGE = 0.0  # measured here, not refused
+    fsd_chat.models.vocabulary.MIN_COVERAGE = 0.0  # measured here, not refused
     options = LoadOptions(device="cpu", dtype="float32")
     pair = load_pair(ModelSpec(str(default_model_path())), ModelSpec(args.draft), options)
     timings = pair.forward_timings()

@@ -101,3 +101,38 @@ def failing_4bit_kernel(monkeypatch: pytest.MonkeyPatch) -> str:
 
     monkeypatch.setattr(bitsandbytes.nn.Linear4bit, "forward", refuse)
     return reason
+
+
+LLAMA_CPP_MISSING = (
+    "llama-cpp-python is not installed (make setup builds it): the llama.cpp engine's tests need it"
+)
+
+
+@pytest.fixture(scope="session")
+def stories_gguf_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The offline pair written as float32 GGUF files (`tests.gguf_models.write_gguf`): (target, draft)."""
+    from tests.gguf_models import write_gguf
+
+    folder = tmp_path_factory.mktemp("stories-gguf")
+    return write_gguf(TARGET_DIR, folder / "stories.gguf"), write_gguf(DRAFT_DIR, folder / "draft.gguf")
+
+
+@pytest.fixture(scope="session")
+def llama_pair(stories_gguf_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """The offline pair as GGUF files on the llama.cpp engine, one thread (skipped without llama-cpp-python)."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    cache = tmp_path_factory.mktemp("llama-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FSD_CHAT_CACHE_DIR", str(cache))  # the tokenizers read from the files go there
+        target, draft = stories_gguf_files
+        return load_pair(
+            ModelSpec(str(target)),
+            ModelSpec(str(draft)),
+            LoadOptions(device="cpu", engine="llama.cpp", threads=1),
+        )
+
+
+@pytest.fixture(params=["transformers", "llama.cpp"])
+def engine_pair(request: pytest.FixtureRequest) -> ModelPair:
+    """The offline pair on each engine: transformers (`pair`) and llama.cpp (`llama_pair`)."""
+    return request.getfixturevalue("pair" if request.param == "transformers" else "llama_pair")

@@ -1,6 +1,6 @@
 """The per-token cost: KL(r ‖ p) of each token's law r against the target's p (greedy: the
-log-probability regret), checked against an independent recomputation and against the exact
-expectation enumerated over the vocabulary.
+log-probability regret), checked against an independent recomputation (on both engines:
+transformers and llama.cpp) and against the exact expectation enumerated over the vocabulary.
 
 The calibration test compares a sample mean with an exact value at 3 standard errors: a false alarm
 has probability about 0.003 under the normal approximation; the seed is fixed, so the outcome is
@@ -14,10 +14,17 @@ import math
 import pytest
 import torch
 
+from fsd_chat.bench.quality import reply_logits
 from fsd_chat.decoding import Controls, DecodingSettings, Origin, SamplingConfig
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import DIFFERENCE_ROUNDING, LOG_PROB_ROUNDING, Collected, collect
+
+BATCH_VARIANCE = 1e-2
+"""How far a cost recomputed on llama.cpp may stray, in nats: llama.cpp's logits for a position
+depend on the batch it is computed in (the verify's k + 1 tokens against the recomputation's
+chunk), by up to 0.004 nats on these costs of the offline pair in float32 (docs/engines.md,
+"Numerics"); torch's are the same up to float rounding."""
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a bird"]
 DRAFTED = {Origin.DRAFT_EXACT, Origin.DRAFT_FUZZY}
@@ -41,11 +48,12 @@ def replies(
 
 @torch.inference_mode()
 def teacher_forced(pair: ModelPair, prompt_ids: list[int], reply_ids: list[int], sampling: SamplingConfig):
-    """p and q at the positions that produced each reply token ([n, vocab] each)."""
-    ids = torch.tensor([prompt_ids + reply_ids])
-    start, end = len(prompt_ids) - 1, ids.shape[1] - 1
-    p = probabilities(pair.target(ids).logits[0, start:end, : pair.vocab_size], sampling)
-    q = probabilities(pair.draft(ids).logits[0, start:end, : pair.vocab_size], sampling)
+    """p and q at the positions that produced each reply token ([n, vocab] each), recomputed over
+    prompt + reply by each engine (`reply_logits`: one forward of a transformers model, a runner's
+    passes over its KV cache on llama.cpp)."""
+    assert pair.draft is not None
+    p = probabilities(reply_logits(pair.target, pair.vocab_size, prompt_ids, reply_ids), sampling)
+    q = probabilities(reply_logits(pair.draft, pair.vocab_size, prompt_ids, reply_ids), sampling)
     return p, q
 
 
@@ -59,7 +67,8 @@ def test_exact_and_zero_threshold_cost_nothing(pair: ModelPair, rule: str, sampl
         assert run.stats.cost == 0.0
 
 
-def test_sampled_costs_match_a_teacher_forced_recomputation(pair: ModelPair) -> None:
+def test_sampled_costs_match_a_teacher_forced_recomputation(engine_pair: ModelPair) -> None:
+    pair = engine_pair
     threshold = 0.3
     sampling = SamplingConfig(temperature=1.0)
     settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=threshold)
@@ -82,12 +91,15 @@ def test_sampled_costs_match_a_teacher_forced_recomputation(pair: ModelPair) -> 
             reported.append(token.cost)
         if run.steps[-1].stop_reason != "eos":
             assert run.stats.cost == pytest.approx(sum(t.cost for t in tokens), rel=1e-9)
-    assert reported == pytest.approx(recomputed, rel=LOG_PROB_ROUNDING, abs=DIFFERENCE_ROUNDING)
-    assert sum(reported) == pytest.approx(sum(recomputed), rel=1e-4)
+    llama = pair.engine == "llama.cpp"
+    rounding = (BATCH_VARIANCE, BATCH_VARIANCE) if llama else (LOG_PROB_ROUNDING, DIFFERENCE_ROUNDING)
+    assert reported == pytest.approx(recomputed, rel=rounding[0], abs=rounding[1])
+    assert sum(reported) == pytest.approx(sum(recomputed), rel=BATCH_VARIANCE if llama else 1e-4)
     assert sum(reported) > 0
 
 
-def test_greedy_costs_are_the_targets_regret(pair: ModelPair) -> None:
+def test_greedy_costs_are_the_targets_regret(engine_pair: ModelPair) -> None:
+    pair = engine_pair
     greedy = SamplingConfig()
     # Greedy, T is a regret bound (nats): 1.0 accepts tokens up to e times less likely than the argmax.
     runs = replies(pair, DecodingSettings(rule="fuzzy", divergence="js", threshold=1.0), greedy, 300)
@@ -97,7 +109,8 @@ def test_greedy_costs_are_the_targets_regret(pair: ModelPair) -> None:
         chosen = p.gather(-1, torch.tensor(run.ids)[:, None])[:, 0]
         recomputed += (p.max(-1).values.log() - chosen.log()).tolist()
         reported += [t.cost for s in run.steps for t in s.tokens]
-    assert reported == pytest.approx(recomputed, abs=DIFFERENCE_ROUNDING)
+    rounding = BATCH_VARIANCE if pair.engine == "llama.cpp" else DIFFERENCE_ROUNDING
+    assert reported == pytest.approx(recomputed, abs=rounding)
     assert sum(c > 1e-3 for c in reported) >= 10, "some accepted tokens must differ from the target's argmax"
 
 

@@ -30,7 +30,7 @@ from tests.decoding_helpers import collect
 from tests.gguf_models import CHATML, write_gguf
 from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
-CPU = LoadOptions(device="cpu", dtype="float32")
+CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 TEXT = "Once upon a time, there was a little girl named Lily. She had 3 red balls!"
 
 
@@ -300,7 +300,8 @@ async def test_a_truncated_file_in_the_chat_is_shown_on_the_loading_view(
 def test_the_command_line_says_on_stderr_that_it_converts(
     stories_gguf: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["generate", "--target", str(stories_gguf), "--device", "cpu", "--max-new-tokens", "4", "Once"]
+    args = ["generate", "--target", str(stories_gguf), "--engine", "transformers", "--device", "cpu"]
+    args += ["--max-new-tokens", "4", "Once"]
     main(args)
     assert "fsd-chat: converting stories.gguf (first start only)\n" in capsys.readouterr().err
     main(args)

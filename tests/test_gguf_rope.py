@@ -22,7 +22,7 @@ from fsd_chat.support.errors import ModelLoadError
 from tests.gguf_models import llama3_rope_freqs, write_gguf
 from tests.tiny_models import save_gemma3, save_tiny_model
 
-CPU = LoadOptions(device="cpu", dtype="float32")
+CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 LENGTH = 96
 """Tokens compared: positions far enough for the scaled frequencies to turn otherwise."""
 

@@ -23,7 +23,7 @@ from tests.decoding_helpers import collect, count_fed
 from tests.gguf_models import write_gguf
 from tests.tiny_models import GEMMA3_WINDOW, save_gemma3
 
-CPU = LoadOptions(device="cpu", dtype="float32")
+CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 

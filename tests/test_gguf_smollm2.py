@@ -28,7 +28,11 @@ pytestmark = [
 
 def test_smollm2_applies_its_chat_template() -> None:
     # Its first start converts the file into the user's cache (a minute or two); later runs load the copy.
-    pair = load_pair(ModelSpec(str(MODEL)), ModelSpec(LOOKUP), LoadOptions(device="cpu", dtype="float32"))
+    pair = load_pair(
+        ModelSpec(str(MODEL)),
+        ModelSpec(LOOKUP),
+        LoadOptions(device="cpu", dtype="float32", engine="transformers"),
+    )
     ids = prompt_ids(pair.tokenizer, [Message("user", "What is the capital of France?")])
     text = pair.tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\n") and text.endswith(

@@ -28,7 +28,7 @@ from fsd_chat.support.errors import ModelLoadError
 from tests.gguf_models import dequantized_state, file_names, k_quantize, set_tensor_type, write_gguf
 from tests.tiny_models import save_gemma3, save_tiny_model
 
-CPU = LoadOptions(device="cpu", dtype="float32")
+CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 T = gguf.GGMLQuantizationType
 TEXT = "Once upon a time, there was a little girl named Lily. She had 3 red balls!"
 WRITTEN = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.TQ1_0, T.TQ2_0, T.MXFP4, T.Q4_K, T.Q6_K)

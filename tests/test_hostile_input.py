@@ -33,8 +33,8 @@ from transformers import AutoTokenizer
 from fsd_chat.cli import main
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.models.chat_template import Message, fit_to_context, prompt_ids
-from fsd_chat.models.loading import check_compatible
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.models.vocabulary import check_compatible
 from fsd_chat.support.errors import ContextLengthError, IncompatibleModelsError
 from fsd_chat.support.text import to_json, visible
 from tests.test_cli_generate import run_cli as run

@@ -46,3 +46,17 @@ def test_the_engine_loads_no_renderer() -> None:
     assert len(modules) > 5  # the package's modules were found
     imports = "\n".join(f"import {module}" for module in ["fsd_chat.decoding", *modules])
     assert loaded(imports, ("textual", "rich")) == []
+
+
+def test_the_transformers_engine_imports_no_llama_cpp(target_dir) -> None:  # type: ignore[no-untyped-def]
+    """llama-cpp-python is imported only when the llama.cpp engine is chosen: a model folder loads
+    and decodes without it (the GPU image has none)."""
+    code = (
+        "from fsd_chat.models.loading import load_pair\n"
+        "from fsd_chat.models.options import LoadOptions, ModelSpec\n"
+        "from fsd_chat.decoding import Controls\n"
+        f"pair = load_pair(ModelSpec({str(target_dir)!r}), ModelSpec('lookup'), LoadOptions(device='cpu'))\n"
+        "ids = pair.tokenizer('Once upon a time').input_ids\n"
+        "list(pair.speculative(Controls()).generate(ids, max_new_tokens=4))"
+    )
+    assert loaded(code, ("llama_cpp",)) == []

@@ -1,5 +1,6 @@
 """Settings changed from another thread, while the decoder thread generates, apply whole from the
-next step; a stop ends the reply within one step and keeps what was emitted."""
+next step; a stop ends the reply within one step and keeps what was emitted: on the transformers
+and the llama.cpp engines alike."""
 
 from __future__ import annotations
 
@@ -32,12 +33,15 @@ def in_force(step: Step) -> int:
     return -1
 
 
-def test_settings_retuned_while_the_decoder_runs_apply_whole_from_the_next_step(pair: ModelPair) -> None:
+def test_settings_retuned_while_the_decoder_runs_apply_whole_from_the_next_step(
+    engine_pair: ModelPair,
+) -> None:
     """A UI thread switches all of the settings at once, UPDATES times, while the decoder thread
     generates without pause, then stops it. Step i has been handed over once `received` holds i + 1
     steps, so an update made while `received` held c steps may miss step c (in progress) but not
     step c + 1; steps before c were decided before it. A stop made at c ends the reply at step c or
-    c + 1."""
+    c + 1. On both engines: the dial is the decoding loop's, whatever runs the models."""
+    pair = engine_pair
     controls = Controls(DecodingSettings(**SETTINGS[0]))  # type: ignore[arg-type]
     decoder = pair.speculative(controls)
     received: list[Step] = []
@@ -87,7 +91,8 @@ def test_settings_retuned_while_the_decoder_runs_apply_whole_from_the_next_step(
     assert changes == [u % 2 for u in range(UPDATES + 1)], (updates, shown)
 
 
-def test_stop_from_another_thread_keeps_the_partial_reply(pair: ModelPair) -> None:
+def test_stop_from_another_thread_keeps_the_partial_reply(engine_pair: ModelPair) -> None:
+    pair = engine_pair
     controls = Controls(DecodingSettings(draft_tokens=3))
     decoder = pair.speculative(controls)
     received = []

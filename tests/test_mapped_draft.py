@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-import fsd_chat.models.loading
+import fsd_chat.models.vocabulary
 from fsd_chat.bench.methods import PairRunner
 from fsd_chat.bench.records import Configuration, Setup
 from fsd_chat.conversation.transcript import render_markdown
@@ -76,7 +76,7 @@ def pruned(
     laws hold at any coverage, and the refusal is tested on its own)."""
     directory, _ = pruned_draft(draft_dir, tmp_path_factory.mktemp("mapped") / "pruned", removed)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fsd_chat.models.loading, "MIN_COVERAGE", 0.0)
+        patch.setattr(fsd_chat.models.vocabulary, "MIN_COVERAGE", 0.0)
         return load_pair(ModelSpec(str(target_dir)), ModelSpec(str(directory)), CPU)
 
 

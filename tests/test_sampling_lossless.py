@@ -12,6 +12,9 @@ probability ≤ 0.004; the seeds are fixed, so the outcome is reproducible. The 
 the draft's support, tested against the draft's distribution must be rejected at p < 1e-6, which
 shows the test has the power to see a wrong distribution. One short end-to-end run (1,000 replies
 through the decoder) checks the plumbing around the rule: seeds, caches, the reply's end.
+
+Every test runs on both engines (`engine_pair`): transformers, and llama.cpp over the same pair
+written as GGUF files, whose laws are read through the engine's own KV cache (`ModelRunner`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from transformers import PreTrainedModel
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import judge
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import Rule
 from fsd_chat.models.pair import ModelPair
@@ -81,17 +85,32 @@ def rejected_by_the_statistic(observed: torch.Tensor, wrong: torch.Tensor) -> bo
 
 @torch.inference_mode()
 def next_token_laws(
-    model: PreTrainedModel, prompt_ids: list[int], vocab: int
+    model: PreTrainedModel | ModelRunner, prompt_ids: list[int], vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's law of token 1, shape [vocab], and of token 2 after each token 1, [vocab, vocab],
-    on the model's device."""
-    p1 = probabilities(model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1, :vocab], SAMPLING)
-    batch = torch.tensor([[*prompt_ids, x] for x in range(vocab)], device=model.device)
-    return p1, probabilities(model(batch).logits[:, -1, :vocab], SAMPLING)
+    on the model's device: a transformers model's batched forward, or a runner's passes over its
+    KV cache (the prompt read once, each token 1 fed and rolled back)."""
+    if isinstance(model, PreTrainedModel):
+        p1 = probabilities(
+            model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1, :vocab], SAMPLING
+        )
+        batch = torch.tensor([[*prompt_ids, x] for x in range(vocab)], device=model.device)
+        return p1, probabilities(model(batch).logits[:, -1, :vocab], SAMPLING)
+    n = len(prompt_ids)
+    seq = torch.tensor([[*prompt_ids, 0]], device=model.device)
+    model.reset()
+    p1 = probabilities(model.forward(seq, n, keep=1)[-1, :vocab], SAMPLING)
+    rows = []
+    for x in range(vocab):
+        seq[0, n] = x
+        rows.append(probabilities(model.forward(seq, n + 1, keep=1)[-1, :vocab], SAMPLING))
+        model.rollback(n)
+    model.reset()
+    return p1, torch.stack(rows)
 
 
 def exact_first_two(
-    model: PreTrainedModel, prompt_ids: list[int], vocab: int, eos: int
+    model: PreTrainedModel | ModelRunner, prompt_ids: list[int], vocab: int, eos: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """P(token 1) and P(token 2) over vocab + 1 categories; the last one is "reply ended" (EOS).
     On the CPU, wherever the model is (the counts they are tested against are there)."""
@@ -167,11 +186,16 @@ LOSSLESS_CASES = [("fuzzy", 0.0, 0), ("exact", math.log(2.0), 1)]
 
 
 @pytest.mark.parametrize(("rule", "threshold", "seed"), LOSSLESS_CASES)
-def test_first_two_tokens_follow_the_target(pair: ModelPair, rule: Rule, threshold: float, seed: int) -> None:
-    assert_first_two_tokens_follow_the_target(pair, rule, threshold, torch.Generator().manual_seed(seed))
+def test_first_two_tokens_follow_the_target(
+    engine_pair: ModelPair, rule: Rule, threshold: float, seed: int
+) -> None:
+    assert_first_two_tokens_follow_the_target(
+        engine_pair, rule, threshold, torch.Generator().manual_seed(seed)
+    )
 
 
-def test_replies_through_the_decoder_follow_the_target(pair: ModelPair) -> None:
+def test_replies_through_the_decoder_follow_the_target(engine_pair: ModelPair) -> None:
+    pair = engine_pair
     tokenizer, vocab = pair.tokenizer, pair.vocab_size
     eos = tokenizer.eos_token_id
     prompt_ids = tokenizer(PROMPT).input_ids

@@ -1,4 +1,6 @@
-"""Forward-pass counts and times of a model, measured with torch forward hooks into a `ForwardTally`.
+"""Forward-pass counts and times of a model, measured with torch forward hooks into a `ForwardTally`
+(`ForwardMeter`), or, for a model of another engine (llama.cpp's `ModelRunner`), by wrapping its
+`forward` and `prefill` (`RunnerMeter`).
 
 The hooks see every call of the model's top-level module, whoever makes it (fsd-chat's decoders
 or transformers' `generate`), so every method is measured by the same clock. The first call of a
@@ -13,13 +15,15 @@ draft steps otherwise run ahead of the device).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsd_chat.bench.records import ForwardTally
+from fsd_chat.decoding.runner import ModelRunner
 
 
 class ForwardMeter:
@@ -109,3 +113,56 @@ class ForwardMeter:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class RunnerMeter:
+    """`ForwardMeter` for a `ModelRunner` of another engine (llama.cpp's), whose passes run no torch
+    module: its `forward` and `prefill` are wrapped (instance attributes over the class's methods)
+    while the meter is attached, and timed on the host clock (llama.cpp returns when its logits are
+    on the host)."""
+
+    def __init__(self, model: ModelRunner) -> None:
+        self.tally: ForwardTally | None = None
+        self._model = model
+        self._attach()
+
+    def _attach(self) -> None:
+        for name in ("forward", "prefill"):
+            setattr(self._model, name, self._timed(getattr(type(self._model), name)))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        model = self._model
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            tally = self.tally
+            if tally is None:
+                return method(model, *args, **kwargs)
+            began = time.perf_counter()
+            result = method(model, *args, **kwargs)
+            ForwardMeter._add(tally, time.perf_counter() - began)
+            return result
+
+        return timed
+
+    def start(self) -> ForwardTally:
+        """Begin a new generation's tally and return it."""
+        self.tally = ForwardTally()
+        return self.tally
+
+    def stop(self) -> None:
+        """Stop counting (until the next `start()`)."""
+        self.tally = None
+
+    @contextmanager
+    def detached(self) -> Iterator[None]:
+        """Without the wrappers for the duration."""
+        self.close()
+        try:
+            yield
+        finally:
+            self._attach()
+
+    def close(self) -> None:
+        """Remove the wrappers: the class's methods again."""
+        for name in ("forward", "prefill"):
+            self._model.__dict__.pop(name, None)

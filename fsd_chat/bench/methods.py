@@ -53,23 +53,29 @@ import torch
 from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import utils as generation_utils
 
-from fsd_chat.bench.meter import ForwardMeter
+from fsd_chat.bench.llama_baselines import baseline_llama, llama_generate
+from fsd_chat.bench.meter import ForwardMeter, RunnerMeter
+from fsd_chat.bench.quality import reply_logits
 from fsd_chat.bench.records import (
     HF_ASSISTED,
     HF_METHODS,
+    LLAMA_CPP_METHODS,
     RULE_OF,
     UNMETERED,
     Configuration,
     ForwardTally,
     Generation,
+    Method,
 )
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.divergence import kl
 from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.reply import eos_token_ids
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError
 
@@ -108,7 +114,7 @@ def assistant_settings(pair: ModelPair, k: int | None) -> Iterator[None]:
     """Set the draft's generation config for assisted generation with exactly k draft tokens per
     step (transformers 5 reads these from the *assistant's* config), and restore it afterwards;
     k None leaves it as it is (transformers' defaults)."""
-    if k is None or pair.draft is None:
+    if k is None or not isinstance(pair.draft, PreTrainedModel):
         yield
         return
     config = pair.draft.generation_config
@@ -170,13 +176,13 @@ class EnsembleTrace:
         return emitted
 
 
-def greedy_regrets(target: PreTrainedModel, prompt_ids: list[int], reply_ids: list[int]) -> list[float]:
+@torch.inference_mode()
+def greedy_regrets(
+    target: PreTrainedModel | ModelRunner, vocab_size: int, prompt_ids: list[int], reply_ids: list[int]
+) -> list[float]:
     """Each reply token's regret log p(argmax p) − log p(x) under the target (temperature 1), nats,
-    from one teacher-forced forward pass over prompt + reply."""
-    ids = torch.tensor([prompt_ids + reply_ids], device=target.device)
-    with torch.inference_mode():
-        logits = target(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    log_p = logits.log_softmax(-1)
+    teacher-forced over prompt + reply (`reply_logits`)."""
+    log_p = reply_logits(target, vocab_size, prompt_ids, reply_ids).log_softmax(-1)
     chosen = log_p.gather(-1, torch.tensor(reply_ids, device=log_p.device).unsqueeze(-1)).squeeze(-1)
     regrets: list[float] = (log_p.max(-1).values - chosen).clamp_min(0.0).tolist()
     return regrets
@@ -203,6 +209,8 @@ class PairRunner:
         self.eos = eos_token_ids(pair.tokenizer, pair.target, *shared)
         self.context = context_length(pair.target)
         self._meters = {id(pair): self._pair_meters(pair)}
+        self._llamas: dict[tuple[Method, int | None], Any] = {}
+        """llama.cpp's baselines' own `Llama`s, opened at their first run (`llama_baselines`)."""
         # Under --whole-step, one decoder a configuration: its graphs (about ten on CUDA, each with
         # its static buffers) are captured once, as the chat captures them once at load, rather
         # than at every reply.
@@ -211,10 +219,16 @@ class PairRunner:
             self._meters[id(self.hf)] = self._pair_meters(self.hf)
 
     @staticmethod
-    def _pair_meters(pair: ModelPair) -> tuple[ForwardMeter, ForwardMeter | None]:
+    def _pair_meters(
+        pair: ModelPair,
+    ) -> tuple[ForwardMeter | RunnerMeter, ForwardMeter | RunnerMeter | None]:
+        def meter(model: PreTrainedModel | LlamaCppModel) -> ForwardMeter | RunnerMeter:
+            return (
+                ForwardMeter(model, pair.device) if isinstance(model, PreTrainedModel) else RunnerMeter(model)
+            )
+
         # Prompt lookup runs no draft model: its tally stays empty.
-        draft = ForwardMeter(pair.draft, pair.device) if pair.draft is not None else None
-        return ForwardMeter(pair.target, pair.device), draft
+        return meter(pair.target), None if pair.draft is None else meter(pair.draft)
 
     def run(
         self,
@@ -238,12 +252,15 @@ class PairRunner:
         # Built before the meters start: a decoder's KV caches run a probe forward pass when they
         # are made (`CachedModel`), which is no part of the reply (the chat builds its decoder once).
         decoder = self._decoder(config)
+        self._empty_llama_caches(config)
         target_meter, draft_meter = self._meters[id(self.hf if config.method in HF_METHODS else self.pair)]
         static = config.method in UNMETERED
-        target = ForwardTally() if static else target_meter.start()
+        # llama.cpp's baselines run on `Llama`s of their own, which meter their own passes.
+        own = static or config.method in LLAMA_CPP_METHODS
+        target = ForwardTally() if own else target_meter.start()
         draft = draft_meter.start() if draft_meter is not None else ForwardTally()
         try:
-            with target_meter.detached() if static else nullcontext():
+            with target_meter.detached() if own else nullcontext():
                 generation = self._run(
                     config,
                     decoder,
@@ -264,12 +281,16 @@ class PairRunner:
             target.calls = len(generation.token_ids)
         if config.method == "hf-ensemble" and sampling.greedy and generation.token_ids:
             # After the meters stop: this forward pass is no part of the run.
-            costs = greedy_regrets(self.hf.target, prompt_ids, generation.token_ids)
+            costs = greedy_regrets(self.hf.target, self.hf.vocab_size, prompt_ids, generation.token_ids)
             generation = replace(generation, costs=costs)
         return generation
 
     def _decoder(self, config: Configuration) -> Decoder | None:
-        """fsd-chat's decoder for `config` (None for transformers' methods, which decode alone)."""
+        """fsd-chat's decoder for `config` (None for transformers' and llama.cpp's methods, which decode
+        alone; a llama.cpp baseline's `Llama` is opened here, before any clock starts)."""
+        if config.method in LLAMA_CPP_METHODS:
+            self._llama(config)  # opened here, before the clock starts: no part of the reply
+            return None
         if config.method in HF_METHODS:
             return None
         defaults = DecodingSettings()
@@ -337,6 +358,19 @@ class PairRunner:
                 # A last token drawn with no room left to draft comes from p (cost 0), unrecorded.
                 costs = (trace.costs(weight) + [0.0] * len(ids))[: len(ids)]
             return Generation(ids, seconds, None, target, draft, costs)
+        if config.method in LLAMA_CPP_METHODS:
+            clock = PhaseClock(self.pair.device)
+            ids = llama_generate(
+                self._llama(config),
+                prompt_ids,
+                sampling,
+                max_new_tokens=max_new_tokens,
+                eos=self.eos,
+                stop_strings=stop_strings,
+                tally=target,
+                stop=(lambda: False) if deadline is None else deadline.passed,
+            )
+            return Generation(ids, clock.lap(), None, target, draft)
         if config.method in HF_METHODS:  # transformers' decoding without a draft model
             clock = PhaseClock(self.hf.device)
             ids = self._hf_generate(
@@ -361,6 +395,31 @@ class PairRunner:
             if deadline is not None and deadline.passed():
                 break
         return Generation(ids, clock.lap(), stats, target, draft)
+
+    def _empty_llama_caches(self, config: Configuration) -> None:
+        """Every reply reads its whole prompt, as a transformers model's decoder does (a new
+        `CachedModel` a decoder): a llama.cpp model keeps its KV cache from decoder to decoder, and
+        a `Llama` its own, so a reply would otherwise find its prompt read by the configuration
+        run before it, and one method of a prompt's would pay for the others' prefill."""
+        for model in (self.pair.target, self.pair.draft):
+            if isinstance(model, LlamaCppModel):
+                model.reset()
+        if config.method in LLAMA_CPP_METHODS:
+            self._llama(config).reset()
+
+    def _llama(self, config: Configuration) -> Any:
+        """The `Llama` of a llama.cpp baseline, opened at its first run (one a k for
+        llama.cpp-lookup, whose k is set when it is made)."""
+        if not isinstance(self.pair.target, LlamaCppModel):
+            raise IncompatibleModelsError(
+                f"the {config.method} baseline runs a GGUF file on llama.cpp: bench a GGUF target with "
+                "--engine llama.cpp (or auto), or leave it out of --baselines"
+            )
+        lookup = config.draft_tokens if config.method == "llama.cpp-lookup" else None
+        llama = self._llamas.get((config.method, lookup))
+        if llama is None:
+            llama = self._llamas[config.method, lookup] = baseline_llama(self.pair.target, lookup)
+        return llama
 
     def _hf_generate(
         self,
@@ -412,6 +471,11 @@ class PairRunner:
                 )
             # transformers' universal assisted generation: the draft's text re-tokenised for it.
             options |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.draft_tokenizer}
+        if not isinstance(pair.target, PreTrainedModel):
+            raise IncompatibleModelsError(
+                "transformers' baselines run transformers models: leave the hf-* methods out of --baselines "
+                "with --engine llama.cpp"
+            )
         with torch.inference_mode():
             # Causal LMs mix in GenerationMixin; PreTrainedModel's type does not declare `generate`.
             out = pair.target.generate(  # type: ignore[operator]
@@ -433,6 +497,9 @@ class PairRunner:
             for meter in meters:
                 if meter is not None:
                     meter.close()
+        for llama in self._llamas.values():
+            llama.close()
+        self._llamas.clear()
 
 
 HF_DECODING: dict[str, Callable[[Configuration], dict[str, Any]]] = {

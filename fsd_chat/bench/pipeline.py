@@ -41,7 +41,7 @@ from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
-from fsd_chat.models.options import pair_specs
+from fsd_chat.models.options import Engine, pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.interrupts import interrupts
@@ -150,6 +150,7 @@ def run_bench(
     cut_after: float | None = None,
     whole_step: bool = False,
     profile: bool = False,
+    engine: Engine = "auto",
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
     cut the sweep short (what was measured is reported all the same). `cut_after`: each
@@ -157,6 +158,8 @@ def run_bench(
     every fsd-chat row decodes whole steps (`--whole-step`; transformers' rows are unchanged),
     said in the report's title and its sweep record. `profile`: one more reply of each fsd-chat row
     under torch.profiler, against the device's copy bandwidth measured here (`bench.profile`).
+    `engine`: what runs fsd-chat's rows (`--engine`); transformers' rows run on transformers
+    whatever it is.
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -189,7 +192,14 @@ def run_bench(
     by_setup: dict[Setup, ModelPair] = {}
     for setup in setups:
         specs = pair_specs(
-            target, draft, setup.quantize_target, setup.quantize_draft, device, setup.dtype, trust_remote_code
+            target,
+            draft,
+            setup.quantize_target,
+            setup.quantize_draft,
+            device,
+            setup.dtype,
+            trust_remote_code,
+            engine,
         )
         if not console.is_terminal:  # a status spinner shows only on a terminal
             console.print(Text(f"loading {setup.label}"))
@@ -212,11 +222,11 @@ def run_bench(
                 trust_remote_code,
             )
             with console.status(f"loading {setup.label} for transformers' baselines"):
-                hf_pairs[setup] = load_pair(target_spec, draft_spec, replace(options, prepack=False))
+                hf_pairs[setup] = load_pair(
+                    target_spec, draft_spec, replace(options, prepack=False, engine="transformers")
+                )
     # Sampling lists not given start from the target's own sampling, as chat and generate do.
-    model_sampling = SamplingRequest().resolve(
-        by_setup[setups[0]].target.generation_config, Path(target).name
-    )
+    model_sampling = SamplingRequest().resolve(by_setup[setups[0]].generation_config, Path(target).name)
     spec = spec.with_sampling(model_sampling.config)
     _, configs = build_sweep(spec, auto_dtype=auto_dtype)
     if from_model:

@@ -32,6 +32,8 @@ BASELINE_MARKERS = {
     "hf-prompt-lookup": "P",
     "hf-autoregressive": "o",
     "hf-static": "X",
+    "llama.cpp": "*",
+    "llama.cpp-lookup": "p",
 }
 
 SPEEDS: dict[str, Speed] = {

@@ -24,6 +24,8 @@ Method = Literal[
     "hf-ensemble",
     "hf-autoregressive",
     "hf-static",
+    "llama.cpp",
+    "llama.cpp-lookup",
     "fuzzy",
     "pure",
     "mixture",
@@ -37,14 +39,20 @@ BASELINES: tuple[Method, ...] = (
     "hf-ensemble",
     "hf-autoregressive",
     "hf-static",
+    "llama.cpp",
+    "llama.cpp-lookup",
 )
 """The methods of `--baselines`. `hf-ensemble` is transformers' own lossy verification
 (`generate(assistant_model=..., assistant_ensemble_weight=w)`), run at every `--ensemble-weights` w;
 `hf-autoregressive` is transformers' plain `generate` (eager, dynamic cache) and `hf-static`
-`generate(cache_implementation="static")`, whose decode step transformers compiles on CUDA."""
+`generate(cache_implementation="static")`, whose decode step transformers compiles on CUDA.
+`llama.cpp` is llama.cpp's own decoding of the target's GGUF file and `llama.cpp-lookup` its prompt
+lookup decoding (`fsd_chat.bench.llama_baselines`), for a pair on the llama.cpp engine."""
+LLAMA_CPP_METHODS: tuple[Method, ...] = ("llama.cpp", "llama.cpp-lookup")
+"""The methods llama-cpp-python runs itself, on a `Llama` of their own (`bench.llama_baselines`)."""
 HF_TARGET_ONLY: tuple[Method, ...] = ("hf-autoregressive", "hf-static")
 """transformers' target-only baselines (no draft, no k)."""
-TARGET_ONLY: tuple[Method, ...] = ("autoregressive", *HF_TARGET_ONLY)
+TARGET_ONLY: tuple[Method, ...] = ("autoregressive", *HF_TARGET_ONLY, "llama.cpp")
 """The methods that decode with the target alone: compared with each other at no k."""
 HF_METHODS: tuple[Method, ...] = (
     "hf-assisted",
@@ -57,9 +65,9 @@ HF_METHODS: tuple[Method, ...] = (
 UNMETERED: tuple[Method, ...] = ("hf-static",)
 """The methods run without the forward meters' hooks (they would be traced into transformers'
 compiled step): their forward counts are their tokens, their forward times unknown."""
-UNCOUNTED_DRAFTS: tuple[Method, ...] = (*TARGET_ONLY, "hf-prompt-lookup")
-"""The methods with no drafted-token count: target-only decoding, and transformers' prompt lookup,
-whose drafts transformers does not count. Every other method's mean k is a figure, 0 where it
+UNCOUNTED_DRAFTS: tuple[Method, ...] = (*TARGET_ONLY, "hf-prompt-lookup", "llama.cpp-lookup")
+"""The methods with no drafted-token count: target-only decoding, and transformers' and
+llama-cpp-python's prompt lookup, whose drafts they do not count. Every other method's mean k is a figure, 0 where it
 drafted nothing (a draft policy that paused throughout)."""
 HF_ASSISTED: tuple[Method, ...] = ("hf-assisted", "hf-assisted-default", "hf-ensemble")
 """The baselines that run transformers' assisted generation with the draft model."""

@@ -120,6 +120,8 @@ SPEEDUP_HEADERS: dict[str, tuple[str, str]] = {
         "×hf-static",
         "transformers' generate with a static cache (its decode step compiled on CUDA)",
     ),
+    "llama.cpp": ("×llama.cpp", "llama.cpp's own decoding of the GGUF file (Llama.generate)"),
+    "llama.cpp-lookup": ("×llama.cpp-lookup", "llama-cpp-python's prompt lookup decoding (same k)"),
 }
 """Each speed-up baseline's header (the baseline's own method name: a column says what it is
 against) and name (a KeyError on import if `SPEEDUP_BASELINES` gains one without them)."""
@@ -131,6 +133,8 @@ SPEEDUP_RANKS: dict[str, int] = {
     "exact": 3,
     "hf-autoregressive": 4,
     "hf-assisted-default": 4,
+    "llama.cpp": 1,
+    "llama.cpp-lookup": 2,
 }
 """Which speed-up columns a narrow terminal keeps first (`Column.rank`)."""
 

@@ -204,13 +204,19 @@ def build_sweep(spec: SweepSpec, *, auto_dtype: str) -> tuple[list[Setup], list[
             start = len(configs)
             configs += [
                 Configuration(setup, temperature, m)
-                for m in ("autoregressive", "hf-autoregressive", "hf-static", "hf-assisted-default")
+                for m in (
+                    "autoregressive",
+                    "hf-autoregressive",
+                    "hf-static",
+                    "hf-assisted-default",
+                    "llama.cpp",
+                )
                 if m in baselines
             ]
             for k in ks:
                 configs += [
                     Configuration(setup, temperature, m, k)
-                    for m in ("hf-assisted", "hf-prompt-lookup")
+                    for m in ("hf-assisted", "hf-prompt-lookup", "llama.cpp-lookup")
                     if m in baselines
                 ]
                 if "hf-ensemble" in baselines:

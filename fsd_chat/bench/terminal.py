@@ -21,6 +21,8 @@ BASELINE_GLYPHS = {
     "hf-prompt-lookup": "L",
     "hf-autoregressive": "R",
     "hf-static": "S",
+    "llama.cpp": "C",
+    "llama.cpp-lookup": "K",
 }
 WIDTH, HEIGHT = 56, 12
 TERMINAL_COLUMNS = tuple(column for column in COLUMNS if column.terminal)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -18,6 +18,7 @@ from fsd_chat.bench.records import BASELINES, FSD_RULES, Method
 from fsd_chat.cli import options as o
 from fsd_chat.cli.option import takes
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.models.options import Engine
 from fsd_chat.support.log import quiet_libraries
 
 SWEEP = "Sweep"
@@ -81,6 +82,9 @@ DRAFT_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-assisted")
 LOOKUP_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "hf-prompt-lookup")
 """The baselines of a bench with no draft (prompt lookup): transformers' own prompt lookup, not its
 assisted generation, which needs a draft model."""
+LLAMA_CPP_BASELINES: tuple[Method, ...] = ("autoregressive", "exact", "llama.cpp", "llama.cpp-lookup")
+"""The baselines of a bench on the llama.cpp engine: llama.cpp's own decoding and prompt lookup
+(`fsd_chat.bench.llama_baselines`; llama-cpp-python has no speculation with a draft model)."""
 CUDA_BASELINES: tuple[Method, ...] = ("hf-static",)
 """Added to the default baselines on CUDA: there target-only decoding is compiled, and so is
 transformers' `generate` with a static cache, the fair comparison."""
@@ -115,6 +119,7 @@ QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
     MIN_PS,
     QUANTIZE_TARGET,
     QUANTIZE_DRAFT,
+    o.ENGINE,
     o.DEVICE,
     DTYPES,
     o.THREADS,
@@ -199,13 +204,17 @@ def bench(
     decoding and transformers' assisted generation, side by side in one run."""
     from fsd_chat.bench.pipeline import QUICK_BUDGET_SECONDS, TimeBudget, run_bench
     from fsd_chat.bench.sweep import SweepSpec
+    from fsd_chat.models.engine_choice import engine_for
     from fsd_chat.models.loading import resolve_device
 
     preset = QUICK if quick else FULL
     draft = o.DRAFT.get(values) or LOOKUP
+    engine = cast(Engine, o.ENGINE.of(values))
     if baselines is None:
         defaults = LOOKUP_BASELINES if draft == LOOKUP else DRAFT_BASELINES
-        if resolve_device(o.DEVICE.of(values)).type == "cuda":
+        if engine_for(TARGET.of(values), draft, engine) != "transformers":
+            defaults = LLAMA_CPP_BASELINES
+        elif resolve_device(o.DEVICE.of(values)).type == "cuda":
             defaults += CUDA_BASELINES
         baselines = ",".join(defaults)
     thresholds, divergences = THRESHOLDS.get(values), DIVERGENCES.get(values)
@@ -252,6 +261,7 @@ def bench(
         cut_after=cut_after,
         whole_step=o.WHOLE_STEP.of(values),
         profile=profile,
+        engine=engine,
     )
     if status:
         raise typer.Exit(status)

@@ -19,7 +19,6 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.support.interrupts import exit_status, interrupts
 from fsd_chat.support.text import TextError, counted, decode_utf8, require_utf8, to_json, visible
-from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.theme_files import default_origin_styles
 
 STDIN = "-"
@@ -98,13 +97,12 @@ def run_generate(
         OSError: standard output cannot be written (a full disk).
     """
     pair = load_pair(target, draft, options)
-    resolved = sampling.resolve(pair.target.generation_config, Path(target.source).name)
+    resolved = sampling.resolve(pair.generation_config, Path(target.source).name)
     if resolved.not_applied and not as_json:
         sys.stderr.write(
             f"fsd-chat: not applied (the model's generation_config): {', '.join(resolved.not_applied)}\n"
         )
-    if pair.device.type == "cpu":
-        apply_threads(threads)
+    pair.use_threads(threads)
     # T not given: the setup's default (greedy: a regret bound with its own scale).
     settings = default_threshold(settings, threshold_given, resolved.config.greedy)
     controls = Controls(settings)

@@ -34,12 +34,15 @@ from fsd_chat.decoding.settings import (
 )
 from fsd_chat.models.options import (
     DTYPES,
+    ENGINES,
     QUANTIZATIONS,
+    Engine,
     LoadOptions,
     ModelSpec,
     Quantization,
     check_device_name,
     check_dtype_name,
+    check_engine,
     check_quantization,
     pair_specs,
 )
@@ -122,12 +125,23 @@ DTYPE = Option(
     check_dtype_name,
     DTYPES,
 )
+ENGINE = Option(
+    "engine",
+    ("--engine",),
+    str,
+    "auto",
+    "What runs the models: llama.cpp (GGUF files, natively quantized), transformers (any model; a GGUF file "
+    "is converted to float32 once), or auto (llama.cpp for a GGUF file when llama-cpp-python is installed).",
+    MODELS,
+    check_engine,
+    ENGINES,
+)
 THREADS = Option(
     "threads",
     ("--threads",),
     int,
     None,
-    "torch CPU threads (default: the cores idle at the start, one fewer in the chat).",
+    "CPU threads of torch and llama.cpp (default: the cores idle at the start, one fewer in the chat).",
     MODELS,
     choose_threads,
 )
@@ -272,7 +286,14 @@ MAX_NEW_TOKENS = Option(
 )
 RAW = Option("raw", ("--raw/--no-raw",), bool, False, "Plain text, no chat template.", CHAT)
 
-MODEL_OPTIONS: tuple[Option[Any], ...] = (QUANTIZE_TARGET, QUANTIZE_DRAFT, DEVICE, DTYPE, TRUST_REMOTE_CODE)
+MODEL_OPTIONS: tuple[Option[Any], ...] = (
+    ENGINE,
+    QUANTIZE_TARGET,
+    QUANTIZE_DRAFT,
+    DEVICE,
+    DTYPE,
+    TRUST_REMOTE_CODE,
+)
 """The model options that `pair_specs` reads, besides --target and --draft."""
 DECODING_OPTIONS: tuple[Option[Any], ...] = (THRESHOLD, DIVERGENCE, RULE, DRAFT_TOKENS, DRAFT_POLICY)
 SAMPLING_OPTIONS: tuple[Option[Any], ...] = (TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED)
@@ -302,6 +323,7 @@ def model_specs(
         DEVICE.of(values),
         DTYPE.of(values),
         TRUST_REMOTE_CODE.of(values),
+        cast(Engine, ENGINE.of(values)),
     )
 
 

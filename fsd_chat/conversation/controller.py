@@ -208,7 +208,7 @@ class ChatController:
         self.controls = controls
         self.tracebacks: list[str] = [] if tracebacks is None else tracebacks
         o = options
-        resolved = o.sampling.resolve(pair.target.generation_config, Path(o.target.source).name)
+        resolved = o.sampling.resolve(pair.generation_config, Path(o.target.source).name)
         self.sampling: SamplingConfig = resolved.config
         """The sampling in force: the request over the target's generation_config."""
         # T not given: the setup's default (greedy: a regret bound with its own scale).

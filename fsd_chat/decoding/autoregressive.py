@@ -24,6 +24,7 @@ from fsd_chat.decoding.kv_cache import (
 )
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.reply import begin, eos_token_ids, read_ahead, target_step
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import SamplingConfig, StepRule
 
 
@@ -31,7 +32,8 @@ class AutoregressiveDecoder:
     """Target-only decoding.
 
     Args:
-        target: The target model.
+        target: The target model: a transformers model, bound here to its KV cache
+            (`kv_cache.bind`), or a `ModelRunner` of another engine (llama.cpp's).
         tokenizer: Its tokenizer.
         controls: Live controls: the stop request ends a reply; the settings are only recorded in
             each step's stats.
@@ -42,7 +44,8 @@ class AutoregressiveDecoder:
             (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
         whole_step: Run each step as one function over static buffers
             (`fsd_chat.decoding.step_graph`): captured as a CUDA graph at construction on CUDA,
-            eager elsewhere (see `SpeculativeDecoder`, also for `compiled` then).
+            eager elsewhere (see `SpeculativeDecoder`, also for `compiled` then); transformers
+            models only.
         capture_progress: See `SpeculativeDecoder`.
     """
 
@@ -50,7 +53,7 @@ class AutoregressiveDecoder:
 
     def __init__(
         self,
-        target: PreTrainedModel,
+        target: PreTrainedModel | ModelRunner,
         tokenizer: PreTrainedTokenizerBase,
         *,
         controls: Controls | None = None,
@@ -69,6 +72,7 @@ class AutoregressiveDecoder:
         # A static cache is allocated whole: its capacity caps the context. Sized as a speculative
         # decoder's (`compiled_capacity`), so that the two share the target's compiled graph.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
+        whole_step = whole_step and isinstance(target, PreTrainedModel)
         cuda = target.device.type == "cuda"
         self.target = bind(
             target,
@@ -80,7 +84,7 @@ class AutoregressiveDecoder:
         )
         self._steps = (
             step_graph.make_steps(self.target, None, compile=compiled is True, progress=capture_progress)
-            if whole_step
+            if whole_step and isinstance(self.target, CachedModel)
             else None
         )
         if isinstance(self.target, CompiledModel) or self._steps is not None:
@@ -88,12 +92,12 @@ class AutoregressiveDecoder:
         self.eos_token_ids = eos_token_ids(tokenizer, target)
 
     @property
-    def cached_models(self) -> tuple[CachedModel, ...]:
+    def cached_models(self) -> tuple[ModelRunner, ...]:
         """The models whose KV caches this decoder fills (`begin` prefills them)."""
         return (self.target,)
 
     @property
-    def owned_models(self) -> tuple[CachedModel, ...]:
+    def owned_models(self) -> tuple[ModelRunner, ...]:
         """Every model whose KV cache this decoder holds (freed on out-of-memory): the target."""
         return self.cached_models
 

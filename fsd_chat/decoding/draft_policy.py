@@ -121,7 +121,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -411,21 +411,48 @@ def modelled_timings(target: PreTrainedModel, draft: PreTrainedModel | None) -> 
     the target's token). Only ratios matter to the policies (they compare E_k / T_k with
     1 / V(1)), and those follow the models' shapes and sizes on any device; a draft position also
     pays its softmax over the vocabulary, included in its forward's head. Prompt lookup: 0 s."""
-    verify = tuple(model_forward_seconds(target, width) for width in MEASURED_WIDTHS)
-    draft_seconds = 0.0 if draft is None else model_forward_seconds(draft, 1)
-    # The marginal token of a wide forward (past the 1-token forward's cheaper read).
-    catch_up = 0.0 if draft is None else model_forward_seconds(draft, 3) - model_forward_seconds(draft, 2)
     config = target.config.get_text_config()
     attended = config.num_hidden_layers * config.hidden_size
+    return timings_of(
+        model_forward_seconds,
+        target,
+        draft,
+        vocab=config.vocab_size,
+        attention=attended * ATTENTION_SECONDS,
+        attention_width=attended * ATTENTION_WIDTH_SECONDS,
+    )
+
+
+M = TypeVar("M")
+
+
+def timings_of(
+    forward_seconds: Callable[[M, int], float],
+    target: M,
+    draft: M | None,
+    *,
+    vocab: int,
+    attention: float,
+    attention_width: float,
+) -> ForwardTimings:
+    """Modelled `ForwardTimings` of an engine's models from its `forward_seconds(model, width)`
+    (`modelled_timings` for transformers models; `fsd_chat.engines.llama_cpp.modelled_timings`):
+    the verify widths, a draft position (0 s without a draft model: prompt lookup), the marginal
+    token of a draft's catch-up, a step's work over a vocabulary of `vocab` ids, and the attention
+    terms (seconds per token of context, see `ForwardTimings`)."""
+    verify = tuple(forward_seconds(target, width) for width in MEASURED_WIDTHS)
+    draft_seconds = 0.0 if draft is None else forward_seconds(draft, 1)
+    # The marginal token of a wide forward (past the 1-token forward's cheaper read).
+    catch_up = 0.0 if draft is None else forward_seconds(draft, 3) - forward_seconds(draft, 2)
     return ForwardTimings(
         draft=draft_seconds,
         widths=MEASURED_WIDTHS,
         verify=verify,
         measured=False,
-        step=STEP_SECONDS + config.vocab_size * STEP_VOCAB_SECONDS,
+        step=STEP_SECONDS + vocab * STEP_VOCAB_SECONDS,
         catch_up=catch_up,
-        attention=attended * ATTENTION_SECONDS,
-        attention_width=attended * ATTENTION_WIDTH_SECONDS,
+        attention=attention,
+        attention_width=attention_width,
     )
 
 

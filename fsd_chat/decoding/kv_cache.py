@@ -29,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from fsd_chat.decoding.packed_linear import unpack_linear_layers
+from fsd_chat.decoding.runner import ModelRunner, id_set
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.support.errors import UnsupportedCacheError
 
@@ -46,8 +47,11 @@ RECOMPILE_LIMIT = 64
 default): a target and a draft of one class share `forward`'s code, each with a graph a width."""
 
 
-def context_length(model: PreTrainedModel) -> int | None:
-    """The model's context window in tokens (None when its config does not say)."""
+def context_length(model: PreTrainedModel | ModelRunner) -> int | None:
+    """The model's context window in tokens (None when its config does not say); a runner of
+    another engine says its own."""
+    if not isinstance(model, PreTrainedModel):
+        return model.context
     config = model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
@@ -92,6 +96,16 @@ class CachedModel:
         self.fed: torch.Tensor | None = None
         """The buffer of the last forward pass (shape [1, capacity]): the cache holds its first `seen` tokens."""
         self._check_rollback()
+
+    @property
+    def context(self) -> int | None:
+        """See `ModelRunner.context`: the model config's."""
+        return context_length(self.model)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """See `ModelRunner.eos_token_ids`: the model's generation config's."""
+        return id_set(getattr(self.model.generation_config, "eos_token_id", None))
 
     def _new_cache(self) -> Cache:
         cache = DynamicCache(config=self.model.config)
@@ -460,20 +474,21 @@ def compiled_capacity(context: int) -> int:
 
 
 def bind(
-    model: PreTrainedModel,
+    model: PreTrainedModel | ModelRunner,
     vocab_size: int,
     *,
     compiled: bool | None,
     capacity: int,
     widths: tuple[int, ...] = VERIFY_WIDTHS,
     static: bool = False,
-) -> CachedModel:
+) -> ModelRunner:
     """`model` bound to its KV cache: a `CompiledModel` when `compiled` asks for it (None: on a
     CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
     takes long and gains little) and `compile_refusal` admits it, a `StaticModel` when `static`
     asks for one (the whole-step path, `fsd_chat.decoding.step_graph`, which compiles and
     captures on its own), else a `CachedModel` whose `compile_error` says why compiling (or a
-    static cache) was refused (None when neither was asked for).
+    static cache) was refused (None when neither was asked for). A runner of another engine
+    (`ModelRunner`, e.g. llama.cpp's) is already bound to its cache: returned as it is.
 
     Args:
         model: A causal LM.
@@ -485,6 +500,8 @@ def bind(
     Raises:
         UnsupportedCacheError: see `CachedModel`.
     """
+    if not isinstance(model, PreTrainedModel):
+        return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"
     reason = compile_refusal(model) if compiled or static else None

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from fsd_chat.decoding.draft_policy import DraftPolicy
-from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.proposal import DraftKind, Proposal
 from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, MAX_DRAFT_TOKENS, SamplingConfig
 
 
@@ -105,8 +105,8 @@ class PromptLookup:
     """
 
     kind: DraftKind = "lookup"
-    cached_models: tuple[CachedModel, ...] = ()
-    owned_models: tuple[CachedModel, ...] = ()
+    cached_models: tuple[ModelRunner, ...] = ()
+    owned_models: tuple[ModelRunner, ...] = ()
     compile_error: str | None = None
 
     def __init__(self, ngram: int = DEFAULT_LOOKUP_NGRAM) -> None:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from fsd_chat.decoding.draft_policy import DraftPolicy
-from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.proposal import DraftKind, Proposal, draw_positions
 from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, SamplingConfig
 from fsd_chat.decoding.vocab_map import VocabularyMap
@@ -35,7 +35,7 @@ class MappedDraft:
         context: The draft's context window in draft tokens (None: not known).
     """
 
-    def __init__(self, draft: CachedModel, mapping: VocabularyMap, context: int | None) -> None:
+    def __init__(self, draft: ModelRunner, mapping: VocabularyMap, context: int | None) -> None:
         self.model = draft
         self.mapping = mapping
         self.context = context
@@ -67,7 +67,7 @@ class MappedDraft:
         Args:
             prompt_ids: The prompt in target ids.
             reuse_prefix: Keep the cached draft tokens the new spelling begins with
-                (`CachedModel.keep_prefix`) and prefill only the rest; else start from an empty
+                (`ModelRunner.keep_prefix`) and prefill only the rest; else start from an empty
                 cache.
             defer: Spell only: the draft's first forward (`distribution`) reads what its cache lacks.
         """
@@ -182,13 +182,13 @@ class MappedProposer:
         self._start = 0
 
     @property
-    def cached_models(self) -> tuple[CachedModel, ...]:
+    def cached_models(self) -> tuple[ModelRunner, ...]:
         """None that reads the target's ids: the draft's cache follows its own spelling and is
         prefilled by `prefill`."""
         return ()
 
     @property
-    def owned_models(self) -> tuple[CachedModel, ...]:
+    def owned_models(self) -> tuple[ModelRunner, ...]:
         """The draft model (its cache is freed on out-of-memory)."""
         return (self.mapped.model,)
 

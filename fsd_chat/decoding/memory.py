@@ -9,7 +9,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
-from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.support.errors import DeviceMemoryError
 
 ADVICE = "try a shorter conversation (ctrl+n) or --max-new-tokens, --quantize-target 4bit, or a smaller draft model"
@@ -22,7 +22,7 @@ class HasModels(Protocol):
     """A decoder and the cached models it holds."""
 
     @property
-    def owned_models(self) -> Sequence[CachedModel]: ...
+    def owned_models(self) -> Sequence[ModelRunner]: ...
 
 
 D = TypeVar("D", bound=HasModels)

@@ -21,8 +21,8 @@ from typing import Literal, Protocol
 import torch
 
 from fsd_chat.decoding.draft_policy import DraftPolicy, Next
-from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.reply import Reply
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.sampling import draw, probabilities
 from fsd_chat.decoding.settings import SamplingConfig
 
@@ -60,12 +60,12 @@ class Proposer(Protocol):
     kind: DraftKind
 
     @property
-    def cached_models(self) -> tuple[CachedModel, ...]:
+    def cached_models(self) -> tuple[ModelRunner, ...]:
         """The models that read the target's ids, whose KV caches `reply.begin` prefills."""
         ...
 
     @property
-    def owned_models(self) -> tuple[CachedModel, ...]:
+    def owned_models(self) -> tuple[ModelRunner, ...]:
         """Every model whose KV cache this proposer holds (freed on out-of-memory)."""
         ...
 
@@ -151,21 +151,21 @@ class ModelDraft:
     """Proposals of a draft model that shares the target's vocabulary.
 
     Args:
-        model: The draft, bound to its KV cache (`CachedModel` or `CompiledModel`).
+        model: The draft, bound to its KV cache (a `ModelRunner`: `CachedModel`, `CompiledModel`, llama.cpp's).
     """
 
     kind: DraftKind = "model"
 
-    def __init__(self, model: CachedModel) -> None:
+    def __init__(self, model: ModelRunner) -> None:
         self.model = model
 
     @property
-    def cached_models(self) -> tuple[CachedModel, ...]:
+    def cached_models(self) -> tuple[ModelRunner, ...]:
         """The draft model."""
         return (self.model,)
 
     @property
-    def owned_models(self) -> tuple[CachedModel, ...]:
+    def owned_models(self) -> tuple[ModelRunner, ...]:
         """The draft model."""
         return (self.model,)
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
-from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.runner import ModelRunner, id_set
 from fsd_chat.decoding.sampling import draw, non_finite, non_finite_error, probabilities, seeded_generator
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
@@ -206,7 +206,7 @@ reports its progress (`Controls.report_prefill`), so that a long paste shows it 
 
 
 def begin(
-    models: Sequence[CachedModel],
+    models: Sequence[ModelRunner],
     prompt_ids: list[int],
     *,
     tokenizer: PreTrainedTokenizerBase,
@@ -219,7 +219,7 @@ def begin(
     stop_strings: tuple[str, ...],
     time_phases: bool,
     reuse_prefix: bool,
-    deferred: Sequence[CachedModel] = (),
+    deferred: Sequence[ModelRunner] = (),
     buffer: torch.Tensor | None = None,
 ) -> Start:
     """Start a reply: prefill the models' caches (the target's first) with all prompt tokens but the
@@ -255,16 +255,16 @@ def begin(
 
 
 def read_prompt(
-    models: Sequence[CachedModel],
+    models: Sequence[ModelRunner],
     seq: torch.Tensor,
     prefix: int,
     controls: Controls,
     *,
     reuse_prefix: bool,
-    deferred: Sequence[CachedModel] = (),
+    deferred: Sequence[ModelRunner] = (),
 ) -> bool:
     """Bring each model's KV cache to the tokens seq[0, :prefix]: keep the cached tokens they start
-    with (`CachedModel.keep_prefix`; none without `reuse_prefix`) and feed the rest, `PREFILL_CHUNK`
+    with (`ModelRunner.keep_prefix`; none without `reuse_prefix`) and feed the rest, `PREFILL_CHUNK`
     tokens a forward pass, the models in step, reporting the progress between chunks
     (`Controls.report_prefill`) when there is more than one. `deferred` models are kept or emptied
     likewise but not fed. The target's kept tokens go to `Controls.cached_prompt_tokens`.
@@ -312,11 +312,11 @@ def read_prompt(
 
 
 def read_ahead(
-    models: Sequence[CachedModel],
+    models: Sequence[ModelRunner],
     prompt_ids: list[int],
     controls: Controls,
     context: int | None,
-    deferred: Sequence[CachedModel] = (),
+    deferred: Sequence[ModelRunner] = (),
 ) -> None:
     """Bring the models' KV caches to `prompt_ids` now (`read_prompt`, reusing what they hold), so
     that a later prompt that starts with them prefills only the rest (`Decoder.read_ahead`). Ids
@@ -335,21 +335,22 @@ def read_ahead(
     read_prompt(models, seq, len(prompt_ids), controls, reuse_prefix=True, deferred=deferred)
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:
-    """Token ids that end a reply: the tokenizer's EOS and each model's generation-config EOS."""
-    ids: set[int] = set()
-    candidates: list[object] = [tokenizer.eos_token_id]
-    candidates += [getattr(m.generation_config, "eos_token_id", None) for m in models]
-    for value in candidates:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel | ModelRunner
+) -> frozenset[int]:
+    """Token ids that end a reply: the tokenizer's EOS and each model's own (a transformers model's
+    generation-config EOS, a runner's `ModelRunner.eos_token_ids`)."""
+    ids = set(id_set(tokenizer.eos_token_id))
+    for model in models:
+        if isinstance(model, PreTrainedModel):
+            ids |= id_set(getattr(model.generation_config, "eos_token_id", None))
+        else:
+            ids |= model.eos_token_ids
     return frozenset(ids)
 
 
 def target_step(
-    target: CachedModel,
+    target: ModelRunner,
     reply: Reply,
     *,
     sampling: SamplingConfig,

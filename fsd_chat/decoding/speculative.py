@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -38,7 +38,6 @@ from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.kv_cache import (
     COMPILED_CONTEXT,
     DRAFT_WIDTHS,
-    CachedModel,
     CompiledModel,
     StaticModel,
     bind,
@@ -50,6 +49,7 @@ from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.proposal import ModelDraft, Proposer
 from fsd_chat.decoding.reply import Reply, begin, eos_token_ids, read_ahead, target_step
+from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import (
     MAX_DRAFT_TOKENS,
@@ -77,8 +77,9 @@ class SpeculativeDecoder:
     its own tokens and proposes over the paired tokens).
 
     Args:
-        target: The target model (the distribution to follow).
-        draft: The draft model (cheap proposals), or any `Proposer` (e.g. `PromptLookup`).
+        target: The target model (the distribution to follow): a transformers model, bound here to
+            its KV cache (`kv_cache.bind`), or a `ModelRunner` of another engine (llama.cpp's).
+        draft: The draft model (cheap proposals), likewise, or any `Proposer` (e.g. `PromptLookup`).
         tokenizer: The shared tokenizer.
         controls: Live settings and stop requests.
         vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
@@ -97,7 +98,7 @@ class SpeculativeDecoder:
         timings: The draft and verify forward times, asked for when the `latency` or `goodput`
             policy is first used (default: modelled from these models, `modelled_timings`, so that
             no clock decides a draft length; a proposer without a draft model taking no time per
-            position).
+            position). Required when either model is a `ModelRunner` (its engine models them).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
         whole_step: Run each step, speculative or target-only, as one function over static
@@ -108,7 +109,7 @@ class SpeculativeDecoder:
             functions before they are captured (True only, never by default, and on CUDA only:
             `CapturedSteps(compile=True)`, its artifacts kept in the user's cache). The draft
             policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
-            is not asked.
+            is not asked. transformers models only (a `ModelRunner` keeps the usual steps).
         capture_progress: Called with (graphs captured, graphs in all) while the whole step's
             graphs are captured (on CUDA, at construction; the loading screen shows it).
 
@@ -118,8 +119,8 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: PreTrainedModel,
-        draft: PreTrainedModel | Proposer,
+        target: PreTrainedModel | ModelRunner,
+        draft: PreTrainedModel | ModelRunner | Proposer,
         tokenizer: PreTrainedTokenizerBase,
         *,
         controls: Controls | None = None,
@@ -137,7 +138,7 @@ class SpeculativeDecoder:
         self.time_phases = time_phases
         self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
-        draft_model = draft if isinstance(draft, PreTrainedModel) else None
+        draft_model = draft if isinstance(draft, PreTrainedModel | ModelRunner) else None
         # Models that read the target's ids: a mapped draft counts its context (and its EOS ids)
         # in its own tokens, which bound its drafting, not the reply.
         shared = [m for m in (target, draft_model) if m is not None and (m is target or vocab_map is None)]
@@ -150,7 +151,8 @@ class SpeculativeDecoder:
         # Prompt lookup's copies are found on the host, before a whole step.
         self._lookup = draft if isinstance(draft, PromptLookup) else None
         lookup = self._lookup is not None
-        whole_step = whole_step and vocab_map is None and (draft_model is not None or lookup)
+        torch_models = isinstance(target, PreTrainedModel) and not isinstance(draft, ModelRunner)
+        whole_step = whole_step and torch_models and vocab_map is None and (draft_model is not None or lookup)
         cuda = target.device.type == "cuda"
         # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
         static_capacity = capacity if cuda else step_graph.MIN_CAPACITY
@@ -164,7 +166,7 @@ class SpeculativeDecoder:
         draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.proposer: Proposer
         if draft_model is None:
-            assert not isinstance(draft, PreTrainedModel)  # narrowed for mypy
+            assert not isinstance(draft, PreTrainedModel | ModelRunner)  # narrowed for mypy
             self.proposer = draft
         else:
             model = bind(
@@ -181,10 +183,11 @@ class SpeculativeDecoder:
                 if vocab_map is None
                 else MappedProposer(MappedDraft(model, vocab_map, draft_context))
             )
+        draft_runner = next(iter(self.proposer.owned_models), None)
         self._steps = (
             step_graph.make_steps(
-                self.target,
-                next(iter(self.proposer.owned_models), None),
+                self.target,  # type: ignore[arg-type]  # whole_step: transformers models, bound to `CachedModel`s
+                draft_runner,  # type: ignore[arg-type]
                 lookup=lookup,
                 compile=compiled is True,
                 progress=capture_progress,
@@ -199,7 +202,11 @@ class SpeculativeDecoder:
             CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
         )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
-        self.timings = timings or cache(lambda: modelled_timings(target, draft_model))
+        if timings is None:
+            if isinstance(draft_model, ModelRunner) or not isinstance(target, PreTrainedModel):
+                raise TypeError("a ModelRunner target or draft needs its engine's `timings`")
+            timings = cache(partial(modelled_timings, target, draft_model))
+        self.timings = timings
         self._kept_policy: tuple[DraftPolicyName, DraftPolicy] | None = None
 
     def _policy(self, name: DraftPolicyName) -> DraftPolicy:
@@ -222,12 +229,12 @@ class SpeculativeDecoder:
         return self.target.compile_error or self.proposer.compile_error or rule_error or step_error
 
     @property
-    def cached_models(self) -> tuple[CachedModel, ...]:
+    def cached_models(self) -> tuple[ModelRunner, ...]:
         """The models that read the target's ids, whose KV caches `begin` prefills."""
         return (self.target, *self.proposer.cached_models)
 
     @property
-    def owned_models(self) -> tuple[CachedModel, ...]:
+    def owned_models(self) -> tuple[ModelRunner, ...]:
         """Every model whose KV cache this decoder holds (freed on out-of-memory)."""
         return (self.target, *self.proposer.owned_models)
 

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from fsd_chat.decoding.kv_cache import input_device
+from fsd_chat.decoding.runner import ModelRunner
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _ROLES = ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id")
@@ -257,15 +258,24 @@ def map_vocabularies(
 
 
 @torch.inference_mode()
-def coverage(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mapping: VocabularyMap) -> float:
+def coverage(
+    model: PreTrainedModel | ModelRunner, tokenizer: PreTrainedTokenizerBase, mapping: VocabularyMap
+) -> float:
     """The share of the target's probability mass on paired tokens, averaged over the positions
     of `CALIBRATION_TEXT` (temperature 1): an upper bound on the exact rule's acceptance rate,
-    since Σ min(p, q) ≤ Σ_{paired} p when q lives on the paired tokens. One forward pass.
+    since Σ min(p, q) ≤ Σ_{paired} p when q lives on the paired tokens. One forward pass (a
+    runner's, over an emptied KV cache, emptied again after).
 
     Returns:
         The share in [0, 1].
     """
-    ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(input_device(model))
-    logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
+    if isinstance(model, PreTrainedModel):
+        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(input_device(model))
+        logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
+    else:
+        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(model.device)
+        model.reset()
+        logits = model.forward(ids, ids.shape[1], keep=ids.shape[1])[:, : mapping.target_vocab].clone()
+        model.reset()
     probs = logits.softmax(-1)
     return float(probs[:, mapping.target_ids.to(probs.device)].sum(-1).mean())

@@ -40,6 +40,7 @@ from transformers import (
     GgufConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    TokenizersBackend,
 )
 from transformers.integrations.gguf import GGUF_ARCHS, is_gguf_arch_supported
 from transformers.integrations.gguf.dequant import GGML_BLOCK
@@ -124,9 +125,10 @@ def _download(repo: str, filename: str, progress: Progress) -> Path:
         raise ModelLoadError(f"could not download {filename} from {repo}: {first_line(exc)}") from None
 
 
-def readable_table(path: Path) -> TensorTable:
+def readable_table(path: Path, *, dequantized: bool = True) -> TensorTable:
     """The GGUF file's metadata and tensor table, once its tensors' types are all ones the gguf
-    package dequantizes and its data is all there.
+    package dequantizes (`dequantized`: for a conversion; llama.cpp reads its file itself) and its
+    data is all there (the sizes of types the gguf package does not know are not checked).
 
     Raises:
         ModelLoadError: the file is not GGUF, or is damaged or truncated, or holds a tensor type no
@@ -140,12 +142,13 @@ def readable_table(path: Path) -> TensorTable:
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
     unreadable = {entry.type_id for entry in table.tensors} - dequantizable()
-    if unreadable:
+    if unreadable and dequantized:
         raise ModelLoadError(
             f"{path} holds tensors of a ggml type that no dequantizer reads: {holders(table, unreadable)} "
             f"(fsd-chat reads {type_names(dequantizable())})"
         )
-    needed = table.data_start + max((entry.offset + entry.nbytes for entry in table.tensors), default=0)
+    sized = [entry for entry in table.tensors if entry.type_id not in unreadable]
+    needed = table.data_start + max((entry.offset + entry.nbytes for entry in sized), default=0)
     size = path.stat().st_size
     if size < needed:
         raise ModelLoadError(
@@ -225,6 +228,74 @@ def _convert_into(path: Path, table: TensorTable, folder: Path, progress: Progre
                 raise _unwritable(path, folder, exc) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def trained_context(path: Path) -> int | None:
+    """The context window the GGUF file `path` was trained for, in tokens (its
+    `{architecture}.context_length` key; None when it has none or cannot be read)."""
+    try:
+        table = read_table(path)
+    except (ValueError, struct.error, UnicodeDecodeError, OSError):
+        return None
+    value = table.metadata.get(f"{table.architecture}.context_length")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+TOKENIZER_FORMAT = 1
+"""Bumped when the cached tokenizer folder's contents change (`gguf_tokenizer`)."""
+
+
+def gguf_tokenizer(path: Path, progress: Progress) -> tuple[PreTrainedTokenizerBase, GenerationConfig]:
+    """The tokenizer of the GGUF file `path` (with its chat template) and its generation config
+    (`_generation_config`: the file's sampling keys and end-of-turn ids), for the llama.cpp engine,
+    which runs the file itself and needs of transformers only the tokenizer. transformers reads a
+    GGUF file's vocabulary in seconds (3 s for SmolLM2's 49,152 tokens on a loaded 2-core CPU), so
+    the first start saves it into the user's cache, keyed by the file's content as the converted
+    copy is (0.3 s to load); a converted copy, where one exists, already holds it.
+
+    Raises:
+        ModelLoadError: the file is not a readable GGUF file, or is truncated (`readable_table`),
+            or transformers cannot read its tokenizer, or the cache is not writable.
+    """
+    table = readable_table(path, dequantized=False)
+    key = identity(table, f"fsd-chat gguf tokenizer {TOKENIZER_FORMAT}")
+    root = cache_dir() / "gguf-tokenizers"
+    folder = root / f"{path.stem}-{key}"
+    converted = converted_dir(path, table)
+    if not (folder / "generation_config.json").is_file() and (converted / "tokenizer_config.json").is_file():
+        folder = converted
+    if not (folder / "generation_config.json").is_file():
+        progress(f"reading the tokenizer of {path.name} (first start only)")
+        try:
+            # The tokenizer class itself: AutoTokenizer would first read the file's config through
+            # the gguf package's reader, which parses every vocabulary string (10 s of 13).
+            tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+        except (ValueError, OSError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"could not read the tokenizer of {path}: {first_line(exc)}") from None
+        base = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        generation = _generation_config(base, table.metadata, tokenizer)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
+            try:
+                tokenizer.save_pretrained(staging)
+                generation.save_pretrained(staging)
+                staging.rename(folder)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        except OSError as exc:
+            if not (folder / "generation_config.json").is_file():  # not a save that finished first
+                raise _unwritable(path, folder, exc) from None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder)), GenerationConfig.from_pretrained(str(folder))
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(
+            f"could not load the cached tokenizer of {path} ({folder}): {first_line(exc)}"
+        ) from None
 
 
 def _remove_older_copies(path: Path, folder: Path, progress: Progress) -> None:
@@ -389,10 +460,11 @@ def local_model(source: str, progress: Progress | None) -> str | None:
     Raises:
         ModelLoadError: as `gguf_file` and `converted_model`.
     """
-    announce = progress or _on_stderr
+    announce = progress or on_stderr
     path = gguf_file(source, announce)
     return None if path is None else str(converted_model(path, announce))
 
 
-def _on_stderr(message: str) -> None:
+def on_stderr(message: str) -> None:
+    """A progress line on stderr, "fsd-chat: ..." (what a command without a loading screen shows)."""
     print(f"fsd-chat: {message}", file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""Loading a target/draft model pair: device, dtype, bitsandbytes quantization, compatibility.
+"""Loading a target/draft model pair: the engine (`engine_choice`: llama.cpp for GGUF files, else
+transformers), device, dtype, bitsandbytes quantization, compatibility.
 
 Sources may be Hugging Face Hub ids (downloaded by transformers), local directories, or GGUF files
 (`gguf_files`: a `.gguf` path, a folder holding one, a Hub `repo_id:file.gguf`; converted to a
@@ -28,9 +29,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
+from fsd_chat.models.engine_choice import TRANSFORMERS, choose_engine, load_llama_cpp_pair
 from fsd_chat.models.gguf_files import Progress as Progress  # re-exported: the TUI's loading screen
-from fsd_chat.models.gguf_files import local_model
+from fsd_chat.models.gguf_files import local_model, on_stderr
 from fsd_chat.models.load_errors import (
     check_load_report,
     check_quantized_forward,
@@ -48,14 +49,8 @@ from fsd_chat.models.options import (
     check_quantization,
 )
 from fsd_chat.models.pair import ModelPair
-from fsd_chat.support.errors import IncompatibleModelsError, ModelLoadError
-
-MIN_COVERAGE = 0.9
-"""Least share of the target's probability mass (on `CALIBRATION_TEXT`) that the tokens of a draft
-with another tokenizer must cover. The draft's acceptance is bounded by that share, and falls
-faster: measured on the CPU-scale pair with drafts missing part of their vocabulary, 95% coverage
-breaks even with the target alone and 80% runs at 0.72× (README, "A draft with another
-tokenizer"; `scripts/bench_mapped.py`)."""
+from fsd_chat.models.vocabulary import checked_coverage, draft_vocabulary
+from fsd_chat.support.errors import ModelLoadError
 
 
 def resolve_device(device: str) -> torch.device:
@@ -232,78 +227,16 @@ def _load_tokenizer(spec: ModelSpec, source: str, options: LoadOptions) -> PreTr
         raise ModelLoadError(f"could not load the tokenizer of {spec.source}: {reason}") from exc
 
 
-def check_compatible(
-    target_tokenizer: PreTrainedTokenizerBase,
-    draft_tokenizer: PreTrainedTokenizerBase,
-    target_vocab: int,
-    draft_vocab: int,
-) -> int:
-    """Check that the draft and target share a vocabulary; return the shared vocabulary size.
-
-    Token strings must map to the same ids in both tokenizers. An lm_head padded beyond the
-    tokenizer is fine: the shared size is the smallest of the tokenizer and the two output layers.
-
-    Raises:
-        IncompatibleModelsError: the tokenizers disagree on any token's id (`draft_vocabulary`
-            then maps the draft's vocabulary onto the target's, where it can).
-    """
-    target_map = target_tokenizer.get_vocab()
-    draft_map = draft_tokenizer.get_vocab()
-    if target_map != draft_map:
-        tokens = target_map.keys() | draft_map.keys()
-        differing = sum(1 for tok in tokens if target_map.get(tok) != draft_map.get(tok))
-        raise IncompatibleModelsError(
-            f"the draft and target tokenizers differ: {differing} of the {len(tokens)} tokens in either "
-            "are missing from one or have different ids (speculative decoding needs one shared vocabulary)"
-        )
-    return min(len(target_tokenizer), target_vocab, draft_vocab)
-
-
-def draft_vocabulary(
-    target_tokenizer: PreTrainedTokenizerBase,
-    draft_tokenizer: PreTrainedTokenizerBase,
-    target_vocab: int,
-    draft_vocab: int,
-) -> tuple[int, VocabularyMap | None]:
-    """The target's vocabulary size, and how the draft's maps onto it (None: they share one).
-
-    Raises:
-        IncompatibleModelsError: the tokenizers differ and no token of the draft's corresponds to
-            one of the target's (`check_compatible`'s message).
-    """
-    try:
-        return check_compatible(target_tokenizer, draft_tokenizer, target_vocab, draft_vocab), None
-    except IncompatibleModelsError:
-        target_size = min(len(target_tokenizer), target_vocab)
-        mapping = map_vocabularies(
-            target_tokenizer, draft_tokenizer, target_size, min(len(draft_tokenizer), draft_vocab)
-        )
-        if mapping is None:
-            raise
-        return target_size, mapping
-
-
-def check_coverage(share: float, draft: ModelSpec) -> None:
-    """Refuse a mapped draft whose paired tokens hold less than MIN_COVERAGE of the target's mass.
-
-    Raises:
-        IncompatibleModelsError: `share` < MIN_COVERAGE.
-    """
-    if share < MIN_COVERAGE:
-        raise IncompatibleModelsError(
-            f"the tokens {draft.name} shares with the target hold only {share:.0%} of the target's probability "
-            f"mass (at least {MIN_COVERAGE:.0%} pays for a draft with another tokenizer): choose a draft "
-            "whose vocabulary is closer to the target's"
-        )
-
-
 def load_pair(
     target: ModelSpec,
     draft: ModelSpec,
     options: LoadOptions,
     progress: Progress | None = None,
 ) -> ModelPair:
-    """Load and check a target/draft pair.
+    """Load and check a target/draft pair, on the engine `options.engine` chooses
+    (`engine_choice.choose_engine`). The choice and its reason are told to `progress` first; with
+    no `progress`, for a GGUF target (where there was a choice), on stderr once the pair has
+    loaded (so that a load that fails says so in one line).
 
     With several GPUs and `device` auto or cuda, the target is spread over them
     (`device_map="auto"`); the draft stays on the first.
@@ -320,7 +253,25 @@ def load_pair(
         DeviceMemoryError: a model does not fit in GPU memory.
         IncompatibleModelsError: the draft's vocabulary cannot be mapped onto the target's, or
             its tokens cover too little of the target's probability mass (`check_coverage`).
+        UnsupportedCacheError: a model on llama.cpp keeps recurrent state.
     """
+    announce = progress or on_stderr  # a download or a slow first start is said on stderr
+    choice = choose_engine(target, draft, options, announce)
+    if progress is not None:
+        progress(choice.describe())
+    if choice.engine == TRANSFORMERS:
+        pair = _load_on_transformers(target, draft, options, progress)
+    else:
+        pair = load_llama_cpp_pair(choice, target, draft, options, progress, announce)
+    if progress is None and choice.target_is_gguf:
+        on_stderr(choice.describe())
+    return pair
+
+
+def _load_on_transformers(
+    target: ModelSpec, draft: ModelSpec, options: LoadOptions, progress: Progress | None
+) -> ModelPair:
+    """`load_pair` on the transformers engine."""
     report = progress or (lambda _message: None)
     device = resolve_device(options.device)
     if draft.source == LOOKUP:
@@ -344,9 +295,7 @@ def load_pair(
     draft_model = _load_model(draft, options, draft_source, draft_config, device_map=None)
     share = None
     if vocab_map is not None:
-        report(f"mapping {draft.name}'s vocabulary onto the target's")
-        share = coverage(target_model, target_tokenizer, vocab_map)
-        check_coverage(share, draft)
+        share = checked_coverage(target_model, target_tokenizer, vocab_map, draft, report)
     report("ready")
     return ModelPair(
         target=target_model,

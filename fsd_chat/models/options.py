@@ -22,6 +22,24 @@ def quantization_note(quantization: str) -> str:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+Engine = Literal["auto", "transformers", "llama.cpp"]
+ENGINES: tuple[Engine, ...] = ("auto", "transformers", "llama.cpp")
+"""`--engine`: auto takes llama.cpp for a GGUF file when llama-cpp-python is installed, else
+transformers (`fsd_chat.models.engine_choice`)."""
+
+
+def check_engine(engine: str) -> Engine:
+    """Check an `--engine` value; returns it.
+
+    Raises:
+        ModelLoadError: not one of ENGINES.
+    """
+    if engine not in ENGINES:
+        raise ModelLoadError(f"unknown engine {engine!r}; use {', '.join(ENGINES)}")
+    return engine
+
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -91,12 +109,18 @@ class LoadOptions:
         prepack: Prepack the large float32 linear layers of a model on the CPU for oneDNN
             (`fsd_chat.decoding.packed_linear`: SmolLM2-135M decodes 1.6× faster). Off only for
             the bench's transformers baselines, which run the models as transformers loads them.
+        engine: What runs the models: "transformers", "llama.cpp" (GGUF files, natively
+            quantized) or "auto" (llama.cpp for a GGUF file when it is installed).
+        threads: llama.cpp's CPU threads (None: torch's thread count, which the commands set from
+            `--threads`).
     """
 
     device: str = "auto"
     dtype: str = "auto"
     trust_remote_code: bool = False
     prepack: bool = True
+    engine: Engine = "auto"
+    threads: int | None = None
 
 
 def pair_specs(
@@ -107,6 +131,7 @@ def pair_specs(
     device: str,
     dtype: str,
     trust_remote_code: bool,
+    engine: Engine = "auto",
 ) -> tuple[ModelSpec, ModelSpec, LoadOptions]:
     """Model options -> (target spec, draft spec, load options); target "default" is the default
     chat model (`resolve_target`: fetched first if absent).
@@ -117,5 +142,5 @@ def pair_specs(
     return (
         ModelSpec(resolve_target(target), quantize_target),
         ModelSpec(draft, quantize_draft),
-        LoadOptions(device=device, dtype=dtype, trust_remote_code=trust_remote_code),
+        LoadOptions(device=device, dtype=dtype, trust_remote_code=trust_remote_code, engine=engine),
     )

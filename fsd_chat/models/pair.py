@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -22,14 +23,18 @@ from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.engines import llama_cpp
+from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.options import ModelSpec, quantization_note
+from fsd_chat.support.threads import apply_threads, choose_threads
 
 
 @dataclass(slots=True)
 class ModelPair:
     """A loaded target and draft model sharing one tokenizer, a draft whose vocabulary is mapped
     onto the target's (`vocab_map`), or a target alone whose drafts come from prompt lookup (`draft`
-    None, `draft_spec.source` "lookup").
+    None, `draft_spec.source` "lookup"). Both models run on one engine: transformers
+    (`PreTrainedModel`s) or llama.cpp (`LlamaCppModel`s, already bound to their KV caches).
 
     Attributes:
         tokenizer: The target's tokenizer (prompts, replies and the draft's proposals use its ids).
@@ -42,10 +47,13 @@ class ModelPair:
         coverage: With a vocab_map, the share of the target's probability mass its paired tokens
             hold (`fsd_chat.decoding.vocab_map.coverage`).
         draft_tokenizer: With a vocab_map, the draft's own tokenizer.
+        engine: "transformers" or "llama.cpp".
+        generation: On llama.cpp, the target's generation config as read from its GGUF file
+            (transformers models carry their own); see `generation_config`.
     """
 
-    target: PreTrainedModel
-    draft: PreTrainedModel | None
+    target: PreTrainedModel | LlamaCppModel
+    draft: PreTrainedModel | LlamaCppModel | None
     tokenizer: PreTrainedTokenizerBase
     vocab_size: int
     target_spec: ModelSpec
@@ -56,6 +64,15 @@ class ModelPair:
     vocab_map: VocabularyMap | None = None
     coverage: float | None = None
     draft_tokenizer: PreTrainedTokenizerBase | None = None
+    engine: str = "transformers"
+    generation: GenerationConfig | None = None
+
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        """The target's generation config (its sampling defaults and end-of-sequence ids)."""
+        if isinstance(self.target, PreTrainedModel):
+            return self.target.generation_config
+        return self.generation
 
     @property
     def draft_kind(self) -> DraftKind:
@@ -89,6 +106,8 @@ class ModelPair:
             if self.coverage is not None:
                 draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
         target = f"target {self.target_spec.name}{quantization_note(self.target_spec.quantization)}"
+        if isinstance(self.target, LlamaCppModel):
+            return f"{target} · {draft} · llama.cpp {self.device}, {self.target.threads} threads"
         return f"{target} · {draft} · {self.device} {dtype}"
 
     def decoder(
@@ -154,12 +173,37 @@ class ModelPair:
             capture_progress=capture_progress,
         )
 
+    def use_threads(self, requested: int | None, *, reserve: int = 0) -> None:
+        """Run on `choose_threads(requested, reserve=reserve)` CPU threads (`--threads`, or the idle
+        cores less `reserve`): torch's on the CPU; on llama.cpp, llama.cpp's (target and draft),
+        torch keeping one thread (its work there is a few vector operations a step, and its idle
+        OpenMP threads spin for the CPU llama.cpp's threads need: two torch threads beside one
+        llama.cpp thread halved target-only decoding of the default model, 31 tokens/s against
+        llama.cpp's own 56, on a 2-core CPU). Nothing for transformers models on a GPU.
+
+        Raises:
+            SettingsError: `requested` < 1.
+        """
+        if isinstance(self.target, LlamaCppModel):
+            threads = choose_threads(requested, reserve=reserve)
+            for model in (self.target, self.draft):
+                if isinstance(model, LlamaCppModel):
+                    model.set_threads(threads)
+            torch.set_num_threads(1)
+        elif self.device.type == "cpu":
+            apply_threads(requested, reserve=reserve)
+
     def forward_timings(self) -> ForwardTimings:
         """The pair's draft and verify forward times, modelled from the models on the first call
-        (`modelled_timings`: no clock, so a seed gives the same reply under any load), then kept
-        for every decoder of the pair."""
+        (`modelled_timings`, or the llama.cpp engine's: no clock, so a seed gives the same reply
+        under any load), then kept for every decoder of the pair."""
         if self.timings is None:
-            self.timings = modelled_timings(self.target, self.draft)
+            if isinstance(self.target, LlamaCppModel):
+                assert self.draft is None or isinstance(self.draft, LlamaCppModel)  # one engine a pair
+                self.timings = llama_cpp.modelled_timings(self.target, self.draft)
+            else:
+                assert not isinstance(self.draft, LlamaCppModel)
+                self.timings = modelled_timings(self.target, self.draft)
         return self.timings
 
     def autoregressive(

@@ -301,7 +301,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
             except SettingsError as exc:
                 raise APIError(400, str(exc), param=name) from None
         request = SamplingRequest(**{**asdict(options.sampling), **given_sampling})
-        sampling = request.resolve(pair.target.generation_config, options.model_id).config
+        sampling = request.resolve(pair.generation_config, options.model_id).config
         settings = default_threshold(
             settings, options.threshold_given or "threshold" in given, sampling.greedy
         )

@@ -34,7 +34,6 @@ from fsd_chat.models.pair import ModelPair
 from fsd_chat.server.app import ServeOptions, create_app
 from fsd_chat.server.engine import Delivery, Engine, Job
 from fsd_chat.support.errors import FsdChatError
-from fsd_chat.support.threads import apply_threads
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ def warm_up(pair: ModelPair, engine: Engine, options: ServeOptions) -> None:
         ids = prompt_ids(
             pair.tokenizer, hello, raw=options.raw, vocab_size=pair.vocab_size, limits=RenderLimits()
         )
-        sampling = options.sampling.resolve(pair.target.generation_config, options.model_id).config
+        sampling = options.sampling.resolve(pair.generation_config, options.model_id).config
     except FsdChatError as exc:
         log.warning("not warmed up: %s", exc)
         return
@@ -239,8 +238,7 @@ def run_server(
     sock = bind(host, port)  # before the load, which may take minutes: a busy port fails at once
     try:
         pair = load_pair(target, draft, load)
-        if pair.device.type == "cpu":
-            apply_threads(threads)
+        pair.use_threads(threads)
         controls = Controls(options.settings)
         decoder = pair.decoder(
             controls,

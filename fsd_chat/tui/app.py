@@ -28,7 +28,6 @@ from fsd_chat.models.loading import Progress
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import one_line
-from fsd_chat.support.threads import apply_threads
 from fsd_chat.tui.keys import APP_BINDINGS, CHAT_BINDINGS
 from fsd_chat.tui.messages import LoadProgress
 from fsd_chat.tui.screens.chat import ChatScreen
@@ -195,8 +194,7 @@ class FsdChatApp(App[None]):
         graphs (`--whole-step` on CUDA) are captured as it is built, which takes seconds the
         loading screen shows."""
         pair = self.loader(lambda text: self.post_message(LoadProgress(text)))
-        if pair.device.type == "cpu":
-            apply_threads(self.options.threads, reserve=1)  # one core is left to the UI
+        pair.use_threads(self.options.threads, reserve=1)  # one core is left to the UI
         return pair, self.decoder_factory(pair, self.controls)
 
     def on_load_progress(self, message: LoadProgress) -> None:

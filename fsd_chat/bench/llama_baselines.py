@@ -1,0 +1,99 @@
+"""llama.cpp's own decoding as bench baselines, on a `llama_cpp.Llama` of their own (its own KV cache
+and prefix cache), opened on the target's GGUF file:
+
+- `llama.cpp`: `Llama.generate`, the token loop under `create_completion` (its sampler chain:
+  greedy at temperature 0, else top-k, top-p, min-p and temperature; no repetition penalty), without
+  `create_completion`'s text assembly, so at least as fast as what a user of `create_completion`
+  gets;
+- `llama.cpp-lookup`: the same loop with llama-cpp-python's prompt lookup decoding
+  (`LlamaPromptLookupDecoding(max_ngram_size=n, num_pred_tokens=k)`, n = fsd-chat's lookup n-gram),
+  which evaluates the copied tokens in one batch and keeps those its sampler draws alike.
+
+llama-cpp-python offers no speculation with a draft model (its `LlamaDraftModel` interface has only
+prompt lookup; llama.cpp's draft-model speculation lives in its C++ `common` library and examples,
+which the binding does not wrap), so there is no such baseline.
+
+A reply ends at any of the pair's end-of-sequence ids (not emitted), at `max_new_tokens`, at a stop
+string (the token completing it is emitted, as fsd-chat's decoders do) or at the deadline. Each
+`Llama.eval` is one forward pass on the tally (the first the prompt's prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsd_chat.bench.meter import ForwardMeter
+from fsd_chat.bench.records import ForwardTally
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, SamplingConfig
+from fsd_chat.engines.llama_cpp import LlamaCppModel, llama_cpp_module, open_gguf
+
+
+def baseline_llama(target: LlamaCppModel, lookup_tokens: int | None) -> Any:
+    """A `Llama` of its own over the target's file, threads and placement; with prompt lookup of
+    up to `lookup_tokens` tokens a step when given."""
+    draft = None
+    if lookup_tokens is not None:
+        speculative = llama_cpp_module().llama_speculative
+        draft = speculative.LlamaPromptLookupDecoding(
+            max_ngram_size=DEFAULT_LOOKUP_NGRAM, num_pred_tokens=lookup_tokens
+        )
+    return open_gguf(
+        target.path,
+        threads=target.threads,
+        gpu=target.gpu,
+        context=target.n_ctx,
+        draft_model=draft,
+    )
+
+
+def llama_generate(
+    llama: Any,
+    prompt_ids: list[int],
+    sampling: SamplingConfig,
+    *,
+    max_new_tokens: int,
+    eos: frozenset[int],
+    stop_strings: tuple[str, ...],
+    tally: ForwardTally,
+    stop: Callable[[], bool],
+) -> list[int]:
+    """The reply llama.cpp decodes for `prompt_ids` (see the module docstring); `stop` is asked
+    after each token (a deadline)."""
+    if not sampling.greedy:
+        llama.set_seed(sampling.seed or 0)
+    temp = 0.0 if sampling.greedy else sampling.temperature
+    ids: list[int] = []
+    text = b""
+    longest = max((len(s.encode()) for s in stop_strings), default=0)
+    stops = [s.encode() for s in stop_strings]
+    evaluate = llama.eval
+
+    def metered(tokens: Any) -> None:
+        began = time.perf_counter()
+        evaluate(tokens)
+        ForwardMeter._add(tally, time.perf_counter() - began)
+
+    llama.eval = metered
+    try:
+        for token in llama.generate(
+            prompt_ids,
+            top_k=sampling.top_k or 0,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            temp=temp,
+            repeat_penalty=1.0,
+        ):
+            if token in eos:
+                break
+            ids.append(token)
+            if stops:
+                text = (text + llama.detokenize([token]))[-(longest + 16) :]
+                if any(s in text for s in stops):
+                    break
+            if len(ids) >= max_new_tokens or stop():
+                break
+    finally:
+        del llama.eval  # the class's method again
+    return ids

@@ -1,0 +1,319 @@
+"""The llama.cpp engine: a GGUF file run natively quantized by llama.cpp (through llama-cpp-python),
+bound to its KV cache as a `ModelRunner`, so that the decoding loop, the acceptance rules, the
+sampling, the costs, the draft policy and prompt lookup are the same code as over transformers.
+
+What the seam maps to (llama.h):
+- `forward` / `prefill`: one `llama_decode` a chunk of up to `BATCH` tokens, from a `llama_batch`
+  this model owns and fills through numpy views of its arrays (tokens, positions, output flags: no
+  per-token Python). Only the positions asked for are flagged for output, so llama.cpp computes
+  and keeps `keep` rows of logits, not a row per token.
+- the logits: `llama_get_logits` points at llama.cpp's output buffer, whose rows are the flagged
+  positions in batch order; they are returned as a torch view of that buffer
+  (`np.ctypeslib.as_array` then `torch.from_numpy`: no copy), valid until the next decode.
+- `rollback`: `llama_memory_seq_rm(memory, 0, length, -1)` drops the positions from `length` on.
+- `keep_prefix`: the ids the cache holds are kept on the host; the longest common prefix with the
+  new sequence stays, the rest is removed (llama.cpp's own prefix cache is this same KV cache).
+
+Sliding-window models keep every token's keys and values (`swa_full`), so that a rollback to any
+earlier position is exact; recurrent and hybrid models (whose state cannot be cut back to a
+position) are refused.
+
+The module imports no llama_cpp until an engine is made (`llama_cpp_module`): fsd-chat runs without
+llama-cpp-python (the GPU image has none).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fsd_chat.decoding.draft_policy import ForwardTimings, timings_of
+from fsd_chat.support.errors import ContextLengthError, ModelLoadError, UnsupportedCacheError
+
+BATCH = 512
+"""Tokens a `llama_decode` reads at most (llama.cpp's n_batch and n_ubatch; llama-cpp-python's
+default): a longer prompt is fed in chunks of this size."""
+CONTEXT = 8192
+"""Most tokens the KV cache holds (llama.cpp's n_ctx), below the model's trained context: the cache
+is allocated whole when the model loads (SmolLM2-135M: 23 KiB a token in f16, 184 MiB at 8192)."""
+INSTALL = "pip install llama-cpp-python (make setup builds it from source: it needs cmake and a C++ compiler)"
+"""How to get the engine, for the one-line error when it is missing."""
+
+
+def unavailable() -> str | None:
+    """Why the llama.cpp engine cannot run here, in one line (None: it can): llama-cpp-python is
+    not installed, or its native library does not load."""
+    try:
+        llama_cpp_module()
+    except ModelLoadError as exc:
+        return str(exc)
+    return None
+
+
+@functools.cache
+def llama_cpp_module() -> Any:
+    """The `llama_cpp` module, imported on first use (typed Any: it is optional, and its ctypes
+    declarations are all the typing it has).
+
+    Raises:
+        ModelLoadError: llama-cpp-python is not installed, or its native library fails to load.
+    """
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ModelLoadError(
+            f"the llama.cpp engine needs llama-cpp-python, which is not installed: {INSTALL}"
+        )
+    try:
+        return importlib.import_module("llama_cpp")
+    except (ImportError, OSError, RuntimeError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(
+            f"llama-cpp-python is installed but does not load ({reason}): {INSTALL}"
+        ) from None
+
+
+def open_gguf(path: Path, *, threads: int, gpu: bool, context: int = CONTEXT, draft_model: Any = None) -> Any:
+    """A `llama_cpp.Llama` over the GGUF file `path`, with no output of its own on stderr.
+
+    Args:
+        path: The GGUF file.
+        threads: llama.cpp's threads, for single tokens and batches alike.
+        gpu: Offload every layer to the GPU (a CUDA or Metal build); False: the CPU.
+        context: Most tokens the KV cache holds (capped to the model's trained context).
+        draft_model: llama-cpp-python's own drafting (`LlamaPromptLookupDecoding`: the bench's
+            llama.cpp-lookup baseline); None for fsd-chat's engine.
+
+    Raises:
+        ModelLoadError: llama-cpp-python is missing, or llama.cpp cannot load the file.
+    """
+    llama_cpp = llama_cpp_module()
+    try:
+        return llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=context,
+            n_batch=BATCH,
+            n_ubatch=BATCH,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=-1 if gpu else 0,
+            logits_all=False,
+            swa_full=True,
+            draft_model=draft_model,
+            verbose=False,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(f"llama.cpp could not load {path}: {reason}") from None
+
+
+class LlamaCppModel:
+    """A GGUF model on llama.cpp and the KV cache of the sequence it has seen (a `ModelRunner`).
+
+    Invariant: the cache holds the first `seen` tokens of the last sequence fed, whose ids are
+    kept in `_ids`.
+
+    Args:
+        llama: The `llama_cpp.Llama` (`open_gguf`); this model decodes through its context with a
+            batch of its own, and owns its KV cache from now on.
+        vocab_size: Logits beyond this index are dropped (llama.cpp's vocabulary may hold more ids
+            than the tokenizer).
+
+    Raises:
+        UnsupportedCacheError: the model keeps recurrent state (Mamba, RWKV, hybrid layers), which
+            cannot be rolled back to a position.
+    """
+
+    compile_error: str | None = None
+    """Nothing compiles on this engine."""
+
+    def __init__(self, llama: Any, vocab_size: int) -> None:
+        self._llama_cpp = llama_cpp_module()
+        lib = self._llama_cpp
+        self.llama = llama
+        self.path = Path(llama.model_path)
+        self.threads = int(llama.n_threads)
+        self.gpu = llama.model_params.n_gpu_layers != 0
+        self._ctx = llama.ctx
+        model = llama.model
+        if lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model):
+            raise UnsupportedCacheError(
+                f"{self.path.name} keeps recurrent state that cannot be rolled back to an "
+                "accepted prefix; speculative decoding needs a KV cache that can"
+            )
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
+        self.vocab_size = min(vocab_size, self._n_vocab)
+        self.device = torch.device("cpu")  # llama.cpp hands its logits to the host, GPU or not
+        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self.seen = 0
+        self._ids = np.zeros(self.n_ctx, dtype=np.int64)
+        # The batch and numpy views of its arrays: a decode fills them with vectorised writes.
+        self._batch = lib.llama_batch_init(BATCH, 0, 1)
+        batch = self._batch
+        self._tokens = np.ctypeslib.as_array(batch.token, shape=(BATCH,))
+        self._positions = np.ctypeslib.as_array(batch.pos, shape=(BATCH,))
+        self._outputs = np.ctypeslib.as_array(batch.logits, shape=(BATCH,))
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(BATCH,))[:] = 1
+        for i in range(BATCH):
+            batch.seq_id[i][0] = 0  # one sequence, id 0
+        self._offsets = np.arange(BATCH, dtype=np.int32)
+        self._eos = frozenset(
+            i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(lib.llama_model_get_vocab(model), i)
+        )
+
+    def __del__(self) -> None:
+        batch = getattr(self, "_batch", None)
+        if batch is not None:
+            self._llama_cpp.llama_batch_free(batch)
+            self._batch = None
+
+    def set_threads(self, threads: int) -> None:
+        """Decode with `threads` CPU threads from now on, single tokens and batches alike
+        (`llama_set_n_threads`)."""
+        self._llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+        self.threads = threads
+
+    @property
+    def context(self) -> int | None:
+        """See `ModelRunner.context`: the KV cache's size (n_ctx)."""
+        return self.n_ctx
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """See `ModelRunner.eos_token_ids`: the ids llama.cpp ends generation at
+        (`llama_vocab_is_eog`: the end-of-sequence, end-of-turn and end-of-message tokens)."""
+        return self._eos
+
+    @property
+    def file_bytes(self) -> int:
+        """The weights' size in bytes as llama.cpp holds them (`llama_model_size`)."""
+        return int(self._llama_cpp.llama_model_size(self.llama.model))
+
+    def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
+        """See `ModelRunner.forward`: the returned logits are a view of llama.cpp's output buffer
+        (shape [keep, vocab_size] float32 on the CPU), valid until the next decode.
+
+        Raises:
+            ContextLengthError: `upto` exceeds the KV cache (n_ctx), or llama.cpp found no room.
+        """
+        self._decode(seq, upto, keep)
+        rows = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits(self._ctx), shape=(keep, self._n_vocab))
+        return torch.from_numpy(rows)[:, : self.vocab_size]
+
+    def prefill(self, seq: torch.Tensor, upto: int) -> None:
+        """See `ModelRunner.prefill`: the last position's logits only (llama.cpp computes none
+        for the others)."""
+        self._decode(seq, upto, 1)
+
+    def _decode(self, seq: torch.Tensor, upto: int, keep: int) -> None:
+        """Feed seq[0, seen:upto] in chunks of up to BATCH tokens, the first chunk the short one, so
+        that the last `keep` (≤ BATCH) positions are all in the last chunk."""
+        if keep > BATCH:
+            raise ValueError(f"at most {BATCH} positions' logits a forward on llama.cpp, asked for {keep}")
+        if upto > self.n_ctx:
+            raise ContextLengthError(
+                f"the sequence reached {upto} tokens but llama.cpp's KV cache holds {self.n_ctx}"
+            )
+        ids = seq[0, self.seen : upto].numpy()
+        start = self.seen
+        first = (len(ids) - 1) % BATCH + 1
+        for begin, end in itertools.pairwise([0, *range(first, len(ids) + 1, BATCH)]):
+            n = end - begin
+            self._tokens[:n] = ids[begin:end]
+            np.add(self._offsets[:n], start + begin, out=self._positions[:n])
+            self._outputs[:n] = 0
+            if end == len(ids):
+                self._outputs[n - keep : n] = 1
+            self._batch.n_tokens = n
+            code = self._llama_cpp.llama_decode(self._ctx, self._batch)
+            if code != 0:
+                self.rollback(start + begin)  # what a failed decode may have written is dropped
+                if code == 1:
+                    raise ContextLengthError(f"llama.cpp found no room in its KV cache ({self.n_ctx} tokens)")
+                raise RuntimeError(f"llama_decode returned {code}")
+            self._ids[start + begin : start + end] = ids[begin:end]
+            self.seen = start + end
+
+    def rollback(self, length: int) -> None:
+        """See `ModelRunner.rollback`: `llama_memory_seq_rm` of the positions from `length` on.
+
+        Raises:
+            UnsupportedCacheError: llama.cpp could not remove them (a cache that cannot be cut).
+        """
+        if self.seen > length:
+            if not self._llama_cpp.llama_memory_seq_rm(self._memory, 0, length, -1):
+                raise UnsupportedCacheError(
+                    "llama.cpp could not roll its KV cache back to an accepted prefix"
+                )
+            self.seen = length
+
+    def reset(self) -> None:
+        """See `ModelRunner.reset`: the KV cache emptied (`llama_memory_clear`)."""
+        self._llama_cpp.llama_memory_clear(self._memory, True)
+        self.seen = 0
+
+    def keep_prefix(self, seq: torch.Tensor, length: int) -> int:
+        """See `ModelRunner.keep_prefix`: the cached ids are compared on the host."""
+        n = min(self.seen, length)
+        differ = np.flatnonzero(self._ids[:n] != seq[0, :n].numpy())
+        common = int(differ[0]) if len(differ) else n
+        if common == 0:
+            self.reset()
+        else:
+            self.rollback(common)
+        return self.seen
+
+
+def gpu_offload() -> bool:
+    """Whether this llama-cpp-python build can offload layers to a GPU (CUDA, Metal, Vulkan...)."""
+    return bool(llama_cpp_module().llama_supports_gpu_offload())
+
+
+FORWARD_SECONDS = 5.0e-4
+"""`forward_seconds`: the fixed part of a forward on llama.cpp (a decode call, its graph)."""
+BYTE_SECONDS = 7.0e-11
+"""`forward_seconds`: seconds per byte of weights (`llama_model_size`) a forward reads once."""
+TOKEN_PARAMETER_SECONDS = 8.0e-11
+"""`forward_seconds`: seconds per token of a forward's width and per parameter. On a CPU llama.cpp's
+quantized matrix products cost each token of a batch nearly as much as the first: measured on
+SmolLM2-135M Q4_1 (96.6 MB, 134.5 M parameters), one thread, 64 tokens of context, best of 5 on a
+shared 2-core CPU (2026-11-27): V(1) 18.1 ms, V(2) 31.0, V(4) 41.9, V(8) 85.9, V(17) 165, V(33) 357,
+which 0.5 + 6.8 + 10.8 w ms fits within 10% (the model gives 18.1, 28.9, 50.5, 93.5, 191, 364)."""
+ATTENTION_SECONDS = 4.1e-10
+"""`modelled_timings`: seconds a 1-token forward adds per token of context, per layer and unit of
+hidden width (same measurement: V(1) 18.1 ms over 64 tokens of context, 24.7 over 1,000)."""
+ATTENTION_WIDTH_SECONDS = 6.8e-10
+"""`modelled_timings`: what each further token of a forward's width adds to ATTENTION_SECONDS (same
+measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000)."""
+
+
+def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
+    """The draft and verify forward times of models on llama.cpp, from their sizes alone (as
+    `fsd_chat.decoding.draft_policy.modelled_timings` does for transformers models): no clock, so a
+    seed gives the same reply under any load. A forward of w tokens costs a fixed part, the read of
+    its weights (`llama_model_size`) and a part per token and parameter; prompt lookup's positions
+    cost nothing."""
+    lib = target._llama_cpp
+    model = target.llama.model
+    attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model))
+    return timings_of(
+        forward_seconds,
+        target,
+        draft,
+        vocab=target.vocab_size,
+        attention=attended * ATTENTION_SECONDS,
+        attention_width=attended * ATTENTION_WIDTH_SECONDS,
+    )
+
+
+def forward_seconds(model: LlamaCppModel, width: int) -> float:
+    """The modelled seconds of a forward of `width` tokens on llama.cpp (`modelled_timings`): a fixed
+    part, the weights read once, and a part per token and parameter (see the constants)."""
+    params = int(model._llama_cpp.llama_model_n_params(model.llama.model))
+    return FORWARD_SECONDS + model.file_bytes * BYTE_SECONDS + width * params * TOKEN_PARAMETER_SECONDS

@@ -1,0 +1,174 @@
+"""Peak memory and first-prompt time of a GGUF file on the llama.cpp engine, beside llama.cpp alone,
+the transformers engine and the runtime's own imports.
+
+Each run is a fresh process under `/usr/bin/time -v` (its maximum resident set size, and its wall
+time: Python, imports, load and the reply, as a user waits for them), greedy, one thread, the same
+chat prompt and `--tokens` tokens:
+
+- `imports`: `import torch, transformers` (the runtime any fsd-chat process pays);
+- `llama.cpp`: llama-cpp-python alone: `Llama(n_ctx=8192)` and `create_completion`;
+- `fsd-chat llama.cpp`: `fsd-chat generate --engine llama.cpp` (prompt lookup, the default dial);
+- `fsd-chat transformers`: `fsd-chat generate --engine transformers` (the float32 copy, converted on
+  an earlier start);
+- `first prompt, new file`: `fsd-chat generate --max-new-tokens 1` on a copy of the file under a new
+  name, into an empty cache (the tokenizer is read from the file: no conversion); `second start`:
+  the same again (the tokenizer cached). Their `load_s`: in such a process, once fsd-chat and its
+  libraries are imported, the seconds from `load_pair` to the first token of the reply (what a new
+  file costs beyond Python's imports, which any start pays).
+
+The runs alternate over `--repeats` rounds (the machine's load drifts into all alike); each figure is
+the median over rounds. The goal it checks (issue 46): fsd-chat on llama.cpp peaks at no more than
+the imports' RSS + 1.3 × (the file + the KV cache).
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_llama_memory.py --output docs/bench-llama-cpp-memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from fsd_chat.models.default_model import default_model_path
+from fsd_chat.support.config import ENV_CACHE_DIR
+
+PROMPT = (
+    "Retell this story in two sentences: Lily found a red ball in the park and gave it to her friend Tom."
+)
+LLAMA_ALONE = """
+import sys
+from llama_cpp import Llama
+llama = Llama(model_path=sys.argv[1], n_ctx=8192, n_threads=1, n_threads_batch=1, verbose=False)
+messages = [{"role": "user", "content": sys.argv[2]}]
+llama.create_chat_completion(messages, max_tokens=int(sys.argv[3]), temperature=0.0)
+"""
+FIRST_TOKEN = """
+import sys, time
+from fsd_chat.decoding import Controls
+from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+start = time.perf_counter()
+pair = load_pair(ModelSpec(sys.argv[1]), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1), lambda _: None)
+ids = prompt_ids(pair.tokenizer, [Message("user", sys.argv[2])])
+next(iter(pair.speculative(Controls()).generate(ids, max_new_tokens=1)))
+print(time.perf_counter() - start)
+"""
+KV_BYTES = """
+import sys
+import llama_cpp
+from llama_cpp import Llama
+llama = Llama(model_path=sys.argv[1], n_ctx=8192, n_threads=1, verbose=False)
+model = llama.model
+layers, embd = llama_cpp.llama_model_n_layer(model), llama_cpp.llama_model_n_embd(model)
+heads, kv_heads = llama_cpp.llama_model_n_head(model), llama_cpp.llama_model_n_head_kv(model)
+print(layers * 8192 * 2 * kv_heads * (embd // heads) * 2)  # keys and values, float16
+"""
+
+
+def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
+    """{"rss_mb": peak resident set, "wall_s": wall time} of one process."""
+    done = subprocess.run(
+        ["/usr/bin/time", "-v", *command], capture_output=True, text=True, env=env, check=True
+    )
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)[1])  # type: ignore[index]
+    wall = re.search(
+        r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", done.stderr
+    )
+    assert wall is not None
+    seconds = int(wall[1] or 0) * 3600 + int(wall[2]) * 60 + float(wall[3])
+    return {"rss_mb": rss / 1024, "wall_s": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the default chat model)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    gguf = args.gguf or default_model_path()
+    python = sys.executable
+    fsd = [python, "-m", "fsd_chat", "generate", "--threads", "1", "--max-new-tokens", str(args.tokens)]
+    env = {**os.environ}
+    runs: dict[str, list[dict[str, float]]] = {}
+    scratch = Path(tempfile.mkdtemp(prefix="llama-memory-"))
+    try:
+        for repeat in range(args.repeats):
+            commands = {
+                "imports": [python, "-c", "import torch, transformers"],
+                "llama.cpp": [python, "-c", LLAMA_ALONE, str(gguf), PROMPT, str(args.tokens)],
+                "fsd-chat llama.cpp": [*fsd, "--target", str(gguf), "--engine", "llama.cpp", PROMPT],
+                "fsd-chat transformers": [*fsd, "--target", str(gguf), "--engine", "transformers", PROMPT],
+            }
+            for name, command in commands.items():
+                runs.setdefault(name, []).append(timed(command, env))
+            # A file fsd-chat has never seen: a copy under a new name, into an empty cache.
+            fresh = scratch / f"round{repeat}"
+            fresh.mkdir()
+            copy = shutil.copy(gguf, fresh / f"new-{repeat}.gguf")
+            cache = {**env, ENV_CACHE_DIR: str(fresh / "cache")}
+            first = [python, "-m", "fsd_chat", "generate", "--threads", "1", "--max-new-tokens", "1"]
+            for name in ("first prompt, new file", "second start"):
+                runs.setdefault(name, []).append(timed([*first, "--target", str(copy), PROMPT], cache))
+            # The same pair of starts, timed from load_pair on (imports done), on another copy.
+            copy = shutil.copy(gguf, fresh / f"newer-{repeat}.gguf")
+            cache = {**env, ENV_CACHE_DIR: str(fresh / "cache-load")}
+            for name in ("first prompt, new file", "second start"):
+                done = subprocess.run(
+                    [python, "-c", FIRST_TOKEN, str(copy), PROMPT],
+                    capture_output=True,
+                    text=True,
+                    env=cache,
+                    check=True,
+                )
+                runs[name][-1]["load_s"] = float(done.stdout.strip().splitlines()[-1])
+            print(
+                f"round {repeat + 1}: "
+                + ", ".join(f"{n} {r[-1]['rss_mb']:.0f} MB {r[-1]['wall_s']:.1f} s" for n, r in runs.items()),
+                flush=True,
+            )
+        kv = int(
+            subprocess.run(
+                [python, "-c", KV_BYTES, str(gguf)], capture_output=True, text=True, check=True
+            ).stdout
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    medians = {
+        name: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+        for name, rounds in runs.items()
+    }
+    file_mb, kv_mb = gguf.stat().st_size / 2**20, kv / 2**20
+    bound = medians["imports"]["rss_mb"] + 1.3 * (file_mb + kv_mb)
+    report = {
+        "gguf": gguf.name,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "machine": "2-core CPU shared with other processes; medians over rounds, runs interleaved",
+        "file_mb": file_mb,
+        "kv_cache_mb": kv_mb,
+        "goal_rss_mb": bound,
+        "medians": medians,
+        "runs": runs,
+    }
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    for name, figures in medians.items():
+        load = f", load to first token {figures['load_s']:.1f} s" if "load_s" in figures else ""
+        print(f"{name:24} {figures['rss_mb']:7.0f} MB {figures['wall_s']:6.1f} s{load}")
+    print(
+        f"goal: fsd-chat llama.cpp ≤ {bound:.0f} MB (imports + 1.3 × (file {file_mb:.0f} MB + KV {kv_mb:.0f} MB))"
+    )
+
+
+if __name__ == "__main__":
+    main()

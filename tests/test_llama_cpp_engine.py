@@ -1,0 +1,310 @@
+"""The llama.cpp engine (`fsd_chat.engines.llama_cpp`) behind the decoding loop's seam, on a real
+llama.cpp (llama-cpp-python): the offline pair written as float32 GGUF files, and the real default
+chat model (SmolLM2-135M-Instruct Q4_1).
+
+- the runner: its logits are the transformers model's on the same weights, at the positions asked
+  for, through any chunking of a long feed; they are a view of llama.cpp's buffer (no copy);
+  rollback and prefix reuse give the logits of a fresh feed;
+- greedy identity: fsd-chat's target-only and speculative decoding (prompt lookup, exact rule) on
+  the llama.cpp engine emit llama.cpp's own greedy decoding (`Llama.generate` at temperature 0) on
+  the default model, token for token; a GGUF draft's exact greedy decoding is target-only decoding;
+- the engine choice (`--engine`) and its one-line errors;
+- prefix reuse across turns, `--threads`.
+
+The sampling-law tests and the live dial run on both engines in `test_sampling_lossless` and
+`test_live_controls` (`engine_pair`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.engines import llama_cpp as engine
+from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.default_model import resolve_target
+from fsd_chat.models.engine_choice import choose_engine
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.models.pair import ModelPair
+from fsd_chat.support.errors import ModelLoadError
+from tests.conftest import LLAMA_CPP_MISSING, TARGET_DIR
+
+llama_cpp = pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+
+PROMPT = "Once upon a time, there was a little"
+NO_PROGRESS = print
+
+
+def ids_tensor(ids: list[int]) -> torch.Tensor:
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def test_the_runner_is_the_seam(llama_pair: ModelPair) -> None:
+    assert isinstance(llama_pair.target, engine.LlamaCppModel)
+    assert isinstance(llama_pair.target, ModelRunner)
+    assert llama_pair.engine == "llama.cpp"
+    assert llama_pair.vocab_size == 512
+
+
+def test_logits_are_the_transformers_models_at_the_positions_asked_for(
+    llama_pair: ModelPair, pair: ModelPair
+) -> None:
+    """The same float32 weights: llama.cpp's logits match transformers' within its float16 KV cache's rounding, for
+    the last `keep` positions of a feed, and the next feed continues the sequence."""
+    runner = llama_pair.target
+    assert isinstance(runner, engine.LlamaCppModel)
+    ids = pair.tokenizer(PROMPT + " girl who liked to play").input_ids
+    with torch.inference_mode():
+        reference = pair.target(ids_tensor(ids)).logits[0, :, :512]
+    runner.reset()
+    first = runner.forward(ids_tensor(ids), 6, keep=3).clone()
+    rest = runner.forward(ids_tensor(ids), len(ids), keep=len(ids) - 6).clone()
+    assert runner.seen == len(ids)
+    torch.testing.assert_close(first, reference[3:6], atol=2e-2, rtol=0.0)
+    torch.testing.assert_close(rest, reference[6:], atol=2e-2, rtol=0.0)
+
+
+def test_a_feed_longer_than_a_batch_is_read_in_chunks(
+    monkeypatch: pytest.MonkeyPatch, llama_pair: ModelPair, pair: ModelPair
+) -> None:
+    """With a batch of 4 tokens, an 11-token feed is three decodes (3 + 4 + 4, the short one first,
+    so that the 5 positions asked for... at most a batch: here 4 lie in the last chunk)."""
+    monkeypatch.setattr(engine, "BATCH", 4)
+    runner = engine.LlamaCppModel(llama_pair.target.llama, 512)  # type: ignore[union-attr]
+    ids = pair.tokenizer(PROMPT + " girl").input_ids[:11]
+    assert len(ids) == 11
+    with torch.inference_mode():
+        reference = pair.target(ids_tensor(ids)).logits[0, :, :512]
+    runner.reset()
+    logits = runner.forward(ids_tensor(ids), 11, keep=4)
+    torch.testing.assert_close(logits, reference[7:], atol=2e-2, rtol=0.0)
+    with pytest.raises(ValueError, match="at most 4"):
+        runner.forward(ids_tensor([*ids, 5, 6, 7, 8, 9]), 16, keep=5)
+    llama_pair.target.reset()  # type: ignore[union-attr]  # the pair's runner shares the context
+
+
+def test_logits_are_a_view_of_llama_cpps_buffer(llama_pair: ModelPair) -> None:
+    runner = llama_pair.target
+    assert isinstance(runner, engine.LlamaCppModel)
+    runner.reset()
+    logits = runner.forward(ids_tensor([1, 400, 300]), 3, keep=2)
+    buffer = llama_cpp.llama_get_logits(runner.llama.ctx)
+    address = np.ctypeslib.as_array(buffer, shape=(1,)).__array_interface__["data"][0]
+    assert logits.data_ptr() == address
+    assert logits.shape == (2, 512)
+
+
+def test_rollback_and_prefix_reuse_give_a_fresh_feeds_logits(llama_pair: ModelPair) -> None:
+    runner = llama_pair.target
+    assert isinstance(runner, engine.LlamaCppModel)
+    ids = llama_pair.tokenizer(PROMPT).input_ids
+    other = [*ids[:5], 77, 78, 79]
+    runner.reset()
+    fresh = runner.forward(ids_tensor(other), len(other), keep=3).clone()
+    runner.reset()
+    runner.forward(ids_tensor(ids), len(ids), keep=1)
+    runner.rollback(5)
+    assert runner.seen == 5
+    torch.testing.assert_close(runner.forward(ids_tensor(other), len(other), keep=3), fresh)
+    # A new sequence sharing 5 tokens with the cached one keeps them, and reads only the rest.
+    runner.reset()
+    runner.forward(ids_tensor(ids), len(ids), keep=1)
+    assert runner.keep_prefix(ids_tensor(other), len(other)) == 5
+    torch.testing.assert_close(runner.forward(ids_tensor(other), len(other), keep=3), fresh)
+    assert runner.keep_prefix(ids_tensor([9, 9]), 2) == 0
+
+
+@pytest.fixture(scope="module")
+def default_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """The default chat model on llama.cpp, one thread, prompt lookup."""
+    return load_pair(
+        ModelSpec(resolve_target("default")), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1)
+    )
+
+
+def chat_prompt(pair: ModelPair, text: str) -> list[int]:
+    return prompt_ids(pair.tokenizer, [Message("user", text)])
+
+
+def llama_greedy(pair: ModelPair, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's own greedy decoding of `prompt` on a `Llama` of its own (up to EOS, n tokens)."""
+    assert isinstance(pair.target, engine.LlamaCppModel)
+    llama = engine.open_gguf(pair.target.path, threads=1, gpu=False)
+    ids: list[int] = []
+    for token in llama.generate(prompt, temp=0.0, repeat_penalty=1.0):
+        if token in pair.target.eos_token_ids or len(ids) == n:
+            break
+        ids.append(token)
+    llama.close()
+    return ids
+
+
+def decoded(decoder: object, prompt: list[int], n: int) -> list[int]:
+    return [
+        t.id
+        for step in decoder.generate(prompt, max_new_tokens=n, sampling=SamplingConfig())  # type: ignore[attr-defined]
+        for t in step.tokens
+    ]
+
+
+@pytest.mark.slow
+def test_greedy_decoding_is_llama_cpps_own_on_the_default_model(default_pair: ModelPair) -> None:
+    """Target-only and speculative decoding with prompt lookup (exact rule) on the llama.cpp engine
+    emit exactly llama.cpp's greedy tokens, on a prompt that copies (lookup hits) and one that does not."""
+    texts = [
+        "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
+        "What is the capital of France?",
+    ]
+    for text in texts:
+        prompt = chat_prompt(default_pair, text)
+        expected = llama_greedy(default_pair, prompt, 64)
+        assert len(expected) > 5
+        target_only = default_pair.autoregressive(Controls())
+        assert decoded(target_only, prompt, 64) == expected
+        lookup = default_pair.speculative(Controls(DecodingSettings(rule="exact", draft_tokens=5)))
+        assert decoded(lookup, prompt, 64) == expected
+
+
+def test_a_gguf_drafts_exact_greedy_decoding_is_target_only_decoding(llama_pair: ModelPair) -> None:
+    prompt = llama_pair.tokenizer(PROMPT).input_ids
+    target_only = decoded(llama_pair.autoregressive(Controls()), prompt, 40)
+    decoder = llama_pair.speculative(Controls(DecodingSettings(rule="exact", draft_tokens=4)))
+    steps = list(decoder.generate(prompt, max_new_tokens=40, sampling=SamplingConfig()))
+    assert [t.id for s in steps for t in s.tokens] == target_only
+    assert sum(s.stats.draft_forwards for s in steps) > 0  # the GGUF draft did draft
+    assert sum(s.stats.accepted_exact for s in steps) > 0
+
+
+def test_prefix_reuse_across_turns_reads_only_the_new_tokens(llama_pair: ModelPair) -> None:
+    controls = Controls()
+    decoder = llama_pair.speculative(controls)
+    first = llama_pair.tokenizer(PROMPT).input_ids
+    reply = decoded(decoder, first, 10)
+    second = [*first, *reply, *llama_pair.tokenizer(" The end.").input_ids[1:]]
+    decoded(decoder, second, 5)
+    # Everything the first turn fed is kept: its prompt and its reply but the last token.
+    assert controls.cached_prompt_tokens >= len(first) + len(reply) - 1
+
+
+def test_threads_set_llama_cpps_threads_and_leave_torch_one(llama_pair: ModelPair) -> None:
+    """`--threads` (`ModelPair.use_threads`, which every command calls after loading) sets both
+    models' llama.cpp threads; torch keeps one."""
+    target, draft = llama_pair.target, llama_pair.draft
+    assert isinstance(target, engine.LlamaCppModel) and isinstance(draft, engine.LlamaCppModel)
+    assert target.threads == 1 and llama_cpp.llama_n_threads(target.llama.ctx) == 1
+    try:
+        llama_pair.use_threads(2)
+        for model in (target, draft):
+            assert llama_cpp.llama_n_threads(model.llama.ctx) == 2
+            assert llama_cpp.llama_n_threads_batch(model.llama.ctx) == 2
+        assert torch.get_num_threads() == 1
+        assert "llama.cpp cpu, 2 threads" in llama_pair.describe()
+    finally:
+        llama_pair.use_threads(1)
+
+
+def test_auto_takes_llama_cpp_for_a_gguf_file_and_transformers_for_a_folder(
+    stories_gguf_files: tuple[Path, Path],
+) -> None:
+    target, draft = stories_gguf_files
+    auto = LoadOptions()
+    gguf = choose_engine(ModelSpec(str(target)), ModelSpec(str(draft)), auto, NO_PROGRESS)
+    assert (gguf.engine, gguf.reason) == ("llama.cpp", "a GGUF file, llama-cpp-python installed")
+    folder = choose_engine(ModelSpec(str(TARGET_DIR)), ModelSpec("lookup"), auto, NO_PROGRESS)
+    assert (folder.engine, folder.reason) == ("transformers", "stories260K is not a GGUF file")
+    mixed = choose_engine(ModelSpec(str(target)), ModelSpec(str(TARGET_DIR)), auto, NO_PROGRESS)
+    assert mixed.engine == "transformers"
+    asked = choose_engine(
+        ModelSpec(str(target)), ModelSpec("lookup"), LoadOptions(engine="transformers"), NO_PROGRESS
+    )
+    assert (asked.engine, asked.reason) == ("transformers", "--engine transformers")
+
+
+def test_llama_cpp_refuses_a_model_that_is_not_a_gguf_file_in_one_line() -> None:
+    with pytest.raises(ModelLoadError) as error:
+        choose_engine(
+            ModelSpec(str(TARGET_DIR)), ModelSpec("lookup"), LoadOptions(engine="llama.cpp"), NO_PROGRESS
+        )
+    assert str(error.value) == (
+        "--engine llama.cpp runs GGUF files, and stories260K is not one: name a .gguf file, or use --engine "
+        "transformers"
+    )
+
+
+def test_without_llama_cpp_python_auto_falls_back_and_llama_cpp_is_refused(
+    monkeypatch: pytest.MonkeyPatch, stories_gguf_files: tuple[Path, Path]
+) -> None:
+    """llama-cpp-python absent (its import blocked, as Python does for a None in sys.modules)."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    engine.llama_cpp_module.cache_clear()
+    try:
+        target = ModelSpec(str(stories_gguf_files[0]))
+        auto = choose_engine(target, ModelSpec("lookup"), LoadOptions(), NO_PROGRESS)
+        assert auto.engine == "transformers"
+        assert auto.reason.startswith("a GGUF file, but llama-cpp-python is not available")
+        with pytest.raises(
+            ModelLoadError, match=r"^the llama\.cpp engine needs llama-cpp-python, which is not installed"
+        ):
+            choose_engine(target, ModelSpec("lookup"), LoadOptions(engine="llama.cpp"), NO_PROGRESS)
+    finally:
+        engine.llama_cpp_module.cache_clear()
+
+
+def test_the_autoregressive_decoder_takes_a_runner_as_it_is(llama_pair: ModelPair) -> None:
+    decoder = AutoregressiveDecoder(llama_pair.target, llama_pair.tokenizer, vocab_size=llama_pair.vocab_size)
+    assert decoder.target is llama_pair.target
+    assert decoder.context == 512  # the file's context, which caps the engine's n_ctx
+
+
+def test_a_lookup_decoder_on_a_runner_needs_its_engines_timings(llama_pair: ModelPair) -> None:
+    from fsd_chat.decoding import SpeculativeDecoder
+
+    with pytest.raises(TypeError, match="timings"):
+        SpeculativeDecoder(llama_pair.target, PromptLookup(3), llama_pair.tokenizer)  # type: ignore[arg-type]
+
+
+def test_the_tokenizer_read_from_the_gguf_file_is_the_models_own(
+    llama_pair: ModelPair, pair: ModelPair
+) -> None:
+    """Read from the file's metadata (`gguf_tokenizer`), the tokenizer encodes and decodes text as
+    the folder's tokenizer.json does (a special token typed in the text spaces differently once
+    transformers converts a GGUF vocabulary, as for the transformers engine: not a case here)."""
+    text = "Once upon a time, Lily said: hi. Ünïcödé 東京 42!"
+    assert llama_pair.tokenizer.get_vocab() == pair.tokenizer.get_vocab()
+    assert llama_pair.tokenizer(text).input_ids == pair.tokenizer(text).input_ids
+    ids = pair.tokenizer(text).input_ids
+    assert llama_pair.tokenizer.decode(ids) == pair.tokenizer.decode(ids)
+    assert (llama_pair.tokenizer.bos_token_id, llama_pair.tokenizer.eos_token_id) == (1, 2)
+
+
+def test_a_gguf_draft_of_another_vocabulary_is_mapped_on_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stories_gguf_files: tuple[Path, Path]
+) -> None:
+    """The draft with its token ids shuffled, as a GGUF file: its vocabulary is mapped onto the
+    target's (coverage read through the llama.cpp runner), and exact greedy decoding with it is
+    the target's own."""
+    from tests.conftest import DRAFT_DIR
+    from tests.gguf_models import write_gguf
+    from tests.mapped_pairs import permuted_draft
+
+    monkeypatch.setenv("FSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    folder, _ = permuted_draft(DRAFT_DIR, tmp_path / "shuffled", seed=0)
+    draft = write_gguf(folder, tmp_path / "shuffled.gguf")
+    options = LoadOptions(device="cpu", engine="llama.cpp", threads=1)
+    mapped = load_pair(ModelSpec(str(stories_gguf_files[0])), ModelSpec(str(draft)), options)
+    assert mapped.draft_kind == "mapped" and mapped.coverage is not None and mapped.coverage > 0.9
+    prompt = mapped.tokenizer(PROMPT).input_ids
+    decoder = mapped.speculative(
+        Controls(DecodingSettings(rule="exact", draft_tokens=3, draft_policy="fixed"))
+    )
+    steps = list(decoder.generate(prompt, max_new_tokens=30, sampling=SamplingConfig()))
+    assert [t.id for s in steps for t in s.tokens] == decoded(mapped.autoregressive(Controls()), prompt, 30)
+    assert sum(s.stats.accepted_exact for s in steps) > 0
