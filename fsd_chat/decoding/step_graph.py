@@ -47,7 +47,7 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch._dynamo
@@ -99,6 +99,8 @@ class StepInputs:
         divergence: The divergence, or its index in DIVERGENCE_NAMES (0-dim int64).
         threshold: T, or T as a 0-dim float32.
         sampling: Temperature, top-k, top-p and min-p: the config, or its values (`SamplingTensors`).
+        truncating: Whether the reply's sampling truncates (top-k, top-p or min-p), on the host:
+            which greedy graph a step replays (`for_step`).
     """
 
     seq: torch.Tensor
@@ -108,6 +110,7 @@ class StepInputs:
     divergence: DivergenceName | torch.Tensor
     threshold: float | torch.Tensor
     sampling: SamplingConfig | SamplingTensors
+    truncating: bool = False
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device, *, on_device: bool) -> StepInputs:
@@ -142,10 +145,22 @@ class StepInputs:
 
     def write_sampling(self, config: SamplingConfig) -> None:
         """A reply's sampling settings."""
+        self.truncating = config.truncates
         if isinstance(self.sampling, SamplingTensors):
             self.sampling.write(config)
         else:
             self.sampling = config
+
+    def for_step(self, greedy: bool, truncating: bool) -> StepInputs:
+        """The inputs a step of this kind reads. A greedy step of a reply that does not truncate
+        takes its laws at temperature 1 and untruncated, as Python values, whatever the device
+        values hold: no sort (top-k's rank, top-p's cumulative sums), no noise; it needs no more
+        (the argmax, the regret and the divergences of untruncated laws). Any other step reads the
+        inputs as they are: greedy with a truncation (which can remove a draft token a relaxed rule
+        would accept) sorts as a sampled step does."""
+        if greedy and not truncating and isinstance(self.sampling, SamplingTensors):
+            return replace(self, sampling=_GREEDY)
+        return self
 
     @property
     def truncates(self) -> bool:
@@ -329,16 +344,15 @@ def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Dr
     seq, position = inputs.seq[0], inputs.position
     logits = static_forward(target, seq.index_select(0, position).view(1, 1), position)
     probs = probabilities(logits, inputs.sampling)
-    token = draw(
-        probs, SamplingConfig() if greedy else _SAMPLED, None, None if draws is None else draws.noise
-    )
+    token = draw(probs, _GREEDY if greedy else _SAMPLED, None, None if draws is None else draws.noise)
     seq.index_copy_(0, position + 1, token)
     position.add_(1)
     return torch.cat([non_finite(probs).double(), token.double()])
 
 
-_SAMPLED = SamplingConfig(temperature=1.0)
-"""What `draw` is told of a sampled step: not greedy (the temperature is already applied)."""
+_GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
+"""What `draw` is told of a step: greedy, or not (the temperature is already applied). `_GREEDY`
+is also a greedy untruncated step's laws (`StepInputs.for_step`)."""
 
 
 class EagerSteps:
@@ -409,13 +423,15 @@ class EagerSteps:
             if greedy
             else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
         )
-        return self._out(speculative_step(self.target, self.draft, self.inputs, k, greedy, draws))
+        inputs = self.inputs.for_step(greedy, self.inputs.truncating)
+        return self._out(speculative_step(self.target, self.draft, inputs, k, greedy, draws))
 
     @torch.inference_mode()
     def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
         """One target-only step; its block (`target_step`)."""
         draws = None if greedy else Draws.make(0, self.target.vocab_size, generator, self.target.device)
-        return self._out(target_step(self.target, self.inputs, greedy, draws))
+        inputs = self.inputs.for_step(greedy, self.inputs.truncating)
+        return self._out(target_step(self.target, inputs, greedy, draws))
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
         if not self._emulate:
@@ -429,7 +445,8 @@ class EagerSteps:
 class CapturedSteps(EagerSteps):
     """The step functions captured as CUDA graphs at load time and replayed (module docstring).
 
-    One graph per (k, greedy) for k in `lengths`, and two target-only graphs, in one memory pool
+    One graph per (k, kind) for k in `lengths` and k = 0 (target-only), the kinds being sampled,
+    greedy, and greedy with a truncation (`StepInputs.for_step`: only that greedy graph sorts), in one memory pool
     (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
     intermediates, as vLLM's and SGLang's do. Each is warmed up (WARMUP_CALLS eager calls on the
     capture stream) and captured on that stream. Replay is `CUDAGraph.replay`, with no guards:
@@ -479,7 +496,9 @@ class CapturedSteps(EagerSteps):
         self.lengths = lengths if draft is not None or lookup else ()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[
+            tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
         self._done = torch.cuda.Event()
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)
@@ -490,23 +509,24 @@ class CapturedSteps(EagerSteps):
         artifacts = compile_cache.artifact_path(models, device, "whole-step") if compile else None
         if artifacts is not None:
             compile_cache.load(artifacts)
-            # One graph per (k, greedy): more than dynamo's default limit of 8 per function.
+            # One graph per (k, kind): more than dynamo's default limit of 8 per function.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
             target_only = torch.compile(target_step, fullgraph=True, dynamic=False)
-        keys = [(k, mode) for k in (0, *self.lengths) for mode in greedy]
-        for done, (k, mode) in enumerate(keys):
+        kinds = [(mode, truncating) for mode in greedy for truncating in ((False, True) if mode else (True,))]
+        keys = [(k, *kind) for k in (0, *self.lengths) for kind in kinds]
+        for done, key in enumerate(keys):
             if progress is not None:
                 progress(done, len(keys))
             try:
-                self._capture(k, mode, speculative, target_only)
+                self._capture(key, speculative, target_only)
             except Exception as exc:  # a compiled function that fails is captured eagerly instead
                 if not compile:
                     raise
                 self.compile_error = compile_failure(exc)
                 speculative, target_only, compile = speculative_step, target_step, False
                 torch.cuda.synchronize()
-                self._capture(k, mode, speculative, target_only)
+                self._capture(key, speculative, target_only)
         if progress is not None:
             progress(len(keys), len(keys))
         if compile and artifacts is not None:  # still compiled: nothing failed
@@ -519,12 +539,13 @@ class CapturedSteps(EagerSteps):
     @torch.inference_mode()
     def _capture(
         self,
-        k: int,
-        greedy: bool,
+        key: tuple[int, bool, bool],
         speculative: Callable[..., torch.Tensor],
         target_only: Callable[..., torch.Tensor],
     ) -> None:
         device = self.target.device
+        k, greedy, truncating = key
+        inputs = self.inputs.for_step(greedy, truncating)
 
         def step() -> torch.Tensor:
             draws = (
@@ -533,8 +554,8 @@ class CapturedSteps(EagerSteps):
                 else Draws.make(k, self.target.vocab_size, self.generator, device, self.draft is not None)
             )
             if k == 0:
-                return target_only(self.target, self.inputs, greedy, draws)
-            return speculative(self.target, self.draft, self.inputs, k, greedy, draws)
+                return target_only(self.target, inputs, greedy, draws)
+            return speculative(self.target, self.draft, inputs, k, greedy, draws)
 
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
@@ -551,7 +572,7 @@ class CapturedSteps(EagerSteps):
         # Pinned: the copy from the device is then asynchronous (and there is nothing to pin for
         # a CPU tensor: the CPU tests' emulated graphs, tests/test_step_graph.py).
         pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-        self._graphs[(k, greedy)] = (graph, out, pinned)
+        self._graphs[key] = (graph, out, pinned)
 
     def bind(self, seq: torch.Tensor) -> None:
         """Nothing: a reply decodes in `inputs.seq` itself (`reply.begin`'s `buffer`)."""
@@ -569,16 +590,16 @@ class CapturedSteps(EagerSteps):
         return self.generator
 
     def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
-        """Replay the (k, greedy) graph; its block, on the host."""
-        return self._replay((k, greedy))
+        """Replay the graph of k and the reply's kind; its block, on the host."""
+        return self._replay(k, greedy)
 
     def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
         """Replay a target-only graph; its block, on the host."""
-        return self._replay((0, greedy))
+        return self._replay(0, greedy)
 
     @torch.inference_mode()  # `pinned` was made in the capture's inference mode
-    def _replay(self, key: tuple[int, bool]) -> torch.Tensor:
-        graph, out, pinned = self._graphs[key]
+    def _replay(self, k: int, greedy: bool) -> torch.Tensor:
+        graph, out, pinned = self._graphs[(k, greedy, not greedy or self.inputs.truncating)]
         graph.replay()
         # The one transfer of the step, asynchronous into pinned memory, then one wait: the next
         # replay (of any graph: they share a pool) may overwrite `out`.
