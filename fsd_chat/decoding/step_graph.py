@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -57,6 +58,7 @@ from fsd_chat.decoding.acceptance import decide
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel, compile_failure
+from fsd_chat.decoding.regions import mark_layer_regions
 from fsd_chat.decoding.reply import Reply, commit_target
 from fsd_chat.decoding.sampling import (
     SamplingTensors,
@@ -355,6 +357,30 @@ _GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
 is also a greedy untruncated step's laws (`StepInputs.for_step`)."""
 
 
+StepFunctions = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
+"""(speculative_step, target_step), or their compiled forms."""
+
+EAGER_FUNCTIONS: StepFunctions = (speculative_step, target_step)
+
+
+def compiled_step_functions(target: StaticModel, draft: StaticModel | None) -> StepFunctions:
+    """`speculative_step` and `target_step` compiled by inductor: whole (`fullgraph`), static
+    shapes (one graph per k and kind; a captured graph fixes the shapes anyway), no CUDA graphs of
+    their own (`CapturedSteps` captures the step), and each decoder layer of both models one nested
+    compile region (`regions`), so that compile time does not grow with the number of layers.
+
+    Compiled lazily: the first call of each shape compiles."""
+    for model in (target, draft):
+        if model is not None:
+            mark_layer_regions(model.model)
+    # One graph per (k, kind): more than dynamo's default limit of 8 per function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return (
+        torch.compile(speculative_step, fullgraph=True, dynamic=False),
+        torch.compile(target_step, fullgraph=True, dynamic=False),
+    )
+
+
 class EagerSteps:
     """The step functions run eagerly, each call's output read at once (the CPU's path).
 
@@ -366,6 +392,8 @@ class EagerSteps:
         device_inputs: The settings as device values, as the captured graphs read them (the
             CPU tests' way to run that path; `StepInputs`).
         lookup: With no draft, speculative steps verify prompt lookup's copies.
+        compile: Run the step functions compiled (`compiled_step_functions`; a compilation that
+            fails runs them eagerly from then on, and `compile_error` says why).
     """
 
     captured = False
@@ -382,6 +410,7 @@ class EagerSteps:
         emulate_replay: bool = False,
         device_inputs: bool = False,
         lookup: bool = False,
+        compile: bool = False,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -389,6 +418,7 @@ class EagerSteps:
         self.inputs = StepInputs.allocate(1, target.device, on_device=device_inputs)
         self._emulate = emulate_replay
         self._last: torch.Tensor | None = None
+        self._functions = compiled_step_functions(target, draft) if compile else EAGER_FUNCTIONS
 
     def clear(self) -> None:
         """Empty and zero the caches (`StaticModel.clear`), after a step gave non-finite logits."""
@@ -424,14 +454,26 @@ class EagerSteps:
             else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
         )
         inputs = self.inputs.for_step(greedy, self.inputs.truncating)
-        return self._out(speculative_step(self.target, self.draft, inputs, k, greedy, draws))
+        return self._out(self._call(0, self.target, self.draft, inputs, k, greedy, draws))
 
     @torch.inference_mode()
     def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
         """One target-only step; its block (`target_step`)."""
         draws = None if greedy else Draws.make(0, self.target.vocab_size, generator, self.target.device)
         inputs = self.inputs.for_step(greedy, self.inputs.truncating)
-        return self._out(target_step(self.target, inputs, greedy, draws))
+        return self._out(self._call(1, self.target, inputs, greedy, draws))
+
+    def _call(self, which: int, *args: Any) -> torch.Tensor:
+        """Step function `which` (0 speculative, 1 target-only); eagerly from the first failed
+        compilation on."""
+        try:
+            return self._functions[which](*args)
+        except Exception as exc:  # compilation failures come in many types; fall back to eager
+            if self._functions is EAGER_FUNCTIONS:
+                raise
+            self.compile_error = compile_failure(exc)
+            self._functions = EAGER_FUNCTIONS
+            return self._functions[which](*args)
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
         if not self._emulate:
@@ -455,9 +497,11 @@ class CapturedSteps(EagerSteps):
     Philox offset, and `reseed` seeds it for a reply). The output goes to pinned host memory by
     one asynchronous copy, then the host waits once, on an event.
 
-    With `compile` the step functions are compiled first (`torch.compile`, `fullgraph`, static
-    shapes, no CUDA graphs of its own: the capture here is the graph), fusing the rule's small
-    operators; a failed compilation captures the eager functions and `compile_error` says why.
+    With `compile` the step functions are compiled first (`compiled_step_functions`: inductor,
+    whole, static shapes, each decoder layer a nested compile region compiled once; no CUDA graphs
+    of its own: the capture here is the graph), fusing each layer's elementwise work and the
+    rule's small operators; a failed compilation captures the eager functions and `compile_error`
+    says why.
     torch's compile artifacts are loaded from the user's cache before and kept there after
     (`compile_cache`, keyed by the models, the versions and the device), so that a second start
     of the same pair compiles as little as torch allows.
@@ -502,17 +546,13 @@ class CapturedSteps(EagerSteps):
         self._done = torch.cuda.Event()
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)
-        speculative: Callable[..., torch.Tensor] = speculative_step
-        target_only: Callable[..., torch.Tensor] = target_step
+        speculative, target_only = EAGER_FUNCTIONS
         # torch's compile artifacts of this pair, versions and device, kept from an earlier start.
         models = [m.model for m in (target, draft) if m is not None]
         artifacts = compile_cache.artifact_path(models, device, "whole-step") if compile else None
         if artifacts is not None:
             compile_cache.load(artifacts)
-            # One graph per (k, kind): more than dynamo's default limit of 8 per function.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
-            target_only = torch.compile(target_step, fullgraph=True, dynamic=False)
+            speculative, target_only = compiled_step_functions(target, draft)
         kinds = [(mode, truncating) for mode in greedy for truncating in ((False, True) if mode else (True,))]
         keys = [(k, *kind) for k in (0, *self.lengths) for kind in kinds]
         for done, key in enumerate(keys):
@@ -617,13 +657,15 @@ def make_steps(
     target: CachedModel,
     draft: CachedModel | None,
     *,
-    compile: bool = False,
+    compile: bool | None = None,
     lookup: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> EagerSteps | None:
     """The step runner of a decoder whose models are bound to static caches (`bind(static=True)`):
-    captured on CUDA (`CapturedSteps`, `compile` and `progress` as there), eager elsewhere (nothing
-    to capture: `progress` is not called); None when a model is not a `StaticModel`
+    captured on CUDA (`CapturedSteps`, `progress` as there), compiled first unless `compile` is
+    False (inductor fuses the step's elementwise work: the default, as gpt-fast's and vLLM's steps
+    are compiled, then captured); eager elsewhere unless `compile` is True (nothing to capture:
+    `progress` is not called); None when a model is not a `StaticModel`
     (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`: the speculative
     steps verify prompt lookup's copies (no draft)."""
     models = (target,) if draft is None else (target, draft)
@@ -631,8 +673,8 @@ def make_steps(
         return None
     assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
     if target.device.type == "cuda":
-        return CapturedSteps(target, draft, compile=compile, lookup=lookup, progress=progress)
-    return EagerSteps(target, draft, lookup=lookup)
+        return CapturedSteps(target, draft, compile=compile is not False, lookup=lookup, progress=progress)
+    return EagerSteps(target, draft, lookup=lookup, compile=compile is True)
 
 
 def capture_text(done: int, total: int) -> str:
