@@ -23,36 +23,25 @@ from transformers import AutoModelForCausalLM
 
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
-from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
-from fsd_chat.decoding.draft_policy import time_forwards
+from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.gguf_files import local_model
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
-from fsd_chat.models.pair import ModelPair
-
-WIDTHS = (1, 2, 4, 6)
-
-
-def forward_ms(pair: ModelPair) -> dict[int, float]:
-    """The target's forward over each of WIDTHS tokens, best of `time_forwards`' repeats, in ms."""
-    timings = time_forwards(pair.target, None, pair.vocab_size)
-    return {w: v * 1e3 for w, v in zip(timings.widths, timings.verify, strict=True) if w in WIDTHS}
+from scripts.bench_packed_linear import forward_ms, greedy_reply
 
 
 def main() -> None:
     """Measure, print and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
-    parser.add_argument("--preset", default="mt-bench")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     source = str(default_model_path())
     fused = load_pair(ModelSpec(source), ModelSpec("lookup"), LoadOptions(device="cpu", dtype="float32"))
     plain_model = AutoModelForCausalLM.from_pretrained(local_model(source, None), dtype=torch.float32).eval()
@@ -61,7 +50,7 @@ def main() -> None:
     widths = {name: forward_ms(pair) for name, pair in pairs.items()}
     print(f"forward ms by width: {widths}", flush=True)
     decoders = {name: pair.autoregressive(Controls(DecodingSettings())) for name, pair in pairs.items()}
-    items = load_prompt_set(args.preset, data_dir=args.data_dir, limit=args.prompts).items
+    items = load_prompt_set("mt-bench", data_dir=args.data_dir, limit=args.prompts).items
     names = list(decoders)
     speeds: dict[str, list[float]] = {name: [] for name in names}
     same = 0
@@ -69,23 +58,17 @@ def main() -> None:
         ids = prompt_ids(fused.tokenizer, [Message("user", item.text)])
         texts: dict[str, list[int]] = {}
         for name in names[index % 2 :] + names[: index % 2]:
-            stats, tokens = GenerationStats(), []
-            for step in decoders[name].generate(
-                ids, max_new_tokens=args.max_new_tokens, sampling=SamplingConfig()
-            ):
-                stats.add(step)
-                tokens.extend(step.tokens)
-            speeds[name].append(stats.tokens_per_second)
-            texts[name] = tokens
+            speed, texts[name] = greedy_reply(decoders[name], ids, args.max_new_tokens)
+            speeds[name].append(speed)
         same += texts["fused"] == texts["separate"]
         print(json.dumps({name: round(speeds[name][-1], 2) for name in names}), flush=True)
     ratios = [x / y for x, y in zip(speeds["fused"], speeds["separate"], strict=True)]
     report = {
         "model": "default (SmolLM2-135M-Instruct, float32, prepacked)",
-        "preset": args.preset,
+        "preset": "mt-bench",
         "prompts": len(items),
         "max_new_tokens": args.max_new_tokens,
-        "threads": args.threads,
+        "threads": 1,
         "forward_ms": widths,
         "tokens_per_second_median": {name: statistics.median(v) for name, v in speeds.items()},
         "target_alone_fused_over_separate": {

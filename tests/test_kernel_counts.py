@@ -27,7 +27,7 @@ EAGER_OPS_A_LAYER = 41
 operators (44 with q, k, v and gate, up as separate GEMMs)."""
 EAGER_OPS_OUTSIDE_LAYERS = 33
 """The step's own operators at 0 layers (embedding, rotary tables, mask, final norm, head, greedy
-draw): 51 when a greedy step still truncated its laws (sorts)."""
+draw): 56 when a greedy step still truncated its laws (sorts)."""
 COMPILED_LAUNCHES_A_LAYER = 11
 """Inductor, each layer a nested compile region: 4 GEMMs, attention, 5 fused kernels inside the
 region (norm; rotary embedding and cache write; residual and norm; SiLU gate; residual) and the
