@@ -87,6 +87,7 @@ def test_a_sibling_called_on_another_input_gets_its_own_product() -> None:
         assert fused._input is None  # every sibling served y: nothing held
 
 
+@pytest.mark.slow  # importing bitsandbytes takes seconds
 def test_quantized_and_mismatched_layers_are_not_fused() -> None:
     from bitsandbytes.nn import Linear8bitLt
 
