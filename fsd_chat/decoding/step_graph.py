@@ -212,9 +212,9 @@ def static_forward(model: StaticModel, ids: torch.Tensor, positions: torch.Tenso
     Returns:
         Logits [w, vocab_size] float32.
     """
-    first = positions[0]
-    for layer in model.layers:
-        layer.cumulative_length.copy_(first)
+    # One multi-tensor copy for every layer (one kernel on CUDA, not one a layer).
+    lengths = [layer.cumulative_length for layer in model.layers]
+    torch._foreach_copy_(lengths, [positions[0]] * len(lengths))
     out = model.model(
         input_ids=ids,
         cache=model.cache,
