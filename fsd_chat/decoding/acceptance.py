@@ -521,16 +521,7 @@ def decide(
         of p's k + 1 rows (and of q's k rows), n, the target's token, then per position the draft
         token, draft-exact, the divergence and the cost (`verify` reads them back in this order).
         next_token: the target's token, shape [1] int64 (`Verdict.next_token`).
-
-    The rule's arithmetic runs in float64 (the laws are cast on entry): compiled, its reductions
-    (divergences, masses, cumulative products) run in another order than eagerly, and in float32
-    that moves a divergence, a regret or a ratio by an ulp, enough to cross the threshold where
-    it lies close; in float64 the compiled step decides as the eager one does.
     """
-    p = p.double()
-    q = None if q is None else q.double()
-    p_full = None if p_full is None else p_full.double()
-    q_full = None if q_full is None else q_full.double()
     judged = judge(
         p,
         q,

@@ -84,15 +84,14 @@ def against_point_mass(name: DivergenceName | torch.Tensor, p_x: torch.Tensor) -
         p_x: a = p(x) per row, shape [...] (probabilities, float).
 
     Returns:
-        D(p, δ_x), shape [...], float32 (float64 for float64 laws), in the divergence's units
-        (clamped into its range).
+        D(p, δ_x), shape [...], float32, in the divergence's units (clamped into its range).
 
     Raises:
         KeyError: unknown divergence name.
     """
     if isinstance(name, torch.Tensor):
         return selected(name, [against_point_mass(each, p_x) for each in DIVERGENCE_NAMES])
-    a = _at_least_float32(p_x).clamp(0.0, 1.0)
+    a = p_x.float().clamp(0.0, 1.0)
     if name == "kl":
         return torch.where(a >= 1.0, 0.0, math.inf)
     if name == "reverse-kl":
@@ -114,12 +113,5 @@ def divergence(name: DivergenceName | torch.Tensor, p: torch.Tensor, q: torch.Te
         KeyError: unknown divergence name.
     """
     if isinstance(name, torch.Tensor):
-        p, q = _at_least_float32(p), _at_least_float32(q)
-        return selected(name, [DIVERGENCES[each](p, q) for each in DIVERGENCE_NAMES])
-    return DIVERGENCES[name](_at_least_float32(p), _at_least_float32(q))
-
-
-def _at_least_float32(law: torch.Tensor) -> torch.Tensor:
-    """Half-precision laws in float32; float32 and float64 ones as they are (`acceptance.decide`
-    judges in float64)."""
-    return law.to(torch.promote_types(law.dtype, torch.float32))
+        return selected(name, [DIVERGENCES[each](p.float(), q.float()) for each in DIVERGENCE_NAMES])
+    return DIVERGENCES[name](p.float(), q.float())
