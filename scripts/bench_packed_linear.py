@@ -40,6 +40,15 @@ def forward_ms(pair: ModelPair) -> dict[int, float]:
     return {w: v * 1e3 for w, v in zip(timings.widths, timings.verify, strict=True) if w in WIDTHS}
 
 
+def greedy_reply(decoder: Decoder, ids: list[int], max_new_tokens: int) -> tuple[float, list[int]]:
+    """(tokens/s, token ids) of a greedy reply to `ids`."""
+    stats, tokens = GenerationStats(), []
+    for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingConfig()):
+        stats.add(step)
+        tokens.extend(step.tokens)
+    return stats.tokens_per_second, tokens
+
+
 def main() -> None:
     """Measure, print and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,14 +81,8 @@ def main() -> None:
         ids = prompt_ids(pairs[True].tokenizer, [Message("user", item.text)])
         texts: dict[str, list[int]] = {}
         for name in names[index % len(names) :] + names[: index % len(names)]:
-            stats, tokens = GenerationStats(), []
-            for step in decoders[name].generate(
-                ids, max_new_tokens=args.max_new_tokens, sampling=SamplingConfig()
-            ):
-                stats.add(step)
-                tokens.extend(step.tokens)
-            speeds[name].append(stats.tokens_per_second)
-            texts[name] = tokens
+            speed, texts[name] = greedy_reply(decoders[name], ids, args.max_new_tokens)
+            speeds[name].append(speed)
         texts_equal += texts["alone-packed"] == texts["alone-mkl"]
         print(json.dumps({name: round(speeds[name][-1], 2) for name in names}), flush=True)
 

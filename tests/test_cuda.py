@@ -396,3 +396,27 @@ def test_whole_step_graphs_of_prompt_lookup(pair32: ModelPair) -> None:
     run = collect(decoder.generate(pair32.tokenizer(prompt).input_ids, max_new_tokens=80))
     assert run.ids == greedy_ids(pair32.autoregressive(Controls(), compiled=False), pair32, prompt, 80)
     assert run.stats.lookup_hits > 0
+
+
+def test_greedy_whole_step_graphs_launch_no_sampling_kernels(pair32: ModelPair) -> None:
+    """The CUDA side of tests/test_step_graph.py's operator check (issue 45): over a greedy reply
+    through the captured graphs, target-only and speculative, the profiler sees no sort (top-k's
+    rank, top-p's sums) and no random-number kernel; a sampled reply's graphs launch both, so the
+    check sees them where they are."""
+
+    def kernels(decoder: Decoder, sampling: SamplingConfig) -> set[str]:
+        ids = pair32.tokenizer(PROMPTS[0]).input_ids
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            collect(decoder.generate(ids, max_new_tokens=32, sampling=sampling))
+        return {event.key.lower() for event in profile.key_averages()}
+
+    def sampling_work(names: set[str]) -> set[str]:
+        return {n for n in names if any(word in n for word in ("sort", "radix", "philox", "exponential"))}
+
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
+    for decoder in (
+        pair32.speculative(Controls(settings), whole_step=True, compiled=False),
+        pair32.autoregressive(Controls(), whole_step=True, compiled=False),
+    ):
+        assert sampling_work(kernels(decoder, SamplingConfig())) == set()
+        assert sampling_work(kernels(decoder, SamplingConfig(temperature=0.9, top_p=0.9, seed=1)))

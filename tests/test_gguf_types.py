@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.gguf import GgufHeader
 
+from fsd_chat.decoding.fused_linear import fuse_projections
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models.gguf_table import read_table, with_values
 from fsd_chat.models.loading import load_pair
@@ -88,12 +89,14 @@ def load(path: Path, seen: list[str] | None = None) -> ModelPair:
 def assert_dequantized_exactly(folder: Path, path: Path, loaded: ModelPair) -> None:
     """Each weight of the loaded model is the file's, dequantized by gguf.quants, bit for bit, and
     its logits are those of the folder holding these weights."""
-    expected = dequantized_state(folder, path)
-    state = loaded.target.state_dict()
-    unequal = [name for name, tensor in expected.items() if not torch.equal(state[name], tensor)]
-    assert unequal == []
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    reference.load_state_dict(expected, strict=True)
+    reference.load_state_dict(dequantized_state(folder, path), strict=True)
+    fuse_projections(reference)  # as the loader fuses q, k, v and gate, up
+    state = loaded.target.state_dict()
+    unequal = [
+        name for name, tensor in reference.state_dict().items() if not torch.equal(state[name], tensor)
+    ]
+    assert unequal == []
     ids = loaded.tokenizer(TEXT, return_tensors="pt").input_ids
     with torch.inference_mode():
         assert torch.equal(loaded.target(ids).logits, reference(ids).logits)

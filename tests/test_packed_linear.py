@@ -47,6 +47,10 @@ and down 1024 × 384; a head tied to the input embeddings."""
 PACKED_PER_LAYER = 5
 """q, o, gate, up, down."""
 
+PACKED_PER_LOADED_LAYER = 4
+"""Through the loader, which fuses first (`fused_linear`): q, k and v as one (640 × 384), o, gate
+and up as one, down."""
+
 
 def wide_model(seed: int = 0) -> PreTrainedModel:
     torch.manual_seed(seed)
@@ -127,7 +131,7 @@ def test_the_loader_packs_unless_told_not_to(tmp_path: Path) -> None:
     folder = tmp_path / "wide"
     wide_model().save_pretrained(folder)
     AutoTokenizer.from_pretrained(TARGET_DIR).save_pretrained(folder)
-    for prepack, expected in ((True, PACKED_PER_LAYER * 2 + 1), (False, 0)):
+    for prepack, expected in ((True, PACKED_PER_LOADED_LAYER * 2 + 1), (False, 0)):
         pair = load_pair(
             ModelSpec(str(folder)), ModelSpec("lookup"), LoadOptions(device="cpu", prepack=prepack)
         )

@@ -461,7 +461,10 @@ def captured(decoder: SpeculativeDecoder | AutoregressiveDecoder) -> CapturedSte
     return graphs
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.9, seed=5)])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(), SamplingConfig(top_p=0.5), SamplingConfig(temperature=0.9, top_p=0.9, seed=5)],
+)
 def test_captured_steps_replayed_decode_as_eager_ones(
     pair: ModelPair, emulated_cuda: None, sampling: SamplingConfig
 ) -> None:
@@ -472,7 +475,8 @@ def test_captured_steps_replayed_decode_as_eager_ones(
     controls = Controls(DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed"))
     graphs_decoder = pair.speculative(controls, whole_step=True)
     graphs = captured(graphs_decoder)
-    assert sorted(graphs._graphs) == [(k, greedy) for k in range(4) for greedy in (False, True)]
+    kinds = [(False, True), (True, False), (True, True)]  # sampled, greedy, greedy truncating
+    assert sorted(graphs._graphs) == [(k, *kind) for k in range(4) for kind in kinds]
     target_only = pair.autoregressive(Controls(), whole_step=True)
     captured(target_only)
     eager_controls = Controls(replace(controls.snapshot(), draft_tokens=3))
@@ -493,6 +497,28 @@ def test_captured_steps_replayed_decode_as_eager_ones(
         assert got.stats.drafted > 0
         got_target = collect(target_only.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
         assert got_target == collect(eager_target.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
+
+
+SAMPLING_OPS = ("sort", "topk", "kthvalue", "cumsum", "exponential", "uniform", "multinomial")
+"""aten operators of sampling work: truncation (ranks, cumulative sums) and noise."""
+
+
+def test_greedy_graphs_do_no_sampling_work(pair: ModelPair, emulated_cuda: None) -> None:
+    """The operators each captured graph records (`EmulatedGraph`: the kernels a CUDA graph would
+    launch): a greedy graph, target-only or speculative, neither sorts, nor accumulates top-p's
+    sums, nor draws noise. The greedy graph of a reply that truncates, and the sampled ones, do:
+    the check sees such work where it is."""
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=2, draft_policy="fixed")
+    graphs = captured(pair.speculative(Controls(settings), whole_step=True))
+
+    def sampling_work(key: tuple[int, bool, bool]) -> set[str]:
+        ops = {str(op[0]) for op in graphs._graphs[key][0].ops}
+        return {op for op in ops if any(name in op for name in SAMPLING_OPS)}
+
+    for k in range(4):
+        assert sampling_work((k, True, False)) == set(), k
+        assert any("sort" in op for op in sampling_work((k, True, True))), k
+        assert any("exponential" in op for op in sampling_work((k, False, True))), k
 
 
 class Pausing(FixedPolicy):

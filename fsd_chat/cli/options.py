@@ -223,9 +223,9 @@ WHOLE_STEP = Option(
     False,
     "Run each decoding step, speculative or target-only, as one function over static buffers: one "
     "captured CUDA graph a step on CUDA (captured while the models load), eager on the CPU. For a "
-    "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps); with "
-    "--compile given, its step functions are compiled before the capture. Off by default until "
-    "measured on a GPU.",
+    "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps). Its "
+    "step functions are compiled before the capture (each decoder layer compiled once) unless "
+    "--no-compile is given. Off by default until measured on a GPU.",
     DECODING,
 )
 AUTOREGRESSIVE = Option(

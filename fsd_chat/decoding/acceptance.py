@@ -49,8 +49,9 @@ mixture (1 − λ)p + λq then have infinite cost. The rules are built so that t
 **Labels.** A position is *relaxed* when the rule's relaxed test decides it (sampling: D° ≤ T
 under `fuzzy`/`pure`, a mixture whose law differs from p under `mixture`; greedy: an accepted token
 other than argmax p). A draft token accepted at a relaxed position whose law r departs from p
-(cost > 0) is `draft-fuzzy`, even when the exact coin would also have passed; every other accepted
-draft token is `draft-exact` and costs exactly 0 (+0.0). So a relaxed position whose law is p
+(cost > 0, costs up to COST_FLOOR being rounding and counted as 0) is `draft-fuzzy`, even when
+the exact coin would also have passed; every other accepted draft token is `draft-exact` and costs
+exactly 0 (+0.0). So a relaxed position whose law is p
 after all (a lookup token the truncated p holds with probability 1, where −log p(x̃) = −0.0) is
 `draft-exact`: `draft-fuzzy` ⇔ cost > 0, and `fuzzy_share` counts only tokens that cost something.
 
@@ -104,6 +105,11 @@ from fsd_chat.decoding.kv_cache import compile_failure
 from fsd_chat.decoding.sampling import draw, exponential_noise, non_finite, non_finite_error
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 
+COST_FLOOR = 1e-6
+"""Costs up to this, in nats, are 0: a relaxed law that equals p (q ≤ p wherever p is positive
+makes the fuzzy rule's law p itself) comes out within about 1e-7 nats of it, the rounding of laws
+computed in float32, and on either side of 0 depending on the order of the sums (compiled or
+eager). A real departure costs far more (the dial's thresholds start at 0.01 nats)."""
 NEWTON_STEPS = 12
 """Safeguarded Newton steps of `mixture_weight`; measured on truncated and untruncated laws of the
 offline pair, they reach the root to float32 precision."""
@@ -417,8 +423,9 @@ def judge(
                 law = on_support + (1 - on_support.sum(-1, keepdim=True)).clamp_min(0.0) * corrections
                 costs = torch.where(relaxed, kl(law, p_draft), costs)
         candidates = draw(torch.cat([corrections, p[k:]]), sampling, generator, noise)
-    # KL ≥ 0, but its formulas round to −0.0 (−log 1) or a few ulps below 0 where r = p.
-    costs = torch.where(costs > 0, costs, 0.0)
+    # KL ≥ 0, but where r = p its formulas round to −0.0 (−log 1) or to a few ulps of the laws'
+    # float32 either side of 0 (COST_FLOOR).
+    costs = torch.where(costs > COST_FLOOR, costs, 0.0)
     # `draft-fuzzy` only where the relaxed law departs from p (module docstring, Labels).
     return Judgement(accept, ~(relaxed & (costs > 0)), div, costs, candidates)
 

@@ -83,7 +83,7 @@ class AutoregressiveDecoder:
             static=whole_step,
         )
         self._steps = (
-            step_graph.make_steps(self.target, None, compile=compiled is True, progress=capture_progress)
+            step_graph.make_steps(self.target, None, compile=compiled, progress=capture_progress)
             if whole_step and isinstance(self.target, CachedModel)
             else None
         )

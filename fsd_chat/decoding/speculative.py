@@ -106,8 +106,9 @@ class SpeculativeDecoder:
             CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's
             k is rounded down), eager elsewhere. For a draft model of the target's vocabulary
             (other proposers keep their usual steps). `compiled` then means: compile the step
-            functions before they are captured (True only, never by default, and on CUDA only:
-            `CapturedSteps(compile=True)`, its artifacts kept in the user's cache). The draft
+            functions (inductor, each decoder layer one region: `step_graph.make_steps`), before
+            they are captured on CUDA (None, the default: on CUDA only; False: never; True: on the
+            CPU too), its artifacts kept in the user's cache. The draft
             policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
             is not asked. transformers models only (a `ModelRunner` keeps the usual steps).
         capture_progress: Called with (graphs captured, graphs in all) while the whole step's
@@ -189,7 +190,7 @@ class SpeculativeDecoder:
                 self.target,  # type: ignore[arg-type]  # whole_step: transformers models, bound to `CachedModel`s
                 draft_runner,  # type: ignore[arg-type]
                 lookup=lookup,
-                compile=compiled is True,
+                compile=compiled,
                 progress=capture_progress,
             )
             if whole_step

@@ -47,7 +47,8 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -57,6 +58,7 @@ from fsd_chat.decoding.acceptance import decide
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel, compile_failure
+from fsd_chat.decoding.regions import mark_layer_regions
 from fsd_chat.decoding.reply import Reply, commit_target
 from fsd_chat.decoding.sampling import (
     SamplingTensors,
@@ -99,6 +101,8 @@ class StepInputs:
         divergence: The divergence, or its index in DIVERGENCE_NAMES (0-dim int64).
         threshold: T, or T as a 0-dim float32.
         sampling: Temperature, top-k, top-p and min-p: the config, or its values (`SamplingTensors`).
+        truncating: Whether the reply's sampling truncates (top-k, top-p or min-p), on the host:
+            which greedy graph a step replays (`for_step`).
     """
 
     seq: torch.Tensor
@@ -108,6 +112,7 @@ class StepInputs:
     divergence: DivergenceName | torch.Tensor
     threshold: float | torch.Tensor
     sampling: SamplingConfig | SamplingTensors
+    truncating: bool = False
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device, *, on_device: bool) -> StepInputs:
@@ -142,10 +147,22 @@ class StepInputs:
 
     def write_sampling(self, config: SamplingConfig) -> None:
         """A reply's sampling settings."""
+        self.truncating = config.truncates
         if isinstance(self.sampling, SamplingTensors):
             self.sampling.write(config)
         else:
             self.sampling = config
+
+    def for_step(self, greedy: bool, truncating: bool) -> StepInputs:
+        """The inputs a step of this kind reads. A greedy step of a reply that does not truncate
+        takes its laws at temperature 1 and untruncated, as Python values, whatever the device
+        values hold: no sort (top-k's rank, top-p's cumulative sums), no noise; it needs no more
+        (the argmax, the regret and the divergences of untruncated laws). Any other step reads the
+        inputs as they are: greedy with a truncation (which can remove a draft token a relaxed rule
+        would accept) sorts as a sampled step does."""
+        if greedy and not truncating and isinstance(self.sampling, SamplingTensors):
+            return replace(self, sampling=_GREEDY)
+        return self
 
     @property
     def truncates(self) -> bool:
@@ -195,9 +212,9 @@ def static_forward(model: StaticModel, ids: torch.Tensor, positions: torch.Tenso
     Returns:
         Logits [w, vocab_size] float32.
     """
-    first = positions[0]
-    for layer in model.layers:
-        layer.cumulative_length.copy_(first)
+    # One multi-tensor copy for every layer (one kernel on CUDA, not one a layer).
+    lengths = [layer.cumulative_length for layer in model.layers]
+    torch._foreach_copy_(lengths, [positions[0]] * len(lengths))
     out = model.model(
         input_ids=ids,
         cache=model.cache,
@@ -329,16 +346,39 @@ def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Dr
     seq, position = inputs.seq[0], inputs.position
     logits = static_forward(target, seq.index_select(0, position).view(1, 1), position)
     probs = probabilities(logits, inputs.sampling)
-    token = draw(
-        probs, SamplingConfig() if greedy else _SAMPLED, None, None if draws is None else draws.noise
-    )
+    token = draw(probs, _GREEDY if greedy else _SAMPLED, None, None if draws is None else draws.noise)
     seq.index_copy_(0, position + 1, token)
     position.add_(1)
     return torch.cat([non_finite(probs).double(), token.double()])
 
 
-_SAMPLED = SamplingConfig(temperature=1.0)
-"""What `draw` is told of a sampled step: not greedy (the temperature is already applied)."""
+_GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
+"""What `draw` is told of a step: greedy, or not (the temperature is already applied). `_GREEDY`
+is also a greedy untruncated step's laws (`StepInputs.for_step`)."""
+
+
+StepFunctions = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
+"""(speculative_step, target_step), or their compiled forms."""
+
+EAGER_FUNCTIONS: StepFunctions = (speculative_step, target_step)
+
+
+def compiled_step_functions(target: StaticModel, draft: StaticModel | None) -> StepFunctions:
+    """`speculative_step` and `target_step` compiled by inductor: whole (`fullgraph`), static
+    shapes (one graph per k and kind; a captured graph fixes the shapes anyway), no CUDA graphs of
+    their own (`CapturedSteps` captures the step), and each decoder layer of both models one nested
+    compile region (`regions`), so that compile time does not grow with the number of layers.
+
+    Compiled lazily: the first call of each shape compiles."""
+    for model in (target, draft):
+        if model is not None:
+            mark_layer_regions(model.model)
+    # One graph per (k, kind): more than dynamo's default limit of 8 per function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return (
+        torch.compile(speculative_step, fullgraph=True, dynamic=False),
+        torch.compile(target_step, fullgraph=True, dynamic=False),
+    )
 
 
 class EagerSteps:
@@ -352,6 +392,8 @@ class EagerSteps:
         device_inputs: The settings as device values, as the captured graphs read them (the
             CPU tests' way to run that path; `StepInputs`).
         lookup: With no draft, speculative steps verify prompt lookup's copies.
+        compile: Run the step functions compiled (`compiled_step_functions`; a compilation that
+            fails runs them eagerly from then on, and `compile_error` says why).
     """
 
     captured = False
@@ -368,6 +410,7 @@ class EagerSteps:
         emulate_replay: bool = False,
         device_inputs: bool = False,
         lookup: bool = False,
+        compile: bool = False,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -375,6 +418,7 @@ class EagerSteps:
         self.inputs = StepInputs.allocate(1, target.device, on_device=device_inputs)
         self._emulate = emulate_replay
         self._last: torch.Tensor | None = None
+        self._functions = compiled_step_functions(target, draft) if compile else EAGER_FUNCTIONS
 
     def clear(self) -> None:
         """Empty and zero the caches (`StaticModel.clear`), after a step gave non-finite logits."""
@@ -409,13 +453,27 @@ class EagerSteps:
             if greedy
             else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
         )
-        return self._out(speculative_step(self.target, self.draft, self.inputs, k, greedy, draws))
+        inputs = self.inputs.for_step(greedy, self.inputs.truncating)
+        return self._out(self._call(0, self.target, self.draft, inputs, k, greedy, draws))
 
     @torch.inference_mode()
     def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
         """One target-only step; its block (`target_step`)."""
         draws = None if greedy else Draws.make(0, self.target.vocab_size, generator, self.target.device)
-        return self._out(target_step(self.target, self.inputs, greedy, draws))
+        inputs = self.inputs.for_step(greedy, self.inputs.truncating)
+        return self._out(self._call(1, self.target, inputs, greedy, draws))
+
+    def _call(self, which: int, *args: Any) -> torch.Tensor:
+        """Step function `which` (0 speculative, 1 target-only); eagerly from the first failed
+        compilation on."""
+        try:
+            return self._functions[which](*args)
+        except Exception as exc:  # compilation failures come in many types; fall back to eager
+            if self._functions is EAGER_FUNCTIONS:
+                raise
+            self.compile_error = compile_failure(exc)
+            self._functions = EAGER_FUNCTIONS
+            return self._functions[which](*args)
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
         if not self._emulate:
@@ -429,7 +487,8 @@ class EagerSteps:
 class CapturedSteps(EagerSteps):
     """The step functions captured as CUDA graphs at load time and replayed (module docstring).
 
-    One graph per (k, greedy) for k in `lengths`, and two target-only graphs, in one memory pool
+    One graph per (k, kind) for k in `lengths` and k = 0 (target-only), the kinds being sampled,
+    greedy, and greedy with a truncation (`StepInputs.for_step`: only that greedy graph sorts), in one memory pool
     (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
     intermediates, as vLLM's and SGLang's do. Each is warmed up (WARMUP_CALLS eager calls on the
     capture stream) and captured on that stream. Replay is `CUDAGraph.replay`, with no guards:
@@ -438,9 +497,11 @@ class CapturedSteps(EagerSteps):
     Philox offset, and `reseed` seeds it for a reply). The output goes to pinned host memory by
     one asynchronous copy, then the host waits once, on an event.
 
-    With `compile` the step functions are compiled first (`torch.compile`, `fullgraph`, static
-    shapes, no CUDA graphs of its own: the capture here is the graph), fusing the rule's small
-    operators; a failed compilation captures the eager functions and `compile_error` says why.
+    With `compile` the step functions are compiled first (`compiled_step_functions`: inductor,
+    whole, static shapes, each decoder layer a nested compile region compiled once; no CUDA graphs
+    of its own: the capture here is the graph), fusing each layer's elementwise work and the
+    rule's small operators; a failed compilation captures the eager functions and `compile_error`
+    says why.
     torch's compile artifacts are loaded from the user's cache before and kept there after
     (`compile_cache`, keyed by the models, the versions and the device), so that a second start
     of the same pair compiles as little as torch allows.
@@ -479,34 +540,33 @@ class CapturedSteps(EagerSteps):
         self.lengths = lengths if draft is not None or lookup else ()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[
+            tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
         self._done = torch.cuda.Event()
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)
-        speculative: Callable[..., torch.Tensor] = speculative_step
-        target_only: Callable[..., torch.Tensor] = target_step
+        speculative, target_only = EAGER_FUNCTIONS
         # torch's compile artifacts of this pair, versions and device, kept from an earlier start.
         models = [m.model for m in (target, draft) if m is not None]
         artifacts = compile_cache.artifact_path(models, device, "whole-step") if compile else None
         if artifacts is not None:
             compile_cache.load(artifacts)
-            # One graph per (k, greedy): more than dynamo's default limit of 8 per function.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            speculative = torch.compile(speculative_step, fullgraph=True, dynamic=False)
-            target_only = torch.compile(target_step, fullgraph=True, dynamic=False)
-        keys = [(k, mode) for k in (0, *self.lengths) for mode in greedy]
-        for done, (k, mode) in enumerate(keys):
+            speculative, target_only = compiled_step_functions(target, draft)
+        kinds = [(mode, truncating) for mode in greedy for truncating in ((False, True) if mode else (True,))]
+        keys = [(k, *kind) for k in (0, *self.lengths) for kind in kinds]
+        for done, key in enumerate(keys):
             if progress is not None:
                 progress(done, len(keys))
             try:
-                self._capture(k, mode, speculative, target_only)
+                self._capture(key, speculative, target_only)
             except Exception as exc:  # a compiled function that fails is captured eagerly instead
                 if not compile:
                     raise
                 self.compile_error = compile_failure(exc)
                 speculative, target_only, compile = speculative_step, target_step, False
                 torch.cuda.synchronize()
-                self._capture(k, mode, speculative, target_only)
+                self._capture(key, speculative, target_only)
         if progress is not None:
             progress(len(keys), len(keys))
         if compile and artifacts is not None:  # still compiled: nothing failed
@@ -519,12 +579,13 @@ class CapturedSteps(EagerSteps):
     @torch.inference_mode()
     def _capture(
         self,
-        k: int,
-        greedy: bool,
+        key: tuple[int, bool, bool],
         speculative: Callable[..., torch.Tensor],
         target_only: Callable[..., torch.Tensor],
     ) -> None:
         device = self.target.device
+        k, greedy, truncating = key
+        inputs = self.inputs.for_step(greedy, truncating)
 
         def step() -> torch.Tensor:
             draws = (
@@ -533,8 +594,8 @@ class CapturedSteps(EagerSteps):
                 else Draws.make(k, self.target.vocab_size, self.generator, device, self.draft is not None)
             )
             if k == 0:
-                return target_only(self.target, self.inputs, greedy, draws)
-            return speculative(self.target, self.draft, self.inputs, k, greedy, draws)
+                return target_only(self.target, inputs, greedy, draws)
+            return speculative(self.target, self.draft, inputs, k, greedy, draws)
 
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
@@ -551,7 +612,7 @@ class CapturedSteps(EagerSteps):
         # Pinned: the copy from the device is then asynchronous (and there is nothing to pin for
         # a CPU tensor: the CPU tests' emulated graphs, tests/test_step_graph.py).
         pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-        self._graphs[(k, greedy)] = (graph, out, pinned)
+        self._graphs[key] = (graph, out, pinned)
 
     def bind(self, seq: torch.Tensor) -> None:
         """Nothing: a reply decodes in `inputs.seq` itself (`reply.begin`'s `buffer`)."""
@@ -569,16 +630,16 @@ class CapturedSteps(EagerSteps):
         return self.generator
 
     def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
-        """Replay the (k, greedy) graph; its block, on the host."""
-        return self._replay((k, greedy))
+        """Replay the graph of k and the reply's kind; its block, on the host."""
+        return self._replay(k, greedy)
 
     def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
         """Replay a target-only graph; its block, on the host."""
-        return self._replay((0, greedy))
+        return self._replay(0, greedy)
 
     @torch.inference_mode()  # `pinned` was made in the capture's inference mode
-    def _replay(self, key: tuple[int, bool]) -> torch.Tensor:
-        graph, out, pinned = self._graphs[key]
+    def _replay(self, k: int, greedy: bool) -> torch.Tensor:
+        graph, out, pinned = self._graphs[(k, greedy, not greedy or self.inputs.truncating)]
         graph.replay()
         # The one transfer of the step, asynchronous into pinned memory, then one wait: the next
         # replay (of any graph: they share a pool) may overwrite `out`.
@@ -596,13 +657,15 @@ def make_steps(
     target: CachedModel,
     draft: CachedModel | None,
     *,
-    compile: bool = False,
+    compile: bool | None = None,
     lookup: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> EagerSteps | None:
     """The step runner of a decoder whose models are bound to static caches (`bind(static=True)`):
-    captured on CUDA (`CapturedSteps`, `compile` and `progress` as there), eager elsewhere (nothing
-    to capture: `progress` is not called); None when a model is not a `StaticModel`
+    captured on CUDA (`CapturedSteps`, `progress` as there), compiled first unless `compile` is
+    False (inductor fuses the step's elementwise work: the default, as gpt-fast's and vLLM's steps
+    are compiled, then captured); eager elsewhere unless `compile` is True (nothing to capture:
+    `progress` is not called); None when a model is not a `StaticModel`
     (`compile_refusal` refused it: the decoder keeps its usual steps). `lookup`: the speculative
     steps verify prompt lookup's copies (no draft)."""
     models = (target,) if draft is None else (target, draft)
@@ -610,8 +673,8 @@ def make_steps(
         return None
     assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
     if target.device.type == "cuda":
-        return CapturedSteps(target, draft, compile=compile, lookup=lookup, progress=progress)
-    return EagerSteps(target, draft, lookup=lookup)
+        return CapturedSteps(target, draft, compile=compile is not False, lookup=lookup, progress=progress)
+    return EagerSteps(target, draft, lookup=lookup, compile=compile is True)
 
 
 def capture_text(done: int, total: int) -> str:

@@ -27,6 +27,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from fsd_chat.decoding.fused_linear import fuse_projections
 from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models.engine_choice import TRANSFORMERS, choose_engine, load_llama_cpp_pair
@@ -201,8 +202,12 @@ def _load_model(
     check_load_report(spec, source, report)
     model.eval()
     if quantization is not None:
+        # bitsandbytes' layers keep their separate GEMMs (`fused_linear`: not fused).
         check_quantized_forward(spec, model)
-    elif options.prepack:
+        return model
+    # q, k, v one GEMM and gate, up another; then the fused weights are packed like any other.
+    fuse_projections(model)
+    if options.prepack:
         pack_linear_layers(model)
     return model
 

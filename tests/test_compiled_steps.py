@@ -1,0 +1,42 @@
+"""The whole step compiled by inductor on the CPU (`step_graph.compiled_step_functions`: each
+decoder layer one nested compile region) decides as the eager step does: for every rule, greedy and
+sampled, the same tokens and the same origins on the story pair, the rule given as device values
+(one compiled graph per draft length and kind serves every rule, as on CUDA). Draft length 1,
+which the reply's end never cuts: two compilations in all (minutes on a loaded 2-core machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsd_chat.decoding import Controls, DecodingSettings
+from fsd_chat.decoding.settings import RULES, SamplingConfig
+from fsd_chat.decoding.step_graph import EagerSteps
+from fsd_chat.models.pair import ModelPair
+from tests.decoding_helpers import collect
+
+THRESHOLDS = {"exact": 0.0, "fuzzy": 0.1, "mixture": 0.05, "pure": 0.3}
+PROMPTS = ["Once upon a time", "Tom and Sue went to the park. Tom"]
+"""Replies of 30 tokens: the static caches (64 tokens at first) never grow, which would compile anew."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.9, seed=3)])
+def test_compiled_steps_decide_as_eager_ones(pair: ModelPair, sampling: SamplingConfig) -> None:
+    compiled = pair.speculative(
+        Controls(DecodingSettings(draft_tokens=1, draft_policy="fixed")), whole_step=True
+    )
+    steps = compiled._steps
+    assert isinstance(steps, EagerSteps)
+    compiled._steps = EagerSteps(steps.target, steps.draft, device_inputs=True, compile=True)
+    for rule in RULES:
+        settings = DecodingSettings(
+            rule=rule, threshold=THRESHOLDS[rule], draft_tokens=1, draft_policy="fixed"
+        )
+        compiled.controls.update(rule=rule, threshold=THRESHOLDS[rule])
+        eager = pair.speculative(Controls(settings), whole_step=True)
+        for prompt in PROMPTS:
+            ids = pair.tokenizer(prompt).input_ids
+            got = collect(compiled.generate(ids, max_new_tokens=30, sampling=sampling))
+            want = collect(eager.generate(ids, max_new_tokens=30, sampling=sampling))
+            assert (got.ids, got.origins) == (want.ids, want.origins), rule
+    assert compiled._steps.compile_error is None
