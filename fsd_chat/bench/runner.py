@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch._dynamo.utils import counters
 
 from fsd_chat.bench.methods import Deadline, PairRunner
@@ -211,6 +212,12 @@ def run_sweep(
                     continue
                 pair = pairs[config.setup]
                 runner = runners[config.setup]
+                draft = pair.draft if pair.draft_kind == "model" else None
+                # torch.profiler sees no kernel inside llama.cpp: its rows go unprofiled.
+                if not isinstance(pair.target, torch.nn.Module) or not isinstance(
+                    draft, torch.nn.Module | None
+                ):
+                    continue
                 record.profile = profile_reply(
                     functools.partial(
                         runner.run,
@@ -222,7 +229,7 @@ def run_sweep(
                     ),
                     pair.device,
                     pair.target,
-                    pair.draft if pair.draft_kind == "model" else None,
+                    draft,
                     bandwidth,
                 )
     except KeyboardInterrupt as interrupt:
