@@ -45,7 +45,7 @@ FETCH_MODEL = $(BIN)/python -m fsd_chat.models.default_model
 model: setup
 	$(FETCH_MODEL) >/dev/null
 
-# The first start converts the GGUF file into the cache (a minute or two); later starts take seconds.
+# A GGUF file runs on llama.cpp as it is (on the transformers engine, its first start converts it).
 chat: $(if $(call GIVEN,TARGET),setup,model)
 	$(BIN)/fsd-chat --target "$(if $(call GIVEN,TARGET),$(TARGET),$$($(FETCH_MODEL)))" $(if $(call GIVEN,DRAFT),--draft "$(DRAFT)")
 
