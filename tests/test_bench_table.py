@@ -32,6 +32,8 @@ SPEEDUPS = {
     "×hf-prompt-lookup": "hf-prompt-lookup",
     "×hf-autoregressive": "hf-autoregressive",
     "×hf-static": "hf-static",
+    "×llama.cpp": "llama.cpp",
+    "×llama.cpp-lookup": "llama.cpp-lookup",
 }
 """Each speed-up header's baseline."""
 

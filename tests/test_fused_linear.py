@@ -21,7 +21,8 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from tests.tiny_models import save_gemma3, save_tiny_model
 
-CPU = LoadOptions(device="cpu", dtype="float32")
+# Fusing is the transformers engine's (a GGUF file would run on llama.cpp by default).
+CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 LOGIT_TOLERANCE = 1e-4
 """Largest difference of a logit, relative to the logits' spread: a fused GEMM may accumulate in
 another order than three small ones (float32 rounding is about 1e-7 of a value)."""
