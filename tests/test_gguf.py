@@ -28,7 +28,7 @@ from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.loading import LoadingScreen
 from tests.decoding_helpers import collect
 from tests.gguf_models import CHATML, write_gguf
-from tests.tui.helpers import SIZE, wait_for, wait_for_chat
+from tests.tui.helpers import SIZE, recording_loader, wait_for, wait_for_chat
 
 CPU = LoadOptions(device="cpu", dtype="float32", engine="transformers")
 TEXT = "Once upon a time, there was a little girl named Lily. She had 3 red balls!"
@@ -317,15 +317,7 @@ async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: P
         store=SessionStore(tmp_path / "s.sqlite3"),
     )
     seen: list[str] = []
-
-    def loader(progress):  # type: ignore[no-untyped-def]
-        def report(text: str) -> None:
-            seen.append(text)
-            progress(text)
-
-        return load_pair(options.target, options.draft, options.load, report)
-
-    app = FsdChatApp(options, loader=loader)
+    app = FsdChatApp(options, loader=recording_loader(options, seen))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         assert "converting stories.gguf (first start only)" in seen
@@ -335,7 +327,7 @@ async def test_the_chat_opens_a_gguf_file_and_names_its_sampling(stories_gguf: P
         assert "stories.gguf's generation_config: temperature 0.7, top-k 40" in sampling
     # The next start tells the loading screen that it loads the converted copy.
     seen.clear()
-    again = FsdChatApp(options, loader=loader)
+    again = FsdChatApp(options, loader=recording_loader(options, seen))
     async with again.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
     assert "loading the converted copy of stories.gguf (converted on an earlier start)" in seen

@@ -15,7 +15,6 @@ from textual.widgets import Static
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding.settings import LOOKUP
-from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
@@ -23,7 +22,7 @@ from tests.conftest import LLAMA_CPP_MISSING
 from tests.test_bench_cli import DATA_DIR
 from tests.test_cli_generate import run_cli
 from tests.test_server import MODEL, extra, serving, user
-from tests.tui.helpers import SIZE, wait_for_chat
+from tests.tui.helpers import SIZE, recording_loader, wait_for_chat
 
 pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
 
@@ -119,15 +118,7 @@ async def test_the_chat_names_the_engine_while_loading_and_opens_on_llama_cpp(
         store=SessionStore(tmp_path / "s.sqlite3"),
     )
     seen: list[str] = []
-
-    def loader(progress):  # type: ignore[no-untyped-def]
-        def report(text: str) -> None:
-            seen.append(text)
-            progress(text)
-
-        return load_pair(options.target, options.draft, options.load, report)
-
-    app = FsdChatApp(options, loader=loader)
+    app = FsdChatApp(options, loader=recording_loader(options, seen))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         assert seen[0] == "engine llama.cpp (a GGUF file, llama-cpp-python installed)"

@@ -16,6 +16,7 @@ from textual.pilot import Pilot
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, Decoder, DecodingSettings, SamplingConfig, Step
+from fsd_chat.models.loading import load_pair
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 
@@ -162,3 +163,17 @@ def tokens_read(model: Any) -> Iterator[list[int]]:
         yield fed
     finally:
         hook.remove()
+
+
+def recording_loader(options: ChatOptions, seen: list[str]) -> Callable[..., ModelPair]:
+    """The chat's loader of `options`' pair (the real `load_pair`), with every progress line it
+    shows also appended to `seen`."""
+
+    def loader(progress: Callable[[str], None]) -> ModelPair:
+        def report(text: str) -> None:
+            seen.append(text)
+            progress(text)
+
+        return load_pair(options.target, options.draft, options.load, report)
+
+    return loader

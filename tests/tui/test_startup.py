@@ -12,12 +12,11 @@ from textual.widgets import Static
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import step_graph
-from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 from fsd_chat.tui.screens.loading import LoadingScreen
-from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
+from tests.tui.helpers import SIZE, make_app, recording_loader, wait_for, wait_for_chat
 
 USER_THEME = """
 name = "my-theme"
@@ -64,15 +63,7 @@ async def test_the_real_loader_reports_progress_then_opens_the_chat(
         store=SessionStore(tmp_path / "s.sqlite3"),
     )
     seen: list[str] = []
-
-    def loader(progress):  # type: ignore[no-untyped-def]
-        def report(text: str) -> None:
-            seen.append(text)
-            progress(text)
-
-        return load_pair(options.target, options.draft, options.load, report)
-
-    app = FsdChatApp(options, loader=loader)
+    app = FsdChatApp(options, loader=recording_loader(options, seen))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         assert seen[-1] == "ready" and any("loading target model stories260K" in s for s in seen)
