@@ -200,6 +200,7 @@ def test_threads_set_llama_cpps_threads_and_leave_torch_one(llama_pair: ModelPai
     target, draft = llama_pair.target, llama_pair.draft
     assert isinstance(target, engine.LlamaCppModel) and isinstance(draft, engine.LlamaCppModel)
     assert target.threads == 1 and llama_cpp.llama_n_threads(target.llama.ctx) == 1
+    assert llama_pair.describe().endswith("llama.cpp cpu, 1 thread")
     try:
         llama_pair.use_threads(2)
         for model in (target, draft):

@@ -107,7 +107,10 @@ class ModelPair:
                 draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
         target = f"target {self.target_spec.name}{quantization_note(self.target_spec.quantization)}"
         if isinstance(self.target, LlamaCppModel):
-            return f"{target} · {draft} · llama.cpp {self.device}, {self.target.threads} threads"
+            threads = self.target.threads
+            return (
+                f"{target} · {draft} · llama.cpp {self.device}, {threads} thread{'s' if threads != 1 else ''}"
+            )
         return f"{target} · {draft} · {self.device} {dtype}"
 
     def decoder(
