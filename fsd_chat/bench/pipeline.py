@@ -41,7 +41,7 @@ from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
-from fsd_chat.models.options import Engine, pair_specs
+from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.interrupts import interrupts
@@ -190,8 +190,9 @@ def run_bench(
         console = Console(stderr=True, soft_wrap=True, width=min(console.width, WIDTH))
     pairs: dict[str, ModelPair] = {}
     by_setup: dict[Setup, ModelPair] = {}
-    for setup in setups:
-        specs = pair_specs(
+
+    def specs_of(setup: Setup, engine: Engine) -> tuple[ModelSpec, ModelSpec, LoadOptions]:
+        return pair_specs(
             target,
             draft,
             setup.quantize_target,
@@ -201,6 +202,9 @@ def run_bench(
             trust_remote_code,
             engine,
         )
+
+    for setup in setups:
+        specs = specs_of(setup, engine)
         if not console.is_terminal:  # a status spinner shows only on a terminal
             console.print(Text(f"loading {setup.label}"))
         with console.status(f"loading {setup.label}"):
@@ -212,19 +216,9 @@ def run_bench(
     hf_pairs: dict[Setup, ModelPair] = {}
     for setup in setups:
         if setup in hf_setups:
-            target_spec, draft_spec, options = pair_specs(
-                target,
-                draft,
-                setup.quantize_target,
-                setup.quantize_draft,
-                device,
-                setup.dtype,
-                trust_remote_code,
-            )
+            target_spec, draft_spec, options = specs_of(setup, "transformers")
             with console.status(f"loading {setup.label} for transformers' baselines"):
-                hf_pairs[setup] = load_pair(
-                    target_spec, draft_spec, replace(options, prepack=False, engine="transformers")
-                )
+                hf_pairs[setup] = load_pair(target_spec, draft_spec, replace(options, prepack=False))
     # Sampling lists not given start from the target's own sampling, as chat and generate do.
     model_sampling = SamplingRequest().resolve(by_setup[setups[0]].generation_config, Path(target).name)
     spec = spec.with_sampling(model_sampling.config)
