@@ -155,6 +155,31 @@ def test_steps_of_an_older_generation_are_stale(pair: ModelPair, tmp_path: Path)
     assert old.turns[0].content == "Once upon a time" and chat.session.turns == []
 
 
+def test_a_late_batch_before_the_next_prompt_is_built_saves_nothing_and_loses_nothing(
+    pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch shown between a new message and its built prompt (a pacing timer of the reply before,
+    firing late) must not save the new reply, which is not stored yet: once, that save reached the
+    writer before the reply's append, and the writer's thread died with every later save."""
+    monkeypatch.setattr("fsd_chat.conversation.controller.SAVE_INTERVAL", 0.0)  # every batch saves
+    chat = make_chat(pair, tmp_path, Saves())
+    _, steps, fold = start(chat, "Once upon a time")
+    stream(chat, steps, fold)
+    chat.finish()
+    second = chat.send("Lily had a dog")
+    assert isinstance(second, Sent)
+    assert not chat.steps_shown((), ended=False)  # the late, empty batch
+    dropped, ids = chat.build_prompt(second.messages, cancelled=lambda: False)
+    assert chat.prompt_ready(dropped) is None
+    fold = ReplyBuilder()
+    fold.record = second.record
+    text = stream(chat, chat.steps(ids), fold)
+    chat.finish()
+    assert chat.close(10)  # the writer is alive and wrote everything
+    saved = SessionStore(tmp_path / "data" / "sessions.sqlite3").load(chat.session.id)
+    assert [t.content for t in saved.turns][2:] == ["Lily had a dog", text]
+
+
 def test_a_message_whose_prompt_is_not_built_is_withdrawn(pair: ModelPair, tmp_path: Path) -> None:
     chat = make_chat(pair, tmp_path, Saves())
     sent = chat.send("Once upon a time")

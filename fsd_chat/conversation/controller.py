@@ -401,7 +401,9 @@ class ChatController:
         """
         if ended or (steps and steps[-1].stop_reason is not None):
             return True
-        if time.monotonic() - self._last_save >= SAVE_INTERVAL:
+        # Not before the prompt is built: the reply joins the store then (`prompt_ready`), and the
+        # writer can only update a turn it has appended.
+        if self._stored and time.monotonic() - self._last_save >= SAVE_INTERVAL:
             self._last_save = time.monotonic()
             assert self.sent is not None
             self.writer.update_reply(self.session.id, self.sent.reply)

@@ -334,6 +334,9 @@ class ChatScreen(Screen[None]):
     def _finish_reply(self, error: str | None = None) -> None:
         """End the streaming reply (stopped, unless it has its own reason) and save it; a message
         whose prompt was still building is taken back."""
+        if self._batch_timer is not None:  # its batch was this reply's: none is left to show
+            self._batch_timer.stop()
+            self._batch_timer = None
         finished = self.chat.finish(error)
         if not finished.stored:
             self._withdraw(finished.sent)
