@@ -66,6 +66,10 @@ def config_for(
             head_dim=16,
             sliding_window=16,
             num_kv_shared_layers=2,
+            # Per-layer input embeddings as small as the rest (the class's default is a 262,144-id
+            # table of 256 a layer: 268 M parameters, half a minute to save and load).
+            vocab_size_per_layer_input=vocab_size,
+            hidden_size_per_layer_input=16,
             **{**llama_like, "num_hidden_layers": 4},
             layer_types=["sliding_attention", "full_attention"] * 2,
         )
