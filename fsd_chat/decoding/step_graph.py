@@ -267,14 +267,15 @@ def attention_mask(model: StaticModel, positions: torch.Tensor) -> torch.Tensor:
     Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
     asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
     `q_offset == 0` unless torch.compile traces it), a host read that a CUDA graph's capture
-    refuses. Boolean (True: attend) for SDPA, additive for the other attention kernels.
+    refuses. Additive (0: attend; the dtype's lowest value: not), for every attention kernel:
+    SDPA turns a boolean mask into this one in every layer's call (`convert_boolean_attn_mask`:
+    two more operators a layer, a tenth of a small model's operators on the CPU), so the step
+    builds it once.
     """
     allowed = torch.arange(model.capacity, device=positions.device) <= positions.unsqueeze(-1)
-    mask = allowed.view(1, 1, *allowed.shape)
-    if model.model.config._attn_implementation == "sdpa":
-        return mask
     dtype = model.model.dtype
-    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    mask = torch.full((1, 1, *allowed.shape), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(allowed, 0.0)
 
 
 def speculative_step(
