@@ -799,3 +799,30 @@ def test_the_dial_acts_from_the_next_launched_step(pair: ModelPair, emulated_cud
     rest = list(steps)
     assert len(rest) == 1 and rest[0].stop_reason == StopReason.STOPPED
     assert emulated_cuda.count("launch") == emulated_cuda.count("read") + 1
+
+
+def test_a_paused_draft_catches_up_in_a_step_launched_ahead(
+    pair: ModelPair, emulated_cuda: list[str]
+) -> None:
+    """A speculative step launched while the target-only step before it is in flight, its draft
+    behind (`Pausing`): the draft's catch-up reads only the tokens before that target-only step's
+    token, so it runs ahead too; greedy at T = 0 the reply is the target's text, with catch-up
+    passes among its steps, as on the synchronous path."""
+    settings = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=3, draft_policy="fixed")
+    decoder = pair.speculative(Controls(settings), whole_step=True)
+    captured(decoder)
+    decoder._kept_policy = ("fixed", Pausing(2))
+    prompt = pair.tokenizer(PROMPTS[0]).input_ids
+    run = collect(decoder.generate(prompt, max_new_tokens=60))
+    assert run.ids == collect(pair.autoregressive(Controls()).generate(prompt, max_new_tokens=60)).ids
+    assert any(s.stats.draft_forwards > s.stats.drafted for s in run.steps)  # a catch-up pass
+    assert launched_ahead(emulated_cuda) >= 10
+    # The draft proposed what it proposes on the synchronous path: its cache was caught up right.
+    eager = whole(pair, settings)
+    eager._kept_policy = ("fixed", Pausing(2))
+    want = collect(eager.generate(prompt, max_new_tokens=60))
+
+    def drafting(steps: list[Any]) -> list[tuple[int, int, int]]:
+        return [(s.stats.drafted, s.stats.accepted_exact, s.stats.draft_forwards) for s in steps]
+
+    assert drafting(run.steps) == drafting(want.steps)
