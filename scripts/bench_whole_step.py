@@ -3,11 +3,13 @@ tokens/s, interleaved: each round runs every decoder once over the same prompts,
 rotates from round to round, so that a machine's drifting load falls on all of them alike.
 
     python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64] [--clock process]
+        [--target default --draft lookup]
 
 Prints, per decoder pair (today's / whole step), the ratio of tokens/s per round and its median
-with the range over rounds. Greedy decoding of the offline story pair (../shared/models), one
-torch thread on the CPU; on CUDA the whole step is captured as graphs at construction and today's
-steps are compiled (the default there).
+with the range over rounds. Greedy decoding of the offline story pair (../shared/models) unless
+`--target` and `--draft` name another (`default`: the default chat model, on the transformers
+engine; `lookup`: prompt lookup), one torch thread on the CPU; on CUDA the whole step is captured
+as graphs at construction and today's steps are compiled (the default there).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 
@@ -32,6 +35,8 @@ PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--target", default=str(MODELS / "stories260K"), help="a model, or 'default'")
+    parser.add_argument("--draft", default=str(MODELS / "stories260K-draft"), help="a model, or 'lookup'")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -43,10 +48,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    target = str(default_model_path()) if args.target == "default" else args.target
     pair = load_pair(
-        ModelSpec(str(MODELS / "stories260K")),
-        ModelSpec(str(MODELS / "stories260K-draft")),
-        LoadOptions(device=args.device, dtype="float32"),
+        ModelSpec(target),
+        ModelSpec(args.draft),
+        LoadOptions(device=args.device, dtype="float32", engine="transformers"),
     )
     sampling = SamplingConfig(temperature=args.temperature, seed=0 if args.temperature else None)
 

@@ -26,9 +26,11 @@ EAGER_OPS_A_LAYER = 40
 """bfloat16, fused projections: 4 GEMMs, attention, 35 elementwise, reduction, cat and copy
 operators (43 with q, k, v and gate, up as separate GEMMs; 44 when each layer's write position was
 set by a copy of its own)."""
-EAGER_OPS_OUTSIDE_LAYERS = 34
+EAGER_OPS_OUTSIDE_LAYERS = 36
 """The step's own operators at 0 layers (embedding, rotary tables, mask, final norm, head, greedy
-draw): 56 when a greedy step still truncated its laws (sorts)."""
+draw): 56 when a greedy step still truncated its laws (sorts); 34 when the mask was boolean, which
+SDPA then turned into an additive one inside every layer's call, below what this instrument counts
+(torch.profiler sees it: a `where` and its scalars a layer)."""
 COMPILED_LAUNCHES_A_LAYER = 11
 """Inductor, each layer a nested compile region: 4 GEMMs, attention and 5 fused kernels (norm;
 rotary embedding and cache write; residual and norm; SiLU gate; residual), and the layer's write

@@ -11,8 +11,9 @@ import collections
 import contextlib
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -393,6 +394,7 @@ class EmulatedGraph:
 
     @torch.inference_mode()  # the recorded tensors are inference tensors (a GPU replay has no modes)
     def replay(self) -> None:
+        TIMELINE.append("launch")
         for func, args, kwargs, out in self.ops:
             result = func(*args, **kwargs)
             olds = out if isinstance(out, tuple | list) else (out,)
@@ -423,10 +425,35 @@ class _Stream:
     def wait_stream(self, _: Any) -> None: ...
 
 
+TIMELINE: list[str] = []
+"""What the emulated device saw, in order: "launch" (a replay) and "read" (a wait on an event)."""
+
+
 class _Event:
+    """A CUDA event (a mock): the copy queued before it (`_copy_to_host`) arrives when it is
+    waited on."""
+
+    def __init__(self) -> None:
+        self.arrive: Callable[[], object] | None = None
+
     def record(self) -> None: ...
 
-    def synchronize(self) -> None: ...
+    @torch.inference_mode()  # the host buffers are inference tensors
+    def synchronize(self) -> None:
+        TIMELINE.append("read")
+        if self.arrive is not None:
+            self.arrive()
+            self.arrive = None
+
+
+def _copy_to_host(out: torch.Tensor, host: torch.Tensor, done: _Event) -> None:
+    """`step_graph.copy_to_host` emulated (a mock of CUDA's asynchronous copy): the host buffer is
+    poisoned (NaN) from the moment a copy into it is queued until its event is waited on, and it
+    then receives the output as it was when the copy was queued (the stream's order). A block read
+    after its buffer was reused, or before its event, is NaN or another step's."""
+    data = out.clone()
+    host.fill_(float("nan"))
+    done.arrive = partial(host.copy_, data)
 
 
 @contextlib.contextmanager
@@ -436,9 +463,12 @@ def _capture(graph: EmulatedGraph, **_: Any) -> Iterator[None]:
 
 
 @pytest.fixture
-def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.cuda's graph API replaced by `EmulatedGraph` and no-op streams and events (mocks:
-    there is no GPU here), so that `CapturedSteps` captures and replays on the CPU."""
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """torch.cuda's graph API replaced by `EmulatedGraph`, no-op streams, and events that deliver
+    the asynchronous copies (`_copy_to_host`) (mocks: there is no GPU here), so that
+    `CapturedSteps` captures and replays on the CPU. Returns the `TIMELINE`, emptied."""
+    TIMELINE.clear()
+    monkeypatch.setattr(step_graph, "copy_to_host", _copy_to_host)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
     monkeypatch.setattr(torch.cuda, "graph", _capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
@@ -447,6 +477,7 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    return TIMELINE
 
 
 def captured(decoder: SpeculativeDecoder | AutoregressiveDecoder) -> CapturedSteps:
@@ -466,12 +497,14 @@ def captured(decoder: SpeculativeDecoder | AutoregressiveDecoder) -> CapturedSte
     [SamplingConfig(), SamplingConfig(top_p=0.5), SamplingConfig(temperature=0.9, top_p=0.9, seed=5)],
 )
 def test_captured_steps_replayed_decode_as_eager_ones(
-    pair: ModelPair, emulated_cuda: None, sampling: SamplingConfig
+    pair: ModelPair, emulated_cuda: list[str], sampling: SamplingConfig
 ) -> None:
     """`CapturedSteps` on emulated CUDA graphs: the graphs captured once, then replayed for every
     step of several replies (prefix reuse in the shared buffer, the dial moved between replies,
     k 4 rounded down to the longest captured, 3, the registered generator reseeded per reply) give the
-    eager whole step's replies, token for token."""
+    eager whole step's replies, token for token: with one step in flight (each step but a reply's
+    last few launched before the last one is read, a block read only once its copy arrived,
+    `_copy_to_host`), as the eager path reads each step before the next."""
     controls = Controls(DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed"))
     graphs_decoder = pair.speculative(controls, whole_step=True)
     graphs = captured(graphs_decoder)
@@ -497,13 +530,14 @@ def test_captured_steps_replayed_decode_as_eager_ones(
         assert got.stats.drafted > 0
         got_target = collect(target_only.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
         assert got_target == collect(eager_target.generate(prompt, max_new_tokens=40, sampling=sampling)).ids
+    assert launched_ahead(emulated_cuda) > 20
 
 
 SAMPLING_OPS = ("sort", "topk", "kthvalue", "cumsum", "exponential", "uniform", "multinomial")
 """aten operators of sampling work: truncation (ranks, cumulative sums) and noise."""
 
 
-def test_greedy_graphs_do_no_sampling_work(pair: ModelPair, emulated_cuda: None) -> None:
+def test_greedy_graphs_do_no_sampling_work(pair: ModelPair, emulated_cuda: list[str]) -> None:
     """The operators each captured graph records (`EmulatedGraph`: the kernels a CUDA graph would
     launch): a greedy graph, target-only or speculative, neither sorts, nor accumulates top-p's
     sums, nor draws noise. The greedy graph of a reply that truncates, and the sampled ones, do:
@@ -620,7 +654,9 @@ def test_a_lookup_whole_step_reads_once_and_writes_no_python_value(
     assert all(reads == 1 and not other for reads, other, _ in per_step), per_step
 
 
-def test_captured_lookup_steps_replayed_decode_as_eager_ones(pair: ModelPair, emulated_cuda: None) -> None:
+def test_captured_lookup_steps_replayed_decode_as_eager_ones(
+    pair: ModelPair, emulated_cuda: list[str]
+) -> None:
     """`CapturedSteps(lookup=True)` on emulated CUDA graphs: a graph per copy length, replayed
     with the source written between replays, gives the eager lookup whole step's replies."""
     settings = DecodingSettings(
@@ -634,3 +670,159 @@ def test_captured_lookup_steps_replayed_decode_as_eager_ones(pair: ModelPair, em
     want = collect(whole_lookup(pair, settings).generate(prompt, max_new_tokens=40, sampling=sampling))
     assert (got.ids, got.origins) == (want.ids, want.origins)
     assert got.stats.lookup_hits > 0
+    # The copy is found on the host, in the tokens the last step emitted: no step runs ahead.
+    assert launched_ahead(emulated_cuda) == 0 and emulated_cuda.count("launch") == got.stats.steps
+
+
+def launched_ahead(timeline: list[str]) -> int:
+    """Reads of a step while the step after it was in flight already (two launches unread)."""
+    unread = ahead = 0
+    for event in timeline:
+        unread += 1 if event == "launch" else -1
+        ahead += event == "read" and unread == 1  # one left after this read: the next step's
+    return ahead
+
+
+def test_a_host_buffer_is_poisoned_while_reused(pair: ModelPair, emulated_cuda: list[str]) -> None:
+    """The mock's check (`_copy_to_host`): two host buffers taken in turn, so a step's block stays
+    readable while the next step is launched, and the launch after next poisons it; a block read
+    after that sees NaN, or, through its event, that later step's block."""
+    graphs = captured(pair.autoregressive(Controls(), whole_step=True))
+    generator = torch.Generator()
+    graphs.inputs.position.fill_(1)
+    first = graphs.target_only(True, generator)
+    second = graphs.target_only(True, generator)
+    assert first.read().isfinite().all()
+    kept = first.block.clone()
+    third = graphs.target_only(True, generator)
+    assert first.block.isnan().all()  # reused by the third launch, its copy not yet arrived
+    assert second.read().isfinite().all()
+    assert torch.equal(third.read(), first.block) and not torch.equal(first.block, kept)
+
+
+def in_flight_pair(
+    pair: ModelPair, kind: str, settings: DecodingSettings
+) -> tuple[SpeculativeDecoder | AutoregressiveDecoder, Decoder]:
+    """A whole-step decoder of `kind` (speculative with the story draft, or target-only) on
+    emulated CUDA graphs, which launches each step before it reads the last, and the same
+    decoder on the eager whole step (the CPU's), which reads each step before the next."""
+    if kind == "target-only":
+        graphs: SpeculativeDecoder | AutoregressiveDecoder = pair.autoregressive(
+            Controls(settings), whole_step=True
+        )
+        captured(graphs)
+        return graphs, pair.autoregressive(Controls(settings), whole_step=True)
+    graphs = pair.speculative(Controls(settings), whole_step=True)
+    captured(graphs)
+    return graphs, pair.speculative(Controls(settings), whole_step=True)
+
+
+IN_FLIGHT = [
+    ("speculative", SamplingConfig()),
+    ("speculative", SamplingConfig(temperature=0.9, top_p=0.9, seed=9)),
+    ("target-only", SamplingConfig()),
+]
+
+
+@pytest.mark.parametrize(("kind", "sampling"), IN_FLIGHT)
+def test_a_step_launched_past_the_end_of_text_is_discarded(
+    pair: ModelPair, emulated_cuda: list[str], kind: str, sampling: SamplingConfig
+) -> None:
+    """End of text at a token in mid-reply (the token taken as EOS: the story model's own EOS
+    comes late): the step launched before the EOS was read is never read, the reply is the
+    synchronous path's, token for token and origin for origin, and the next reply, which reuses
+    the first's prefix over what the discarded step wrote past it, is too."""
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=3, draft_policy="fixed")
+    graphs, eager = in_flight_pair(pair, kind, settings)
+    prompt = pair.tokenizer(PROMPTS[0]).input_ids
+    full = collect(eager.generate(prompt, max_new_tokens=60, sampling=sampling)).ids
+    # The token whose first use comes latest (past a few steps), taken as EOS.
+    eos = max(set(full[:40]), key=full.index)
+    assert full.index(eos) >= 12
+    for decoder in (graphs, eager):
+        decoder.eos_token_ids = frozenset({eos})
+    emulated_cuda.clear()
+    got = collect(graphs.generate(prompt, max_new_tokens=60, sampling=sampling))
+    want = collect(eager.generate(prompt, max_new_tokens=60, sampling=sampling))
+    assert (got.ids, got.origins) == (want.ids, want.origins) and got.ids == full[: full.index(eos)]
+    assert got.steps[-1].stop_reason == StopReason.EOS
+    assert launched_ahead(emulated_cuda) >= 3
+    assert emulated_cuda.count("launch") == emulated_cuda.count("read") + 1  # the discarded step
+    longer = [*prompt, *got.ids, *pair.tokenizer(" Then").input_ids[1:]]
+    again = collect(graphs.generate(longer, max_new_tokens=30, sampling=sampling))
+    assert graphs.controls.cached_prompt_tokens >= len(prompt) + len(got.ids) - 1
+    assert again.ids == collect(eager.generate(longer, max_new_tokens=30, sampling=sampling)).ids
+
+
+@pytest.mark.parametrize(("kind", "sampling"), IN_FLIGHT)
+def test_no_step_is_launched_past_the_token_limit(
+    pair: ModelPair, emulated_cuda: list[str], kind: str, sampling: SamplingConfig
+) -> None:
+    """At the token limit nothing is discarded: the last steps, whose room could bind, are each
+    read before the next is launched (`step_graph.room_ahead`), every launched step is read, and
+    the reply is the synchronous path's, token for token, to the limit; the steps before ran one
+    ahead."""
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=3, draft_policy="fixed")
+    graphs, eager = in_flight_pair(pair, kind, settings)
+    prompt = pair.tokenizer(PROMPTS[1]).input_ids
+    for limit in (37, 38):
+        emulated_cuda.clear()
+        got = collect(graphs.generate(prompt, max_new_tokens=limit, sampling=sampling))
+        want = collect(eager.generate(prompt, max_new_tokens=limit, sampling=sampling))
+        assert (got.ids, got.origins) == (want.ids, want.origins)
+        assert len(got.ids) == limit and got.steps[-1].stop_reason == StopReason.MAX_NEW_TOKENS
+        assert launched_ahead(emulated_cuda) >= 5
+        assert emulated_cuda.count("launch") == emulated_cuda.count("read") == got.stats.steps
+        # A speculative reply's last step runs alone (its room binds); a target-only step's
+        # room never does (one token a step): its last step was launched ahead, and nothing after.
+        assert emulated_cuda[-2:] == (["launch", "read"] if kind == "speculative" else ["read", "read"])
+
+
+def test_the_dial_acts_from_the_next_launched_step(pair: ModelPair, emulated_cuda: list[str]) -> None:
+    """With one step in flight a setting changed after step t is read reaches step t + 2: step
+    t + 1 was launched with the old one. A stop request ends the reply at the next step read, and
+    the step launched after it is discarded."""
+    controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=3, draft_policy="fixed"))
+    decoder = pair.speculative(controls, whole_step=True)
+    captured(decoder)
+    steps = decoder.generate(pair.tokenizer(PROMPTS[0]).input_ids, max_new_tokens=200)
+    firsts = [next(steps) for _ in range(3)]
+    assert all(s.stats.rule == "exact" and s.stats.accepted_fuzzy == 0 for s in firsts)
+    controls.update(rule="pure", threshold=math.log(2.0), divergence="js")
+    launched_before, *relaxed = [next(steps) for _ in range(4)]
+    assert launched_before.stats.rule == "exact" and launched_before.stats.accepted_fuzzy == 0
+    # js ≤ ln 2 everywhere: `pure` accepts every draft token the target can emit.
+    assert all(
+        s.stats.rule == "pure" and s.stats.accepted_exact + s.stats.accepted_fuzzy == 3 for s in relaxed
+    )
+    controls.request_stop()
+    rest = list(steps)
+    assert len(rest) == 1 and rest[0].stop_reason == StopReason.STOPPED
+    assert emulated_cuda.count("launch") == emulated_cuda.count("read") + 1
+
+
+def test_a_paused_draft_catches_up_in_a_step_launched_ahead(
+    pair: ModelPair, emulated_cuda: list[str]
+) -> None:
+    """A speculative step launched while the target-only step before it is in flight, its draft
+    behind (`Pausing`): the draft's catch-up reads only the tokens before that target-only step's
+    token, so it runs ahead too; greedy at T = 0 the reply is the target's text, with catch-up
+    passes among its steps, as on the synchronous path."""
+    settings = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=3, draft_policy="fixed")
+    decoder = pair.speculative(Controls(settings), whole_step=True)
+    captured(decoder)
+    decoder._kept_policy = ("fixed", Pausing(2))
+    prompt = pair.tokenizer(PROMPTS[0]).input_ids
+    run = collect(decoder.generate(prompt, max_new_tokens=60))
+    assert run.ids == collect(pair.autoregressive(Controls()).generate(prompt, max_new_tokens=60)).ids
+    assert any(s.stats.draft_forwards > s.stats.drafted for s in run.steps)  # a catch-up pass
+    assert launched_ahead(emulated_cuda) >= 10
+    # The draft proposed what it proposes on the synchronous path: its cache was caught up right.
+    eager = whole(pair, settings)
+    eager._kept_policy = ("fixed", Pausing(2))
+    want = collect(eager.generate(prompt, max_new_tokens=60))
+
+    def drafting(steps: list[Any]) -> list[tuple[int, int, int]]:
+        return [(s.stats.drafted, s.stats.accepted_exact, s.stats.draft_forwards) for s in steps]
+
+    assert drafting(run.steps) == drafting(want.steps)

@@ -6,7 +6,6 @@ One target forward pass per token over the KV cache (no re-encoding of the conte
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import ClassVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -44,8 +43,8 @@ class AutoregressiveDecoder:
             (see `SpeculativeDecoder`; None, the default: on a CUDA device only).
         whole_step: Run each step as one function over static buffers
             (`fsd_chat.decoding.step_graph`): captured as a CUDA graph at construction on CUDA,
-            eager elsewhere (see `SpeculativeDecoder`, also for `compiled` then); transformers
-            models only.
+            eager elsewhere (see `SpeculativeDecoder`, also for `compiled` then, and for the step
+            launched before the last one is read); transformers models only.
         capture_progress: See `SpeculativeDecoder`.
     """
 
@@ -153,24 +152,38 @@ class AutoregressiveDecoder:
             buffer=buffer,
         )
         prefill_seconds = start.prefill_seconds
-        generator = start.generator
+        reply, generator, clock = start.reply, start.generator, start.clock
         if steps is not None:
-            generator = step_graph.start(steps, start.reply, sampling, generator)
+            generator = step_graph.start(steps, reply, sampling, generator)
+        # A whole step launched before the last one was read (`step_graph`, "One step in flight").
+        ahead: step_graph.Launched | None = None
         while True:
-            one_step = (
-                partial(target_step, self.target)
-                if steps is None or start.reply.unread
-                else partial(step_graph.whole_target_step, steps)
-            )
-            step = one_step(
-                start.reply,
-                sampling=sampling,
-                generator=generator,
-                clock=start.clock,
-                settings=self.controls.snapshot(),
-                rule=self.rule,
-                prefill_seconds=prefill_seconds,
-            )
+            settings = self.controls.snapshot()
+            if steps is None or reply.unread:
+                step = target_step(
+                    self.target,
+                    reply,
+                    sampling=sampling,
+                    generator=generator,
+                    clock=clock,
+                    settings=settings,
+                    rule=self.rule,
+                    prefill_seconds=prefill_seconds,
+                )
+            else:
+                launched = steps.target_only(sampling.greedy, generator) if ahead is None else ahead
+                go_ahead = step_graph.room_ahead(steps, reply, 0) is not None
+                ahead = steps.target_only(sampling.greedy, generator) if go_ahead else None
+                step = step_graph.whole_target_step(
+                    steps,
+                    launched,
+                    reply,
+                    clock=clock,
+                    settings=settings,
+                    rule=self.rule,
+                    greedy=sampling.greedy,
+                    prefill_seconds=prefill_seconds,
+                )
             prefill_seconds = 0.0
             yield step
             if step.stop_reason is not None:

@@ -24,7 +24,7 @@ token), a mapped draft spells them first (`MappedProposer.propose`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache, partial
 
 import torch
@@ -110,7 +110,10 @@ class SpeculativeDecoder:
             they are captured on CUDA (None, the default: on CUDA only; False: never; True: on the
             CPU too), its artifacts kept in the user's cache. The draft
             policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
-            is not asked. transformers models only (a `ModelRunner` keeps the usual steps).
+            is not asked. On CUDA a step is launched before the last one is read (`step_graph`,
+            "One step in flight": but with prompt lookup), so the dial, the rule and the draft
+            policy act from the next launched step, and a step launched past the reply's end is
+            discarded. transformers models only (a `ModelRunner` keeps the usual steps).
         capture_progress: Called with (graphs captured, graphs in all) while the whole step's
             graphs are captured (on CUDA, at construction; the loading screen shows it).
 
@@ -307,7 +310,10 @@ class SpeculativeDecoder:
             generator = step_graph.start(steps, reply, sampling, generator)
         self.proposer.prefill(reply, self.reuse_prefix, defer)
         prefill_seconds = start.prefill_seconds + clock.lap()
-        while True:
+
+        def choose(room: int, length: int) -> tuple[DecodingSettings, int]:
+            """The settings and the draft policy's k of the next step to launch."""
+            nonlocal policy, policy_name
             settings = self.controls.snapshot()
             if settings.draft_policy != policy_name:
                 policy, policy_name = self._policy(settings.draft_policy), settings.draft_policy
@@ -315,8 +321,30 @@ class SpeculativeDecoder:
             # What prompt lookup will copy is known before the policy decides: how long a suffix
             # matched says how likely its copy is accepted.
             evidence = None if self._lookup is None else self._lookup.match(reply).matched
-            k = policy.limit(settings, reply.room(), evidence, reply.length)
-            step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
+            return settings, policy.limit(settings, room, evidence, length)
+
+        # A whole step launched before the last one was read (`step_graph`, "One step in flight").
+        ahead: _Launch | None = None
+        while True:
+            if ahead is not None or (steps is not None and not reply.unread):
+                assert steps is not None
+                if ahead is None:
+                    settings, k = choose(reply.room(), reply.length)
+                    launch = self._launch(steps, reply, k, settings, sampling, generator, reply.length)
+                else:
+                    launch, ahead = ahead, None
+                room = step_graph.room_ahead(steps, reply, launch.k)
+                if room is not None:
+                    # Launched before `launch` is read: its start is known after a target-only
+                    # step (one token), and only then can the draft be behind.
+                    length = reply.length + launch.k + 1
+                    settings, k = choose(room, length)
+                    known = reply.length + 1 if launch.k == 0 else None
+                    ahead = self._launch(steps, reply, k, settings, sampling, generator, known)
+                step = self._read(steps, launch, reply, sampling, clock, prefill_seconds)
+            else:
+                settings, k = choose(reply.room(), reply.length)
+                step = self._step(reply, k, policy, settings, sampling, generator, clock, prefill_seconds)
             if step.stats.drafted:
                 policy.observe(step.stats.drafted, step.stats.accepted)
             # A whole step times its draft and verify passes together.
@@ -343,10 +371,6 @@ class SpeculativeDecoder:
     ) -> Step:
         """One step: propose up to `limit` tokens, verify them, emit the accepted prefix and the
         target's token; a plain target step when nothing is proposed (or `limit` is 0)."""
-        if self._steps is not None and not reply.unread:
-            return self._whole_step(
-                self._steps, reply, limit, settings, sampling, generator, clock, prefill_seconds
-            )
         start = reply.length
         seq = reply.seq
         proposal = self.proposer.propose(reply, limit, policy, sampling, generator) if limit else None
@@ -423,7 +447,7 @@ class SpeculativeDecoder:
             return "exact"
         return settings.rule
 
-    def _whole_step(
+    def _launch(
         self,
         steps: step_graph.EagerSteps,
         reply: Reply,
@@ -431,13 +455,13 @@ class SpeculativeDecoder:
         settings: DecodingSettings,
         sampling: SamplingConfig,
         generator: torch.Generator,
-        clock: PhaseClock,
-        prefill_seconds: float,
-    ) -> Step:
-        """`_step` as one step function (`step_graph`): a speculative step of the largest
-        available draft length ≤ `limit` (with prompt lookup: ≤ the copy the host found), or a
-        target-only step; one read of its block."""
-        start = reply.length
+        start: int | None,
+    ) -> _Launch:
+        """Launch a whole step (`step_graph`): a speculative step of the largest available draft
+        length ≤ `limit` (with prompt lookup: ≤ the copy the host found), or a target-only step.
+        `start`: the index of the step's first token, when known (None: launched before the last
+        step, a speculative one, is read, which left the draft at most the token it lacks after a
+        fully accepted block behind: what the step's first pass re-feeds)."""
         lookup = self._lookup is not None
         source = 0
         if self._lookup is not None and limit:
@@ -445,19 +469,10 @@ class SpeculativeDecoder:
         lengths = steps.lengths
         k = limit if lengths is None else max((n for n in lengths if n <= limit), default=0)
         if k == 0:
-            return step_graph.whole_target_step(
-                steps,
-                reply,
-                sampling=sampling,
-                generator=generator,
-                clock=clock,
-                settings=settings,
-                rule=settings.rule,
-                prefill_seconds=prefill_seconds,
-            )
-        target, draft = steps.target, steps.draft
+            return _Launch(steps.target_only(sampling.greedy, generator), 0, 0, settings)
+        draft = steps.draft
         forwards = 0 if draft is None else k
-        if draft is not None and draft.seen < start - 2:
+        if draft is not None and start is not None and draft.seen < start - 2:
             # Behind by more than the step's first pass re-feeds (target-only steps while the
             # policy paused it): caught up eagerly, outside the step.
             draft.forward(reply.seq, start - 1, keep=1)
@@ -465,7 +480,34 @@ class SpeculativeDecoder:
         steps.inputs.write(settings, self._verify_rule(reply, settings, k))
         if lookup:
             steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
-        block = steps.speculative(k, sampling.greedy, generator).tolist()
+        return _Launch(steps.speculative(k, sampling.greedy, generator), k, forwards, settings)
+
+    def _read(
+        self,
+        steps: step_graph.EagerSteps,
+        launch: _Launch,
+        reply: Reply,
+        sampling: SamplingConfig,
+        clock: PhaseClock,
+        prefill_seconds: float,
+    ) -> Step:
+        """`_step` of a launched whole step: one read of its block."""
+        k, settings = launch.k, launch.settings
+        if k == 0:
+            return step_graph.whole_target_step(
+                steps,
+                launch.launched,
+                reply,
+                clock=clock,
+                settings=settings,
+                rule=settings.rule,
+                greedy=sampling.greedy,
+                prefill_seconds=prefill_seconds,
+            )
+        start = reply.length
+        lookup = self._lookup is not None
+        target, draft = steps.target, steps.draft
+        block = launch.launched.read().tolist()
         # What the caches surely hold, should the verdict end the reply (a non-finite law)...
         target.moved(start)
         if draft is not None:
@@ -488,7 +530,7 @@ class SpeculativeDecoder:
             verdict,
             settings,
             clock,
-            draft_forwards=forwards,
+            draft_forwards=launch.forwards,
             draft_seconds=0.0,
             target_seconds=clock.lap(),
             prefill_seconds=prefill_seconds,
@@ -539,3 +581,15 @@ class SpeculativeDecoder:
             lookup_hits=int(lookup),
         )
         return reply.commit(verdict.token_ids, verdict.origins(), divergences, verdict.costs, stats, clock)
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """A whole step launched and not yet read: its block on its way (`step_graph.Launched`), its
+    draft length (0: target-only), its draft forward passes (a catch-up included) and the settings
+    it was launched with (its stats report them)."""
+
+    launched: step_graph.Launched
+    k: int
+    forwards: int
+    settings: DecodingSettings

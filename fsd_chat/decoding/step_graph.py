@@ -25,6 +25,34 @@ draft position its token, draft-exact flag, divergence and cost; `acceptance.rea
 it), or for a target-only step [non-finite flag, token]. The host copies it once per step; on CUDA
 the graph's output memory is overwritten by the next replay, so the copy happens first.
 
+**One step in flight** (CUDA: `CapturedSteps.ahead`). A step reads its inputs from device buffers
+that the step before wrote (the tokens in `seq`, the position, the caches' write positions), so
+step t + 1 can be launched before the host has read step t: launching a step is a graph replay,
+then an asynchronous copy of its block into one of two pinned host buffers, taken in turn, and an
+event recorded after it (`Launched`); reading it waits on that event. The decoders launch step
+t + 1, then read step t, so that the replay's launch and the host's work on step t (the verdict,
+detokenisation, the UI) overlap the GPU's step t + 1, as vLLM's async scheduling
+(`AsyncGPUModelRunnerOutput`: a non-blocking copy to pinned memory and an event) and SGLang's
+overlap scheduler (the next batch's input ids resolved on the device from the last batch's
+"future" tokens) do. The buffer a block arrives in is written again two launches later, and the
+host reads step t before it launches step t + 2. What follows from it (`room_ahead`):
+
+- The settings (the dial, the rule) and the draft policy's k act from the next launched step: the
+  step after a changed setting was launched already, with the old one, and the policy chooses k
+  for step t + 1 before it observes step t.
+- A step is launched ahead only where the room it is given cannot bind (the room left whatever
+  step t emits is at least the longest draft length, so k is what the synchronous path would
+  choose): the token limit and the context window are never overshot, and the last steps of a
+  reply run one at a time.
+- End of text (EOS, a stop string), a stop request and non-finite logits end the reply at step t:
+  step t + 1, already launched, is discarded. It wrote only past what the caches and the token
+  buffer are known to hold (`CachedModel.seen`, the reply's length), which the next reply
+  overwrites, so the text is the synchronous path's.
+- Prompt lookup is not launched ahead: its copy is found on the host, in the tokens step t emits.
+
+On the CPU there is no queue to overlap: a step runs when it is called (`EagerSteps.ahead` is
+False), and the decoders read each step before they launch the next, as before.
+
 **Caches.** Both models run over static caches (`kv_cache.StaticModel`). A forward pass sets
 every layer's write position (`StaticLayer.cumulative_length`) from its device positions before
 it runs, so rolling back is nothing more: the next pass writes over the rejected slots. The
@@ -68,7 +96,14 @@ from fsd_chat.decoding.sampling import (
     non_finite_error,
     probabilities,
 )
-from fsd_chat.decoding.settings import RULES, DecodingSettings, Rule, SamplingConfig, StepRule
+from fsd_chat.decoding.settings import (
+    MAX_DRAFT_TOKENS,
+    RULES,
+    DecodingSettings,
+    Rule,
+    SamplingConfig,
+    StepRule,
+)
 from fsd_chat.decoding.timing import PhaseClock
 
 GRAPH_DRAFT_LENGTHS = (1, 2, 4, 6)
@@ -232,14 +267,15 @@ def attention_mask(model: StaticModel, positions: torch.Tensor) -> torch.Tensor:
     Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
     asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
     `q_offset == 0` unless torch.compile traces it), a host read that a CUDA graph's capture
-    refuses. Boolean (True: attend) for SDPA, additive for the other attention kernels.
+    refuses. Additive (0: attend; the dtype's lowest value: not), for every attention kernel:
+    SDPA turns a boolean mask into this one in every layer's call (`convert_boolean_attn_mask`:
+    two more operators a layer, a tenth of a small model's operators on the CPU), so the step
+    builds it once.
     """
     allowed = torch.arange(model.capacity, device=positions.device) <= positions.unsqueeze(-1)
-    mask = allowed.view(1, 1, *allowed.shape)
-    if model.model.config._attn_implementation == "sdpa":
-        return mask
     dtype = model.model.dtype
-    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    mask = torch.full((1, 1, *allowed.shape), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(allowed, 0.0)
 
 
 def speculative_step(
@@ -381,6 +417,34 @@ def compiled_step_functions(target: StaticModel, draft: StaticModel | None) -> S
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """A launched step (module docstring, "One step in flight"): its block on its way to the host.
+
+    Attributes:
+        block: The host tensor the block arrives in, 1-D float64; valid from `read` until the
+            launch after next writes into it again.
+        done: The event recorded after the copy into `block` (None: the block is there already,
+            the eager path).
+    """
+
+    block: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+    def read(self) -> torch.Tensor:
+        """The block, once its copy has arrived (the one wait of a step on CUDA)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.block
+
+
+def copy_to_host(out: torch.Tensor, host: torch.Tensor, done: torch.cuda.Event) -> None:
+    """Queue the copy of a replay's output into a pinned host buffer, and record `done` after it:
+    asynchronous, so that the host may launch the next step before it waits on `done`."""
+    host.copy_(out, non_blocking=True)
+    done.record()
+
+
 class EagerSteps:
     """The step functions run eagerly, each call's output read at once (the CPU's path).
 
@@ -397,6 +461,9 @@ class EagerSteps:
     """
 
     captured = False
+    ahead = False
+    """Whether a decoder launches the next step before it reads this one (module docstring, "One
+    step in flight"): only where steps queue on a device (`CapturedSteps`)."""
     lengths: tuple[int, ...] | None = None
     """Draft lengths available (None: any)."""
     compile_error: str | None = None
@@ -445,7 +512,7 @@ class EagerSteps:
         return generator
 
     @torch.inference_mode()
-    def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+    def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> Launched:
         """One speculative step; its block (`speculative_step`)."""
         assert self.draft is not None or self.lookup
         draws = (
@@ -454,14 +521,14 @@ class EagerSteps:
             else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
         )
         inputs = self.inputs.for_step(greedy, self.inputs.truncating)
-        return self._out(self._call(0, self.target, self.draft, inputs, k, greedy, draws))
+        return Launched(self._out(self._call(0, self.target, self.draft, inputs, k, greedy, draws)))
 
     @torch.inference_mode()
-    def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+    def target_only(self, greedy: bool, generator: torch.Generator) -> Launched:
         """One target-only step; its block (`target_step`)."""
         draws = None if greedy else Draws.make(0, self.target.vocab_size, generator, self.target.device)
         inputs = self.inputs.for_step(greedy, self.inputs.truncating)
-        return self._out(self._call(1, self.target, inputs, greedy, draws))
+        return Launched(self._out(self._call(1, self.target, inputs, greedy, draws)))
 
     def _call(self, which: int, *args: Any) -> torch.Tensor:
         """Step function `which` (0 speculative, 1 target-only); eagerly from the first failed
@@ -494,8 +561,10 @@ class CapturedSteps(EagerSteps):
     capture stream) and captured on that stream. Replay is `CUDAGraph.replay`, with no guards:
     inputs are written into `StepInputs` between replays. The draws come from one CUDA generator
     registered with every graph (`CUDAGraph.register_generator_state`: each replay advances its
-    Philox offset, and `reseed` seeds it for a reply). The output goes to pinned host memory by
-    one asynchronous copy, then the host waits once, on an event.
+    Philox offset, and `reseed` seeds it for a reply). The output goes to one of two pinned host
+    buffers, in turn, by one asynchronous copy with an event recorded after it (`Launched`), and
+    the host waits once, on that event, when it reads the step: a decoder launches the next step
+    first (`ahead`; module docstring, "One step in flight"), except with prompt lookup.
 
     With `compile` the step functions are compiled first (`compiled_step_functions`: inductor,
     whole, static shapes, each decoder layer a nested compile region compiled once; no CUDA graphs
@@ -536,14 +605,15 @@ class CapturedSteps(EagerSteps):
     ) -> None:
         super().__init__(target, draft, lookup=lookup)
         device = target.device
+        # Prompt lookup's copy is found on the host in the tokens the last step emitted.
+        self.ahead = not lookup
         self.inputs = StepInputs.allocate(target.capacity, device, on_device=True)
         self.lengths = lengths if draft is not None or lookup else ()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
-        self._graphs: dict[
-            tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
-        ] = {}
-        self._done = torch.cuda.Event()
+        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._done = (torch.cuda.Event(), torch.cuda.Event())
+        self._turn = 0
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=device)
         speculative, target_only = EAGER_FUNCTIONS
@@ -569,6 +639,7 @@ class CapturedSteps(EagerSteps):
                 self._capture(key, speculative, target_only)
         if progress is not None:
             progress(len(keys), len(keys))
+        self._host = self._host_buffers(max(out.numel() for _, out in self._graphs.values()))
         if compile and artifacts is not None:  # still compiled: nothing failed
             compile_cache.save(artifacts)
         # The warm-up calls wrote into the caches and moved the position: nothing is cached now.
@@ -609,10 +680,18 @@ class CapturedSteps(EagerSteps):
         graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             out = step()
-        # Pinned: the copy from the device is then asynchronous (and there is nothing to pin for
-        # a CPU tensor: the CPU tests' emulated graphs, tests/test_step_graph.py).
-        pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-        self._graphs[key] = (graph, out, pinned)
+        self._graphs[key] = (graph, out)
+
+    @torch.inference_mode()  # written by `copy_to_host` in inference mode
+    def _host_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two host buffers of `size` float64, taken in turn by the launches. Pinned: the copy from
+        the device is then asynchronous (and there is nothing to pin for a CPU tensor: the CPU
+        tests' emulated graphs, tests/test_step_graph.py)."""
+        pinned = self.target.device.type == "cuda"
+        return (
+            torch.empty(size, dtype=torch.float64, pin_memory=pinned),
+            torch.empty(size, dtype=torch.float64, pin_memory=pinned),
+        )
 
     def bind(self, seq: torch.Tensor) -> None:
         """Nothing: a reply decodes in `inputs.seq` itself (`reply.begin`'s `buffer`)."""
@@ -629,24 +708,26 @@ class CapturedSteps(EagerSteps):
             self.generator.manual_seed(sampling.seed)
         return self.generator
 
-    def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> torch.Tensor:
-        """Replay the graph of k and the reply's kind; its block, on the host."""
+    def speculative(self, k: int, greedy: bool, generator: torch.Generator) -> Launched:
+        """Replay the graph of k and the reply's kind; its block on its way to the host."""
         return self._replay(k, greedy)
 
-    def target_only(self, greedy: bool, generator: torch.Generator) -> torch.Tensor:
-        """Replay a target-only graph; its block, on the host."""
+    def target_only(self, greedy: bool, generator: torch.Generator) -> Launched:
+        """Replay a target-only graph; its block on its way to the host."""
         return self._replay(0, greedy)
 
-    @torch.inference_mode()  # `pinned` was made in the capture's inference mode
-    def _replay(self, k: int, greedy: bool) -> torch.Tensor:
-        graph, out, pinned = self._graphs[(k, greedy, not greedy or self.inputs.truncating)]
+    @torch.inference_mode()  # the graphs' outputs are inference tensors
+    def _replay(self, k: int, greedy: bool) -> Launched:
+        graph, out = self._graphs[(k, greedy, not greedy or self.inputs.truncating)]
         graph.replay()
-        # The one transfer of the step, asynchronous into pinned memory, then one wait: the next
-        # replay (of any graph: they share a pool) may overwrite `out`.
-        pinned.copy_(out, non_blocking=True)
-        self._done.record()
-        self._done.synchronize()
-        return pinned
+        # The one transfer of the step, queued right after the replay: the next replay (of any
+        # graph: they share a pool) may overwrite `out`. Into the buffer the launch before last
+        # used, which the host has read (it reads a step before it launches the one after next),
+        # while the last launch's block may still be on its way into the other.
+        turn, self._turn = self._turn, 1 - self._turn
+        host = self._host[turn][: out.numel()]
+        copy_to_host(out, host, self._done[turn])
+        return Launched(host, self._done[turn])
 
 
 Steps = EagerSteps
@@ -727,23 +808,37 @@ def start(
     return steps.reseed(sampling, generator)
 
 
+def room_ahead(steps: EagerSteps, reply: Reply, k: int) -> int | None:
+    """The room (`Reply.room`) of the step after a launched step of draft length k (0:
+    target-only) that has not been read, whatever that step emits, when the next step may be
+    launched now (module docstring, "One step in flight"); None when it may not: the steps do not
+    queue (`EagerSteps.ahead`), or the reply may end at the launched step by its length (the token
+    limit, the context window), or the room could cut the next step's k, which then might not be
+    the k the policy gives once the launched step is read."""
+    if not steps.ahead:
+        return None
+    room = reply.room() - (k + 1)
+    longest = MAX_DRAFT_TOKENS if steps.lengths is None else max(steps.lengths, default=0)
+    return room if room >= longest else None
+
+
 def whole_target_step(
     steps: EagerSteps,
+    launched: Launched,
     reply: Reply,
     *,
-    sampling: SamplingConfig,
-    generator: torch.Generator,
     clock: PhaseClock,
     settings: DecodingSettings,
     rule: StepRule,
+    greedy: bool,
     prefill_seconds: float,
 ) -> Step:
-    """`reply.target_step` as one step function (`target_step`): one read of its block.
+    """`reply.target_step` as one step function (`target_step`), launched: one read of its block.
 
     Raises:
         NonFiniteError: the target's logits are not finite (the reply ends before this token).
     """
-    flag, token = steps.target_only(sampling.greedy, generator).tolist()
+    flag, token = launched.read().tolist()
     steps.target.moved(reply.length)
     if flag:
         steps.clear()
@@ -756,6 +851,6 @@ def whole_target_step(
         clock=clock,
         settings=settings,
         rule=rule,
-        greedy=sampling.greedy,
+        greedy=greedy,
         prefill_seconds=prefill_seconds,
     )
