@@ -18,7 +18,7 @@ import torch
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.engines.llama_cpp import CONTEXT, LlamaCppModel, gpu_offload, open_gguf, unavailable
 from fsd_chat.models.default_model import resolve_target
-from fsd_chat.models.gguf_files import Progress, gguf_file, gguf_tokenizer, on_stderr, trained_context
+from fsd_chat.models.gguf_sources import Progress, gguf_file, gguf_tokenizer, on_stderr, trained_context
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, check_device_name
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.models.vocabulary import checked_coverage, draft_vocabulary
