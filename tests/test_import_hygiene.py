@@ -18,6 +18,7 @@ import pytest
 import fsd_chat.decoding
 from fsd_chat.support.config import ENV_CACHE_DIR
 from tests.conftest import LLAMA_CPP_MISSING
+from tests.test_bench_cli import DATA_DIR
 
 pytestmark = pytest.mark.slow  # each test starts Python subprocesses
 
@@ -122,3 +123,29 @@ def test_a_converted_copys_tokenizer_loads_no_model_module(
     assert not (cache / "gguf-tokenizers").exists()  # so llama.cpp reads the converted copy's tokenizer
     assert generated_on_llama_cpp(target, "lookup", cache) == ["llama_cpp"]
     assert not (cache / "gguf-tokenizers").exists()
+
+
+def test_the_commands_modules_import_no_transformers_modeling() -> None:
+    """What chat, serve and bench import before they choose an engine: none of it (the transformers
+    engine's loading, its baselines and torch.compile's counters are imported where they run)."""
+    modules = ("fsd_chat.tui.app", "fsd_chat.server.run", "fsd_chat.bench.pipeline", "fsd_chat.cli.bench")
+    assert loaded("\n".join(f"import {m}" for m in modules), UNUSED_ON_LLAMA_CPP) == []
+
+
+def test_a_bench_on_llama_cpp_imports_no_transformers_modeling(
+    stories_gguf_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A real sweep on llama.cpp, with llama.cpp's own baselines, imports none of it either."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    argv = [
+        "bench",
+        "--target", str(stories_gguf_files[0]),
+        "--prompts", "tinystories", "--data-dir", str(DATA_DIR),
+        "--limit", "1", "--max-new-tokens", "8",
+        "--rules", "fuzzy", "--divergences", "js", "--thresholds", "0.2", "--draft-tokens", "3",
+        "--threads", "1", "--output", str(tmp_path / "out"),
+    ]  # fmt: skip
+    code = f"from fsd_chat.cli import main\nmain({argv!r})"
+    env = {**os.environ, ENV_CACHE_DIR: str(tmp_path / "cache")}
+    assert loaded(code, ("llama_cpp", *UNUSED_ON_LLAMA_CPP), env) == ["llama_cpp"]
+    assert (tmp_path / "out" / "report.json").is_file()
