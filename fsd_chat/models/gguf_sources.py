@@ -131,13 +131,9 @@ def converted_dir(path: Path, table: TensorTable | None = None) -> Path:
     return found[0] if found else root / f"{path.stem}-{key}"
 
 
-def trained_context(path: Path) -> int | None:
-    """The context window the GGUF file `path` was trained for, in tokens (its
-    `{architecture}.context_length` key; None when it has none or cannot be read)."""
-    try:
-        table = read_table(path)
-    except (ValueError, struct.error, UnicodeDecodeError, OSError):
-        return None
+def trained_context(table: TensorTable) -> int | None:
+    """The context window a GGUF file (its `table`) was trained for, in tokens (its
+    `{architecture}.context_length` key; None when it has none)."""
     value = table.metadata.get(f"{table.architecture}.context_length")
     return value if isinstance(value, int) and value > 0 else None
 
@@ -146,8 +142,11 @@ TOKENIZER_FORMAT = 1
 """Bumped when the cached tokenizer folder's contents change (`gguf_tokenizer`)."""
 
 
-def gguf_tokenizer(path: Path, progress: Progress) -> tuple[PreTrainedTokenizerBase, GenerationConfig]:
-    """The tokenizer of the GGUF file `path` (with its chat template) and its generation config
+def gguf_tokenizer(
+    table: TensorTable, progress: Progress
+) -> tuple[PreTrainedTokenizerBase, GenerationConfig]:
+    """The tokenizer of a GGUF file (its `table`, `readable_table(path, dequantized=False)`: read
+    once a start, 0.1 s for SmolLM2) with its chat template, and its generation config
     (`file_generation_config`: the file's sampling keys and end-of-turn ids), for the llama.cpp engine,
     which runs the file itself and needs of transformers only the tokenizer. transformers reads a
     GGUF file's vocabulary in seconds (3 s for SmolLM2's 49,152 tokens on a loaded 2-core CPU), so
@@ -155,10 +154,9 @@ def gguf_tokenizer(path: Path, progress: Progress) -> tuple[PreTrainedTokenizerB
     copy is (0.3 s to load); a converted copy, where one exists, already holds it.
 
     Raises:
-        ModelLoadError: the file is not a readable GGUF file, or is truncated (`readable_table`),
-            or transformers cannot read its tokenizer, or the cache is not writable.
+        ModelLoadError: transformers cannot read the file's tokenizer, or the cache is not writable.
     """
-    table = readable_table(path, dequantized=False)
+    path = table.path
     key = identity(table, f"fsd-chat gguf tokenizer {TOKENIZER_FORMAT}")
     root = cache_dir() / "gguf-tokenizers"
     folder = root / f"{path.stem}-{key}"
