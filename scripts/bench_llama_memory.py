@@ -1,9 +1,10 @@
 """Peak memory and first-prompt time of a GGUF file on the llama.cpp engine, beside llama.cpp alone,
 the transformers engine and the runtime's own imports.
 
-Each run is a fresh process under `/usr/bin/time -v` (its maximum resident set size, and its wall
-time: Python, imports, load and the reply, as a user waits for them), greedy, one thread, the same
-chat prompt and `--tokens` tokens:
+Each run is a fresh process under `/usr/bin/time -v` (its maximum resident set size; its wall
+time: Python, imports, load and the reply, as a user waits for them; and its CPU time, user and
+system, which a loaded machine inflates far less: a process on one thread waits this long on an
+idle machine), greedy, one thread, the same chat prompt and `--tokens` tokens:
 
 - `imports`: `import torch, transformers` (the runtime any fsd-chat process pays);
 - `llama.cpp`: llama-cpp-python alone: `Llama(n_ctx=8192)` and `create_completion`;
@@ -55,11 +56,11 @@ from fsd_chat.decoding import Controls
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 pair = load_pair(ModelSpec(sys.argv[1]), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1), lambda _: None)
 ids = prompt_ids(pair.tokenizer, [Message("user", sys.argv[2])])
 next(iter(pair.speculative(Controls()).generate(ids, max_new_tokens=1)))
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, time.process_time() - cpu)
 """
 KV_BYTES = """
 import sys
@@ -74,7 +75,10 @@ print(layers * 8192 * 2 * kv_heads * (embd // heads) * 2)  # keys and values, fl
 
 
 def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
-    """{"rss_mb": peak resident set, "wall_s": wall time} of one process."""
+    """{"rss_mb": peak resident set, "wall_s": wall time, "cpu_s": user + system CPU time} of one
+    process. On a loaded machine the wall time grows with the load; the CPU time of a process that
+    runs on one thread (one llama.cpp thread, torch on one) barely does, and is what its wall time
+    would be on an idle machine."""
     done = subprocess.run(
         ["/usr/bin/time", "-v", *command], capture_output=True, text=True, env=env, check=True
     )
@@ -84,7 +88,10 @@ def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
     )
     assert wall is not None
     seconds = int(wall[1] or 0) * 3600 + int(wall[2]) * 60 + float(wall[3])
-    return {"rss_mb": rss / 1024, "wall_s": seconds}
+    user, system = (
+        float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", done.stderr)[1]) for kind in ("User", "System")
+    )  # type: ignore[index]
+    return {"rss_mb": rss / 1024, "wall_s": seconds, "cpu_s": user + system}
 
 
 def main() -> None:
@@ -131,10 +138,14 @@ def main() -> None:
                     env=cache,
                     check=True,
                 )
-                runs[name][-1]["load_s"] = float(done.stdout.strip().splitlines()[-1])
+                wall_s, cpu_s = map(float, done.stdout.strip().splitlines()[-1].split())
+                runs[name][-1] |= {"load_s": wall_s, "load_cpu_s": cpu_s}
             print(
                 f"round {repeat + 1}: "
-                + ", ".join(f"{n} {r[-1]['rss_mb']:.0f} MB {r[-1]['wall_s']:.1f} s" for n, r in runs.items()),
+                + ", ".join(
+                    f"{n} {r[-1]['rss_mb']:.0f} MB {r[-1]['wall_s']:.1f} s ({r[-1]['cpu_s']:.1f} s CPU)"
+                    for n, r in runs.items()
+                ),
                 flush=True,
             )
         kv = int(
@@ -163,8 +174,14 @@ def main() -> None:
     }
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     for name, figures in medians.items():
-        load = f", load to first token {figures['load_s']:.1f} s" if "load_s" in figures else ""
-        print(f"{name:24} {figures['rss_mb']:7.0f} MB {figures['wall_s']:6.1f} s{load}")
+        load = (
+            f", load to first token {figures['load_s']:.1f} s ({figures['load_cpu_s']:.1f} s CPU)"
+            if "load_s" in figures
+            else ""
+        )
+        print(
+            f"{name:24} {figures['rss_mb']:7.0f} MB {figures['wall_s']:6.1f} s ({figures['cpu_s']:.1f} s CPU){load}"
+        )
     print(
         f"goal: fsd-chat llama.cpp ≤ {bound:.0f} MB (imports + 1.3 × (file {file_mb:.0f} MB + KV {kv_mb:.0f} MB))"
     )

@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
-from fsd_chat.models.loading import check_bitsandbytes_cuda
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.models.transformers_loading import check_bitsandbytes_cuda
 from fsd_chat.support.errors import DeviceMemoryError, ModelLoadError
 from tests.decoding_helpers import collect
 from tests.test_cli_generate import pair_args, run_cli

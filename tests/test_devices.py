@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsd_chat.models.loading import resolve_device, resolve_dtype, target_device_map
+from fsd_chat.models.devices import resolve_device, resolve_dtype, target_device_map
 from fsd_chat.models.options import LoadOptions
 from fsd_chat.support.errors import ModelLoadError
 

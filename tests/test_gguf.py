@@ -19,7 +19,7 @@ from fsd_chat.conversation.store import SessionStore
 from fsd_chat.decoding import Controls, StopReason
 from fsd_chat.decoding.settings import LOOKUP, SamplingRequest
 from fsd_chat.models.default_model import fetch_default_model
-from fsd_chat.models.gguf_files import converted_dir
+from fsd_chat.models.gguf_sources import converted_dir
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair

@@ -7,21 +7,28 @@ checks here look at `sys.modules`, the only way to prove that a deferral defers.
 
 from __future__ import annotations
 
+import os
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import fsd_chat.decoding
+from fsd_chat.support.config import ENV_CACHE_DIR
+from tests.conftest import LLAMA_CPP_MISSING
+from tests.test_bench_cli import DATA_DIR
 
 pytestmark = pytest.mark.slow  # each test starts Python subprocesses
 
 
-def loaded(code: str, watched: tuple[str, ...]) -> list[str]:
-    """The `watched` top-level packages that running `code` in a fresh interpreter imports."""
+def loaded(code: str, watched: tuple[str, ...], env: dict[str, str] | None = None) -> list[str]:
+    """The `watched` modules that running `code` in a fresh interpreter (in `env`) imports."""
     probe = f"{code}\nimport sys\nprint('\\n' + ','.join(m for m in {watched!r} if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr
     # The last line: what `code` printed (a command's help) comes before.
     return [name for name in result.stdout.split("\n")[-2].split(",") if name]
@@ -60,3 +67,85 @@ def test_the_transformers_engine_imports_no_llama_cpp(target_dir) -> None:  # ty
         "list(pair.speculative(Controls()).generate(ids, max_new_tokens=4))"
     )
     assert loaded(code, ("llama_cpp",)) == []
+
+
+UNUSED_ON_LLAMA_CPP = (
+    "transformers.modeling_utils",  # PreTrainedModel
+    "transformers.generation.utils",  # GenerationMixin
+    "torch._dynamo",
+    "torch._inductor",
+    "sympy",  # torch's symbolic shapes: the compiler's, or a transformers model module's
+)
+"""What a process on the llama.cpp engine does not use: 90 MB and seconds of imports (docs/engines.md)."""
+
+
+def generated_on_llama_cpp(target: Path, draft: str, cache: Path) -> list[str]:
+    """The `UNUSED_ON_LLAMA_CPP` modules a real `fsd-chat generate` of `target` on llama.cpp
+    imports, with llama_cpp itself first (which proves it ran there), the user's cache at `cache`."""
+    argv = ["generate", "--target", str(target), "--draft", draft, "--engine", "llama.cpp"]
+    argv += ["--threads", "1", "--max-new-tokens", "4", "Once upon a time"]
+    code = (
+        "from fsd_chat.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code"
+    )
+    return loaded(code, ("llama_cpp", *UNUSED_ON_LLAMA_CPP), {**os.environ, ENV_CACHE_DIR: str(cache)})
+
+
+def test_the_llama_cpp_engine_imports_no_transformers_modeling(
+    stories_gguf_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`generate` on llama.cpp, with prompt lookup or a GGUF draft, on a file's first start (its
+    tokenizer read from the file) and its next (read from the cache), imports none of transformers'
+    modeling or torch's compiler: only the tokenizer of transformers, and torch's tensors."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    target, draft = stories_gguf_files
+    for start in ("first", "second"):
+        assert generated_on_llama_cpp(target, "lookup", tmp_path / "cache") == ["llama_cpp"], start
+    assert generated_on_llama_cpp(target, str(draft), tmp_path / "cache") == ["llama_cpp"]
+
+
+def test_a_converted_copys_tokenizer_loads_no_model_module(
+    stories_gguf_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Where the transformers engine converted the file first, llama.cpp reads the tokenizer from
+    that copy, without the copy's model config (whose model module imports sympy)."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    target, _ = stories_gguf_files
+    cache = tmp_path / "cache"
+    argv = ["generate", "--target", str(target), "--engine", "transformers", "--max-new-tokens", "1", "Once"]
+    code = f"from fsd_chat.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as exc:\n    assert not exc.code"
+    assert loaded(code, ("transformers.modeling_utils",), {**os.environ, ENV_CACHE_DIR: str(cache)}) == [
+        "transformers.modeling_utils"
+    ]  # converted: the transformers engine's model
+    assert not (cache / "gguf-tokenizers").exists()  # so llama.cpp reads the converted copy's tokenizer
+    assert generated_on_llama_cpp(target, "lookup", cache) == ["llama_cpp"]
+    assert not (cache / "gguf-tokenizers").exists()
+
+
+def test_the_commands_modules_import_no_transformers_modeling() -> None:
+    """What chat, serve and bench import before they choose an engine: none of it (the transformers
+    engine's loading, its baselines and torch.compile's counters are imported where they run)."""
+    modules = ("fsd_chat.tui.app", "fsd_chat.server.run", "fsd_chat.bench.pipeline", "fsd_chat.cli.bench")
+    assert loaded("\n".join(f"import {m}" for m in modules), UNUSED_ON_LLAMA_CPP) == []
+
+
+def test_a_bench_on_llama_cpp_imports_no_transformers_modeling(
+    stories_gguf_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A real sweep on llama.cpp, with llama.cpp's own baselines, imports none of it either."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    argv = [
+        "bench",
+        "--target", str(stories_gguf_files[0]),
+        "--prompts", "tinystories", "--data-dir", str(DATA_DIR),
+        "--limit", "1", "--max-new-tokens", "8",
+        "--rules", "fuzzy", "--divergences", "js", "--thresholds", "0.2", "--draft-tokens", "3",
+        "--threads", "1", "--output", str(tmp_path / "out"),
+    ]  # fmt: skip
+    code = f"from fsd_chat.cli import main\nmain({argv!r})"
+    env = {**os.environ, ENV_CACHE_DIR: str(tmp_path / "cache")}
+    assert loaded(code, ("llama_cpp", *UNUSED_ON_LLAMA_CPP), env) == ["llama_cpp"]
+    assert (tmp_path / "out" / "report.json").is_file()

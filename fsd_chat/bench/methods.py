@@ -46,12 +46,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
-from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
-from transformers.generation import utils as generation_utils
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from fsd_chat.bench.llama_baselines import baseline_llama, llama_generate
 from fsd_chat.bench.meter import ForwardMeter, RunnerMeter
@@ -78,6 +77,9 @@ from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,7 @@ def assistant_settings(pair: ModelPair, k: int | None) -> Iterator[None]:
     """Set the draft's generation config for assisted generation with exactly k draft tokens per
     step (transformers 5 reads these from the *assistant's* config), and restore it afterwards;
     k None leaves it as it is (transformers' defaults)."""
-    if k is None or not isinstance(pair.draft, PreTrainedModel):
+    if k is None or pair.draft is None or isinstance(pair.draft, LlamaCppModel):
         yield
         return
     config = pair.draft.generation_config
@@ -145,6 +147,9 @@ class EnsembleTrace:
     def recording(self) -> Iterator[None]:
         """Wrap `transformers.generation.utils._speculative_sampling` (looked up by name at each
         step of assisted generation) for the duration."""
+        # Imported here: transformers' generation stack, which only its own baselines run.
+        from transformers.generation import utils as generation_utils
+
         original = generation_utils._speculative_sampling
 
         def traced(
@@ -224,7 +229,7 @@ class PairRunner:
     ) -> tuple[ForwardMeter | RunnerMeter, ForwardMeter | RunnerMeter | None]:
         def meter(model: PreTrainedModel | LlamaCppModel) -> ForwardMeter | RunnerMeter:
             return (
-                ForwardMeter(model, pair.device) if isinstance(model, PreTrainedModel) else RunnerMeter(model)
+                RunnerMeter(model) if isinstance(model, LlamaCppModel) else ForwardMeter(model, pair.device)
             )
 
         # Prompt lookup runs no draft model: its tally stays empty.
@@ -471,7 +476,7 @@ class PairRunner:
                 )
             # transformers' universal assisted generation: the draft's text re-tokenised for it.
             options |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.draft_tokenizer}
-        if not isinstance(pair.target, PreTrainedModel):
+        if isinstance(pair.target, LlamaCppModel):
             raise IncompatibleModelsError(
                 "transformers' baselines run transformers models: leave the hf-* methods out of --baselines "
                 "with --engine llama.cpp"

@@ -40,7 +40,8 @@ from fsd_chat.bench.runner import WARMUP_TOKENS, OnRun, Timing, run_sweep, time_
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
 from fsd_chat.models.chat_template import Message, prompt_ids
-from fsd_chat.models.loading import load_pair, resolve_device, resolve_dtype
+from fsd_chat.models.devices import resolve_device, resolve_dtype
+from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, pair_specs
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError

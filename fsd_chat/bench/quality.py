@@ -9,11 +9,15 @@ agreement) are in `metrics`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
 
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 
 def reply_logits(
@@ -28,7 +32,7 @@ def reply_logits(
         reply_ids: Non-empty.
     """
     n = len(reply_ids)
-    if isinstance(model, PreTrainedModel):
+    if not isinstance(model, ModelRunner):
         ids = torch.tensor([prompt_ids + reply_ids], device=input_device(model))
         # Positions len(prompt)-1 .. end-1 predict the reply tokens: keep only those logits.
         out = model(input_ids=ids[:, :-1], logits_to_keep=n, use_cache=False).logits[0, -n:, :vocab_size]

@@ -16,12 +16,12 @@ and keeps what was measured.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._dynamo.utils import counters
 
 from fsd_chat.bench.methods import Deadline, PairRunner
 from fsd_chat.bench.profile import profile_reply
@@ -68,7 +68,12 @@ a configuration is cut, and "skip" for each of its replies not run after that.""
 
 
 def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (torch._dynamo's counter)."""
+    """Graphs torch.compile has compiled in this process so far (torch._dynamo's counter): none in
+    a process that never imported torch._dynamo (a llama.cpp one), which is not imported for it."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 

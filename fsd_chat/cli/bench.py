@@ -204,8 +204,8 @@ def bench(
     decoding and transformers' assisted generation, side by side in one run."""
     from fsd_chat.bench.pipeline import QUICK_BUDGET_SECONDS, TimeBudget, run_bench
     from fsd_chat.bench.sweep import SweepSpec
+    from fsd_chat.models.devices import resolve_device
     from fsd_chat.models.engine_choice import engine_for
-    from fsd_chat.models.loading import resolve_device
 
     preset = QUICK if quick else FULL
     draft = o.DRAFT.get(values) or LOOKUP

@@ -6,9 +6,9 @@ One target forward pass per token over the KV cache (no re-encoding of the conte
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
@@ -25,6 +25,9 @@ from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.reply import begin, eos_token_ids, read_ahead, target_step
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import SamplingConfig, StepRule
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 
 class AutoregressiveDecoder:
@@ -71,7 +74,7 @@ class AutoregressiveDecoder:
         # A static cache is allocated whole: its capacity caps the context. Sized as a speculative
         # decoder's (`compiled_capacity`), so that the two share the target's compiled graph.
         capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-        whole_step = whole_step and isinstance(target, PreTrainedModel)
+        whole_step = whole_step and not isinstance(target, ModelRunner)
         cuda = target.device.type == "cuda"
         self.target = bind(
             target,

@@ -23,12 +23,15 @@ import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from transformers import PreTrainedModel
 
 from fsd_chat.support.config import cache_dir
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 FOLDER = "compiled"
 """The artifacts' folder inside the user's cache folder."""

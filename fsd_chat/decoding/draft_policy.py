@@ -121,15 +121,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
-from transformers import PreTrainedModel
 
 from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.packed_linear import PackedLinear, packed_bytes
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS, DecodingSettings, DraftPolicyName
 from fsd_chat.decoding.timing import PhaseClock
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 BINS = 10
 """Equal-width bins of the draft's top probability over which acceptance is calibrated."""

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch._dynamo
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from fsd_chat.decoding.packed_linear import unpack_linear_layers
 from fsd_chat.decoding.runner import ModelRunner, id_set
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.support.errors import UnsupportedCacheError
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 DRAFT_WIDTHS = (1, 2)
 """The forward passes a compiled draft runs compiled, in tokens: one per draft step, two for a
@@ -50,7 +52,7 @@ default): a target and a draft of one class share `forward`'s code, each with a 
 def context_length(model: PreTrainedModel | ModelRunner) -> int | None:
     """The model's context window in tokens (None when its config does not say); a runner of
     another engine says its own."""
-    if not isinstance(model, PreTrainedModel):
+    if isinstance(model, ModelRunner):
         return model.context
     config = model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -500,7 +502,7 @@ def bind(
     Raises:
         UnsupportedCacheError: see `CachedModel`.
     """
-    if not isinstance(model, PreTrainedModel):
+    if isinstance(model, ModelRunner):
         return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
@@ -20,6 +21,9 @@ from fsd_chat.decoding.sampling import draw, non_finite, non_finite_error, proba
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.support.errors import ContextLengthError, SettingsError
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 
 class Reply:
@@ -342,10 +346,10 @@ def eos_token_ids(
     generation-config EOS, a runner's `ModelRunner.eos_token_ids`)."""
     ids = set(id_set(tokenizer.eos_token_id))
     for model in models:
-        if isinstance(model, PreTrainedModel):
-            ids |= id_set(getattr(model.generation_config, "eos_token_id", None))
-        else:
+        if isinstance(model, ModelRunner):
             ids |= model.eos_token_ids
+        else:
+            ids |= id_set(getattr(model.generation_config, "eos_token_id", None))
     return frozenset(ids)
 
 

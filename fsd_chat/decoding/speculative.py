@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import cache, partial
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
@@ -61,6 +62,9 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.support.errors import NonFiniteError
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 REPEAT_GUARD = 8
 """Tokens of repetition from which a prompt lookup copy of the reply's own text is verified by the
@@ -142,7 +146,8 @@ class SpeculativeDecoder:
         self.time_phases = time_phases
         self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
-        draft_model = draft if isinstance(draft, PreTrainedModel | ModelRunner) else None
+        # A transformers model is a torch module (checked so, without importing the modeling stack).
+        draft_model = draft if isinstance(draft, torch.nn.Module | ModelRunner) else None
         # Models that read the target's ids: a mapped draft counts its context (and its EOS ids)
         # in its own tokens, which bound its drafting, not the reply.
         shared = [m for m in (target, draft_model) if m is not None and (m is target or vocab_map is None)]
@@ -155,7 +160,7 @@ class SpeculativeDecoder:
         # Prompt lookup's copies are found on the host, before a whole step.
         self._lookup = draft if isinstance(draft, PromptLookup) else None
         lookup = self._lookup is not None
-        torch_models = isinstance(target, PreTrainedModel) and not isinstance(draft, ModelRunner)
+        torch_models = not isinstance(target, ModelRunner) and not isinstance(draft, ModelRunner)
         whole_step = whole_step and torch_models and vocab_map is None and (draft_model is not None or lookup)
         cuda = target.device.type == "cuda"
         # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
@@ -170,7 +175,7 @@ class SpeculativeDecoder:
         draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
         self.proposer: Proposer
         if draft_model is None:
-            assert not isinstance(draft, PreTrainedModel | ModelRunner)  # narrowed for mypy
+            assert not isinstance(draft, torch.nn.Module | ModelRunner)  # narrowed for mypy
             self.proposer = draft
         else:
             model = bind(
@@ -207,7 +212,7 @@ class SpeculativeDecoder:
         )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
         if timings is None:
-            if isinstance(draft_model, ModelRunner) or not isinstance(target, PreTrainedModel):
+            if isinstance(draft_model, ModelRunner) or isinstance(target, ModelRunner):
                 raise TypeError("a ModelRunner target or draft needs its engine's `timings`")
             timings = cache(partial(modelled_timings, target, draft_model))
         self.timings = timings

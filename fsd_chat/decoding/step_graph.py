@@ -79,7 +79,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch._dynamo
 
 from fsd_chat.decoding import compile_cache
 from fsd_chat.decoding.acceptance import decide

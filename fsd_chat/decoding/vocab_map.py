@@ -21,14 +21,17 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _ROLES = ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id")
@@ -269,13 +272,13 @@ def coverage(
     Returns:
         The share in [0, 1].
     """
-    if isinstance(model, PreTrainedModel):
-        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(input_device(model))
-        logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
-    else:
+    if isinstance(model, ModelRunner):
         ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(model.device)
         model.reset()
         logits = model.forward(ids, ids.shape[1], keep=ids.shape[1])[:, : mapping.target_vocab].clone()
         model.reset()
+    else:
+        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(input_device(model))
+        logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
     probs = logits.softmax(-1)
     return float(probs[:, mapping.target_ids.to(probs.device)].sum(-1).mean())

@@ -18,7 +18,15 @@ import torch
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.engines.llama_cpp import CONTEXT, LlamaCppModel, gpu_offload, open_gguf, unavailable
 from fsd_chat.models.default_model import resolve_target
-from fsd_chat.models.gguf_files import Progress, gguf_file, gguf_tokenizer, on_stderr, trained_context
+from fsd_chat.models.gguf_sources import (
+    Progress,
+    gguf_file,
+    gguf_tokenizer,
+    on_stderr,
+    readable_table,
+    trained_context,
+)
+from fsd_chat.models.gguf_table import TensorTable
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, check_device_name
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.models.vocabulary import checked_coverage, draft_vocabulary
@@ -132,9 +140,11 @@ def _wants_gpu(options: LoadOptions) -> bool:
     return True
 
 
-def _open(path: Path, threads: int, gpu: bool) -> Any:
-    """`open_gguf` with a KV cache of the file's trained context, at most CONTEXT tokens."""
-    return open_gguf(path, threads=threads, gpu=gpu, context=min(trained_context(path) or CONTEXT, CONTEXT))
+def _open(table: TensorTable, threads: int, gpu: bool) -> Any:
+    """`open_gguf` of the file whose table `table` is, with a KV cache of its trained context, at most
+    CONTEXT tokens."""
+    context = min(trained_context(table) or CONTEXT, CONTEXT)
+    return open_gguf(table.path, threads=threads, gpu=gpu, context=context)
 
 
 def load_llama_cpp_pair(
@@ -162,16 +172,18 @@ def load_llama_cpp_pair(
     threads = options.threads or torch.get_num_threads()
     torch.set_num_threads(1)  # see `ModelPair.use_threads`
     report(f"loading the tokenizer of {target.name}")
-    tokenizer, generation = gguf_tokenizer(choice.target_file, announce)
+    target_table = readable_table(choice.target_file, dequantized=False)  # read once: 0.1 s
+    tokenizer, generation = gguf_tokenizer(target_table, announce)
     where = "GPU" if gpu else f"CPU, {threads} thread{'s' * (threads > 1)}"
     report(f"loading target model {target.name} on llama.cpp ({where})")
-    target_model = LlamaCppModel(_open(choice.target_file, threads, gpu), len(tokenizer))
+    target_model = LlamaCppModel(_open(target_table, threads, gpu), len(tokenizer))
     vocab_size = target_model.vocab_size
     draft_model = vocab_map = share = draft_tokenizer = None
     if choice.draft_file is not None:
-        draft_tokenizer, _ = gguf_tokenizer(choice.draft_file, announce)
+        draft_table = readable_table(choice.draft_file, dequantized=False)
+        draft_tokenizer, _ = gguf_tokenizer(draft_table, announce)
         report(f"loading draft model {draft.name} on llama.cpp")
-        draft_model = LlamaCppModel(_open(choice.draft_file, threads, gpu), len(draft_tokenizer))
+        draft_model = LlamaCppModel(_open(draft_table, threads, gpu), len(draft_tokenizer))
         vocab_size, vocab_map = draft_vocabulary(
             tokenizer, draft_tokenizer, target_model.vocab_size, draft_model.vocab_size
         )

@@ -6,16 +6,18 @@ from __future__ import annotations
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import PreTrainedModel
 
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import DeviceMemoryError, ModelLoadError
 from fsd_chat.support.text import some
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 
 def weight_files(source: str) -> list[Path]:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
@@ -27,6 +24,9 @@ from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.options import ModelSpec, quantization_note
 from fsd_chat.support.threads import apply_threads, choose_threads
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -70,9 +70,9 @@ class ModelPair:
     @property
     def generation_config(self) -> GenerationConfig | None:
         """The target's generation config (its sampling defaults and end-of-sequence ids)."""
-        if isinstance(self.target, PreTrainedModel):
-            return self.target.generation_config
-        return self.generation
+        if isinstance(self.target, LlamaCppModel):
+            return self.generation
+        return self.target.generation_config
 
     @property
     def draft_kind(self) -> DraftKind:

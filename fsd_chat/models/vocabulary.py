@@ -5,13 +5,17 @@ pair, whatever engine runs it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import IncompatibleModelsError
+
+if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
+    from transformers import PreTrainedModel
 
 MIN_COVERAGE = 0.9
 """Least share of the target's probability mass (on `CALIBRATION_TEXT`) that the tokens of a draft
