@@ -173,6 +173,33 @@ def test_greedy_decoding_is_llama_cpps_own_on_the_default_model(default_pair: Mo
         assert decoded(lookup, prompt, 64) == expected
 
 
+QUIET_FORWARDS = {
+    1: {1: 18.2, 2: 31.8, 4: 54.1, 8: 97.4, 16: 177, 32: 352},
+    2: {1: 11.3, 2: 19.0, 4: 27.5, 8: 45.3, 16: 91.5, 32: 183},
+}
+"""`LlamaCppModel.forward` over w tokens of the default model, ms by threads and w: 100 tokens of
+context, medians of 10 on a quiet 2-core CPU (load 0.4; `engine.LAYER_SECONDS` tells the fit)."""
+
+
+def test_modelled_forwards_follow_the_threads_and_the_measured_times(default_pair: ModelPair) -> None:
+    """The times the draft policy reads are the measured ones at the thread count in use, within
+    10%, and `use_threads` models them anew: on two threads a verify is cheaper against V(1)."""
+    ratios = {}
+    try:
+        for threads, measured in QUIET_FORWARDS.items():
+            default_pair.use_threads(threads)
+            timings = default_pair.forward_timings()
+            table = timings.verify_table(context=100)
+            for width, ms in measured.items():
+                modelled = (table[width] if width < len(table) else timings.verify_seconds(width)) * 1000
+                assert modelled == pytest.approx(ms, rel=0.1), (threads, width)
+            ratios[threads] = table[6] / table[1]
+            assert default_pair.forward_timings() is timings  # kept until the threads change
+    finally:
+        default_pair.use_threads(1)
+    assert ratios[2] < 0.9 * ratios[1]
+
+
 def test_a_gguf_drafts_exact_greedy_decoding_is_target_only_decoding(llama_pair: ModelPair) -> None:
     prompt = llama_pair.tokenizer(PROMPT).input_ids
     target_only = decoded(llama_pair.autoregressive(Controls()), prompt, 40)

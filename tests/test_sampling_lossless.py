@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, sampling
 from fsd_chat.decoding.acceptance import judge
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.sampling import probabilities
@@ -183,6 +183,27 @@ def assert_first_two_tokens_follow_the_target(
 
 # `exact` ignores T: at js's upper bound `fuzzy` would accept every draft token.
 LOSSLESS_CASES = [("fuzzy", 0.0, 0), ("exact", math.log(2.0), 1)]
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.99])
+def test_top_p_among_candidates_keeps_the_full_sorts_set(top_p: float) -> None:
+    """Top-p on a large vocabulary (SmolLM2's 49,152 entries) ranks each row's `TOP_P_CANDIDATES`
+    + 1 most likely tokens and sorts only the rows those leave open: it keeps exactly the tokens
+    the full sort keeps, in a batch of peaked rows (candidates enough) and flat ones (sorted whole),
+    and `probabilities` gives the full sort's law bit for bit."""
+    generator = torch.Generator().manual_seed(7)
+    vocab = 49_152
+    scales = torch.tensor([12.0, 8.0, 4.0, 2.0, 1.0, 0.25]).unsqueeze(-1)  # peaked ... flat
+    logits = scales * torch.randn(len(scales), vocab, generator=generator)
+    probs = logits.softmax(-1)
+    fast = sampling._kept_among_candidates(probs, top_p)
+    full = ~sampling._dropped_sorted(probs, top_p)
+    assert torch.equal(fast, full)
+    kept = full.sum(-1)
+    assert (kept <= sampling.TOP_P_CANDIDATES).any() and (kept > sampling.TOP_P_CANDIDATES).any()
+    config = SamplingConfig(temperature=1.0, top_p=top_p)
+    reference = logits.masked_fill(~full, float("-inf")).softmax(-1)
+    assert torch.equal(probabilities(logits, config), reference)
 
 
 @pytest.mark.parametrize(("rule", "threshold", "seed"), LOSSLESS_CASES)

@@ -105,17 +105,62 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig | SamplingTensors
     return logits.softmax(-1)
 
 
+TOP_P_CANDIDATES = 256
+"""`_top_p` on the CPU: the most likely tokens it looks at first (`torch.topk`); a row whose
+candidates hold less than top_p of the mass is sorted whole. SmolLM2's 49,152 entries, one thread:
+a row's top-256 takes 0.2 ms, its sort 6.5 ms."""
+TOP_P_SORT_BELOW = 8 * TOP_P_CANDIDATES
+"""`_top_p` sorts a vocabulary this small whole (as cheap as its candidates)."""
+
+
 def _top_p(
     logits: torch.Tensor, top_p: float | torch.Tensor, enabled: bool | torch.Tensor = True
 ) -> torch.Tensor:
     """Drop a token when the tokens ranked above it already reach top_p; the top token always
     stays. `enabled` False (a device flag in a captured step) drops nothing: at top_p = 1 the
-    cumulative sums' rounding could still reach 1 before the last tokens."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(-1)
-    drop_sorted = ((sorted_probs.cumsum(-1) - sorted_probs) >= top_p) & enabled
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    cumulative sums' rounding could still reach 1 before the last tokens.
+
+    On the CPU, over a large vocabulary, the rows are ranked by `torch.topk` of
+    `TOP_P_CANDIDATES` + 1 tokens, and only a row whose candidates leave the next token kept is
+    sorted whole (`_kept_among_candidates`): the same kept set as the full sort, from the same
+    probabilities and cumulative sums. That takes one read on the host, which on the CPU waits for
+    nothing; elsewhere (a GPU sorts fast, and a read would wait for its queue) and for a device
+    top_p every row is sorted."""
+    probs = logits.softmax(-1)
+    if isinstance(top_p, float) and logits.device.type == "cpu" and logits.shape[-1] > TOP_P_SORT_BELOW:
+        keep = _kept_among_candidates(probs, top_p)
+    else:
+        keep = ~(_dropped_sorted(probs, top_p) & enabled)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _dropped_sorted(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Which tokens top-p drops, [..., vocab] bool: the whole row sorted. A token is dropped when
+    the probabilities ranked above it sum to top_p or more (the exclusive cumulative sum)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    return drop_sorted.scatter(-1, order, drop_sorted)
+
+
+def _kept_among_candidates(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens top-p keeps, [..., vocab] bool, from each row's TOP_P_CANDIDATES + 1 most likely
+    tokens (`torch.topk`, in the order `torch.sort` gives them), the rows where the last of those is
+    kept sorted whole (`_dropped_sorted`).
+
+    Exact: the candidates' exclusive cumulative sums are the full sort's first ones (the same
+    probabilities summed in the same order), and they do not decrease along the ranking (for r > n,
+    fl(S_r) ≥ fl(S_n) and p_r ≤ p_n, so fl(fl(S_r) − p_r) ≥ fl(fl(S_n) − p_n)): once a rank is
+    dropped every later one is. Tied probabilities at the cut may be ranked in another order by
+    topk than by sort, as by two sorts."""
+    top, ids = probs.topk(TOP_P_CANDIDATES + 1, dim=-1)
+    dropped = (top.cumsum(-1) - top) >= top_p
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, ~dropped)
+    # A row whose last candidate is kept may keep more: sorted whole (the one host read).
+    longer = (~dropped[..., -1]).reshape(-1).nonzero().flatten()
+    if longer.numel():
+        rows = probs.reshape(-1, probs.shape[-1])
+        keep.view(-1, probs.shape[-1])[longer] = ~_dropped_sorted(rows[longer], top_p)
+    return keep
 
 
 def _min_p(logits: torch.Tensor, log_min_p: float | torch.Tensor) -> torch.Tensor:

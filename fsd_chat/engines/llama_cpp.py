@@ -275,33 +275,50 @@ def gpu_offload() -> bool:
     return bool(llama_cpp_module().llama_supports_gpu_offload())
 
 
-FORWARD_SECONDS = 5.0e-4
-"""`forward_seconds`: the fixed part of a forward on llama.cpp (a decode call, its graph)."""
-BYTE_SECONDS = 7.0e-11
-"""`forward_seconds`: seconds per byte of weights (`llama_model_size`) a forward reads once."""
-TOKEN_PARAMETER_SECONDS = 8.0e-11
-"""`forward_seconds`: seconds per token of a forward's width and per parameter. On a CPU llama.cpp's
-quantized matrix products cost each token of a batch nearly as much as the first: measured on
-SmolLM2-135M Q4_1 (96.6 MB, 134.5 M parameters), one thread, 64 tokens of context, best of 5 on a
-shared 2-core CPU (2026-11-27): V(1) 18.1 ms, V(2) 31.0, V(4) 41.9, V(8) 85.9, V(17) 165, V(33) 357,
-which 0.5 + 6.8 + 10.8 w ms fits within 10% (the model gives 18.1, 28.9, 50.5, 93.5, 191, 364)."""
+LAYER_SECONDS = 1.37e-4
+"""`forward_seconds`: seconds a forward's graph takes per layer whatever the threads (building and
+scheduling its operators, the threads' barriers). Fitted with the three below, weighted by relative
+error, to `LlamaCppModel.forward` on SmolLM2-135M Q4_1 (96.6 MB, 134.5 M parameters, 30 layers), 100
+tokens of context, medians of 10 on a quiet 2-core CPU (load 0.4, 2026-11-27), in ms:
+
+| threads | V(1) | V(2) | V(4) | V(8) | V(16) | V(32) |
+|---|---|---|---|---|---|---|
+| 1 | 18.2 | 31.8 | 54.1 | 97.4 | 177 | 352 |
+| 2 | 11.3 | 19.0 | 27.5 | 45.3 | 91.5 | 183 |
+
+The model gives 18.3, 32.1, 53.0, 94.8, 178, 345 and 11.2, 18.1, 28.6, 49.4, 91.2, 175 (within 5%
+but V(8) on two threads, +9%). A token of a batch costs about 0.6 of a lone token on one thread and
+0.5 on two: a verify of w tokens is far from w single forwards, and its price against V(1) depends on
+the threads."""
+BYTE_SECONDS = 4.1e-11
+"""`forward_seconds`: seconds per byte of weights (`llama_model_size`) a 1-token forward reads,
+divided among the threads."""
+WIDE_BYTE_SECONDS = 7.6e-11
+"""`forward_seconds`: `BYTE_SECONDS` for a forward over 2 or more tokens (llama.cpp's matrix-matrix
+path quantizes the activations and tiles the weights: its fixed part is dearer than the
+matrix-vector path's), divided among the threads."""
+TOKEN_PARAMETER_SECONDS = 7.45e-11
+"""`forward_seconds`: seconds per token of a forward's width and per parameter (the quantized
+multiply-adds), divided among the threads."""
 ATTENTION_SECONDS = 4.1e-10
 """`modelled_timings`: seconds a 1-token forward adds per token of context, per layer and unit of
-hidden width (same measurement: V(1) 18.1 ms over 64 tokens of context, 24.7 over 1,000)."""
+hidden width, on one thread (SmolLM2-135M Q4_1: V(1) 18.1 ms over 64 tokens of context, 24.7 over
+1,000); divided among the threads as the products are (not measured on two)."""
 ATTENTION_WIDTH_SECONDS = 6.8e-10
 """`modelled_timings`: what each further token of a forward's width adds to ATTENTION_SECONDS (same
-measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000)."""
+measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000); divided among the threads likewise."""
 
 
 def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
-    """The draft and verify forward times of models on llama.cpp, from their sizes alone (as
+    """The draft and verify forward times of models on llama.cpp at their thread counts
+    (`LlamaCppModel.threads`), from their sizes alone (as
     `fsd_chat.decoding.draft_policy.modelled_timings` does for transformers models): no clock, so a
-    seed gives the same reply under any load. A forward of w tokens costs a fixed part, the read of
-    its weights (`llama_model_size`) and a part per token and parameter; prompt lookup's positions
-    cost nothing."""
+    seed gives the same reply under any load. A forward of w tokens costs a part per layer, the read
+    of its weights (`llama_model_size`) and a part per token and parameter, the last two divided
+    among the threads (`forward_seconds`); prompt lookup's positions cost nothing."""
     lib = target._llama_cpp
     model = target.llama.model
-    attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model))
+    attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model)) / target.threads
     return timings_of(
         forward_seconds,
         target,
@@ -313,7 +330,13 @@ def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> Forw
 
 
 def forward_seconds(model: LlamaCppModel, width: int) -> float:
-    """The modelled seconds of a forward of `width` tokens on llama.cpp (`modelled_timings`): a fixed
-    part, the weights read once, and a part per token and parameter (see the constants)."""
-    params = int(model._llama_cpp.llama_model_n_params(model.llama.model))
-    return FORWARD_SECONDS + model.file_bytes * BYTE_SECONDS + width * params * TOKEN_PARAMETER_SECONDS
+    """The modelled seconds of a forward of `width` tokens on llama.cpp over
+    `fsd_chat.decoding.draft_policy.MEASURE_CONTEXT` tokens of context, at the model's threads (`modelled_timings`; the constants say how they were fitted)."""
+    lib = model._llama_cpp
+    layers = int(lib.llama_model_n_layer(model.llama.model))
+    params = int(lib.llama_model_n_params(model.llama.model))
+    read = BYTE_SECONDS if width == 1 else WIDE_BYTE_SECONDS
+    return (
+        layers * LAYER_SECONDS
+        + (model.file_bytes * read + width * params * TOKEN_PARAMETER_SECONDS) / model.threads
+    )

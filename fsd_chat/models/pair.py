@@ -193,13 +193,16 @@ class ModelPair:
                 if isinstance(model, LlamaCppModel):
                     model.set_threads(threads)
             torch.set_num_threads(1)
+            # llama.cpp's forward times depend on its threads: modelled anew at the next call.
+            self.timings = None
         elif self.device.type == "cpu":
             apply_threads(requested, reserve=reserve)
 
     def forward_timings(self) -> ForwardTimings:
         """The pair's draft and verify forward times, modelled from the models on the first call
-        (`modelled_timings`, or the llama.cpp engine's: no clock, so a seed gives the same reply
-        under any load), then kept for every decoder of the pair."""
+        (`modelled_timings`, or the llama.cpp engine's at its thread count: no clock, so a seed
+        gives the same reply under any load), then kept for every decoder of the pair (until
+        `use_threads` changes llama.cpp's threads)."""
         if self.timings is None:
             if isinstance(self.target, LlamaCppModel):
                 assert self.draft is None or isinstance(self.draft, LlamaCppModel)  # one engine a pair

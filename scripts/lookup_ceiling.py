@@ -1,0 +1,104 @@
+"""The most prompt lookup could gain over target-only decoding on the llama.cpp engine, at the
+modelled forward times of each thread count (`fsd_chat.engines.llama_cpp.modelled_timings`).
+
+Each prompt's reply is decoded once per rule with a fixed draft length k (every matched copy
+verified, greedy), which records how many of each step's copied tokens the rule accepted. An oracle
+that knew that count a before the step would draft exactly a tokens where (a + 1) / V(a + 1) beats
+1 / V(1), and take a + 1 target-only steps otherwise; its time against a + 1 target-only steps for
+every step is the ceiling of any draft policy on that text (the fuzzy rule's text is its fixed-k
+run's: an approximation, as a target-only step would write the target's own token there). With the
+prompt's prefill (priced as one forward over the prompt), which every engine pays alike, it is the
+ceiling of the bench's tokens/s ratio against llama.cpp alone.
+
+    PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 \
+        --output /tmp/lookup-ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from fsd_chat.bench.prompts import load_prompt_set
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.engines import llama_cpp
+from fsd_chat.models.chat_template import Message, prompt_ids
+from fsd_chat.models.default_model import default_model_path
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+
+RULES = {
+    "exact (T = 0)": DecodingSettings(rule="exact", threshold=0.0),
+    "fuzzy T 1 regret": DecodingSettings(threshold=1.0),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="tinystories-retell")
+    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    pair = load_pair(
+        ModelSpec(str(default_model_path())), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1)
+    )
+    target = pair.target
+    assert isinstance(target, llama_cpp.LlamaCppModel)
+    items = load_prompt_set(args.prompts, data_dir=args.data_dir, limit=args.limit).items
+    prompts = [prompt_ids(pair.tokenizer, [Message("user", item.text)]) for item in items]
+    report: dict[str, object] = {
+        "argv": vars(args) | {"output": str(args.output), "data_dir": str(args.data_dir)}
+    }
+    for name, settings in RULES.items():
+        runs: list[tuple[int, list[tuple[int, int]], float]] = []
+        for prompt in prompts:
+            target.reset()
+            controls = Controls(
+                DecodingSettings(settings.rule, threshold=settings.threshold, draft_tokens=args.draft_tokens)
+            )
+            decoded = list(
+                pair.speculative(controls).generate(
+                    prompt, max_new_tokens=args.max_new_tokens, sampling=SamplingConfig()
+                )
+            )
+            runs.append(
+                (
+                    len(prompt),
+                    [(s.stats.accepted_exact + s.stats.accepted_fuzzy, s.stats.emitted) for s in decoded],
+                    sum(s.stats.cost for s in decoded),
+                )
+            )
+        by_threads = {}
+        for threads in (1, 2):
+            target.set_threads(threads)
+            verify = llama_cpp.modelled_timings(target, None).verify_table()
+            decode, overall = [], []
+            for prompt_length, steps, _ in runs:
+                tokens = sum(emitted for _, emitted in steps)
+                alone = tokens * verify[1]
+                oracle = sum(
+                    verify[a + 1] if a and (a + 1) / verify[a + 1] > 1 / verify[1] else emitted * verify[1]
+                    for a, emitted in steps
+                )
+                prefill = llama_cpp.forward_seconds(target, prompt_length)
+                decode.append(alone / oracle)
+                overall.append((alone + prefill) / (oracle + prefill))
+            by_threads[threads] = {
+                "decode_median": statistics.median(decode),
+                "with_prefill_median": statistics.median(overall),
+                "with_prefill": overall,
+            }
+        target.set_threads(1)
+        tokens = sum(emitted for _, steps, _ in runs for _, emitted in steps)
+        report[name] = {"threads": by_threads, "nats_per_token": sum(cost for *_, cost in runs) / tokens}
+        print(name, json.dumps(by_threads), flush=True)
+    args.output.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
