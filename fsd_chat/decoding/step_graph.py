@@ -554,8 +554,8 @@ class CapturedSteps(EagerSteps):
     """The step functions captured as CUDA graphs at load time and replayed (module docstring).
 
     One graph per (k, kind) for k in `lengths` and k = 0 (target-only), the kinds being sampled,
-    greedy, and greedy with a truncation (`StepInputs.for_step`: only that greedy graph sorts), in one memory pool
-    (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
+    greedy, and greedy with a truncation (`StepInputs.for_step`: only that greedy graph sorts), in
+    one memory pool (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
     intermediates, as vLLM's and SGLang's do. Each is warmed up (WARMUP_CALLS eager calls on the
     capture stream) and captured on that stream. Replay is `CUDAGraph.replay`, with no guards:
     inputs are written into `StepInputs` between replays. The draws come from one CUDA generator

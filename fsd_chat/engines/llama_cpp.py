@@ -331,7 +331,8 @@ def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> Forw
 
 def forward_seconds(model: LlamaCppModel, width: int) -> float:
     """The modelled seconds of a forward of `width` tokens on llama.cpp over
-    `fsd_chat.decoding.draft_policy.MEASURE_CONTEXT` tokens of context, at the model's threads (`modelled_timings`; the constants say how they were fitted)."""
+    `fsd_chat.decoding.draft_policy.MEASURE_CONTEXT` tokens of context, at the model's threads
+    (`modelled_timings`; the constants say how they were fitted)."""
     lib = model._llama_cpp
     layers = int(lib.llama_model_n_layer(model.llama.model))
     params = int(lib.llama_model_n_params(model.llama.model))
