@@ -83,9 +83,9 @@ def test_a_sibling_called_on_another_input_gets_its_own_product() -> None:
         assert torch.allclose(fused.slice_of(x, 0), layers[0](x), atol=1e-6)
         assert torch.allclose(fused.slice_of(y, 1), layers[1](y), atol=1e-6)  # not x's product
         assert torch.allclose(fused.slice_of(y, 2), layers[2](y), atol=1e-6)
-        assert fused._input is y
+        assert fused._held.input is y
         assert torch.allclose(fused.slice_of(y, 0), layers[0](y), atol=1e-6)
-        assert fused._input is None  # every sibling served y: nothing held
+        assert fused._held.input is None  # every sibling served y: nothing held
 
 
 @pytest.mark.slow  # importing bitsandbytes takes seconds
