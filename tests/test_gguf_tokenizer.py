@@ -8,6 +8,7 @@ models (SentencePiece vocabularies, through transformers' Llama and Gemma builde
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from fsd_chat.models.default_model import FETCH_COMMAND, default_model_path
 from fsd_chat.models.gguf_sources import TOKENIZER_STRINGS, file_tokenizer, gguf_tokenizer
 from fsd_chat.models.gguf_table import read_table
 from fsd_chat.support.config import ENV_CACHE_DIR
+from fsd_chat.support.errors import ModelLoadError
 from tests.gguf_models import write_gguf
 from tests.tiny_models import save_gemma3
 
@@ -140,3 +142,21 @@ def test_the_strings_of_a_list_are_the_gguf_packages(stories_gguf_files: tuple[P
         assert table.strings(key) == reader.fields[key].contents(), key
     with pytest.raises(KeyError):
         table.strings("general.architecture")  # a string, not a list of them
+
+
+def test_a_tokenizer_transformers_cannot_build_is_refused_in_one_line(
+    stories_gguf_files: tuple[Path, Path], tmp_path: Path, cache: Path
+) -> None:
+    """A file stating a tokenizer type transformers has no builder for: one line naming the file and
+    transformers' reason, and nothing left in the cache (the staging folder is removed)."""
+    data = stories_gguf_files[0].read_bytes()
+    key = b"tokenizer.ggml.model" + struct.pack("<IQ", 8, 5)
+    assert data.count(key + b"llama") == 1
+    path = tmp_path / "odd.gguf"
+    path.write_bytes(data.replace(key + b"llama", key + b"llamb"))
+    with pytest.raises(ModelLoadError) as refused:
+        gguf_tokenizer(read_table(path), lambda _: None)
+    message = str(refused.value)
+    assert message.startswith(f"could not read the tokenizer of {path}: ") and "'llamb'" in message
+    assert "\n" not in message
+    assert list((cache / "gguf-tokenizers").iterdir()) == []
