@@ -190,43 +190,38 @@ def gguf_tokenizer(
             ) from None
     progress(f"reading the tokenizer of {path.name} (first start only)")
     try:
+        tokenizer = file_tokenizer(table, folder)
+    except (ValueError, OSError, KeyError, TypeError, IndexError) as exc:
+        raise ModelLoadError(f"could not read the tokenizer of {path}: {first_line(exc)}") from None
+    base = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    generation = file_generation_config(base, table.metadata, tokenizer)
+    try:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
-    except OSError as exc:
-        raise unwritable_cache(path, folder, exc) from None
-    try:
-        try:
-            tokenizer = file_tokenizer(table, staging, folder)
-        except (ValueError, OSError, KeyError, TypeError, IndexError) as exc:
-            raise ModelLoadError(f"could not read the tokenizer of {path}: {first_line(exc)}") from None
-        base = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        generation = file_generation_config(base, table.metadata, tokenizer)
         try:
             tokenizer.save_pretrained(staging)
             generation.save_pretrained(staging)
             staging.rename(folder)
-        except OSError as exc:
-            if not (folder / "generation_config.json").is_file():  # not a save that finished first
-                raise unwritable_cache(path, folder, exc) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        if not (folder / "generation_config.json").is_file():  # not a save that finished first
+            raise unwritable_cache(path, folder, exc) from None
     return tokenizer, generation  # what the cache now holds: not read back (0.2 s)
 
 
-def file_tokenizer(table: TensorTable, scratch: Path, name_or_path: Path) -> TokenizersBackend:
+def file_tokenizer(table: TensorTable, name_or_path: Path) -> TokenizersBackend:
     """The tokenizer a GGUF file (its `table`) describes, as transformers builds it for
     `from_pretrained(..., gguf_file=...)`: the fields its `get_gguf_tokenizer` reads, read here
-    (`TensorTable.strings`: transformers' reader takes 0.4 s over SmolLM2's vocabulary and merges),
-    handed to its own conversion (`convert_gguf_tokenizer`: the builder for the file's tokenizer
-    type, its control and user-defined tokens, its pre-tokenizer's split) and to the tokenizer class
-    with the chat template, the special tokens and add_bos/eos_token. The converted backend goes to
-    the class through `scratch`/tokenizer.json (a folder it may write; the class deep-copies a
-    backend handed to it, 0.2 s and a second copy); `name_or_path` is where the tokenizer will be
-    saved (what messages about its chat template name).
+    (`TensorTable.strings`: 0.1 s for SmolLM2's vocabulary and merges, where transformers' reader
+    takes 0.27 s), handed to its own conversion (`convert_gguf_tokenizer`: the builder for the
+    file's tokenizer type, its control and user-defined tokens, its pre-tokenizer's split) and to
+    the tokenizer class with the chat template, the special tokens and add_bos/eos_token.
+    `name_or_path` is where it will be saved (what messages about its chat template name).
 
     Raises:
         ValueError: transformers has no builder for the file's tokenizer type, or a string is not UTF-8.
@@ -234,17 +229,18 @@ def file_tokenizer(table: TensorTable, scratch: Path, name_or_path: Path) -> Tok
         IndexError: a special token's id is outside the vocabulary.
         OSError: the file cannot be read.
     """
-    # transformers' conversion imports its model packages' tokenizers (0.5 s): the first start only.
+    # transformers' conversion imports its model packages' tokenizers (0.4 s): the first start only.
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
-    tokenizer, config = _tokenizer_fields(table)
-    backend, more = convert_gguf_tokenizer(table.architecture, tokenizer)
-    del tokenizer  # its strings
-    backend.save(str(scratch / "tokenizer.json"))
-    del backend  # one copy at a time
-    return TokenizersBackend(
-        tokenizer_file=str(scratch / "tokenizer.json"), name_or_path=str(name_or_path), **config, **more
-    )
+    fields, config = _tokenizer_fields(table)
+    backend, more = convert_gguf_tokenizer(table.architecture, fields)
+    # The class takes the backend as transformers' own tokenizer classes take theirs (GPT2Tokenizer
+    # sets `_tokenizer`, then runs TokenizersBackend.__init__), and as its gguf_file path does: a
+    # `tokenizer_object` would be deep-copied (0.2 s, and 25 MB the copy leaves behind).
+    tokenizer = TokenizersBackend.__new__(TokenizersBackend)
+    tokenizer._tokenizer = backend
+    TokenizersBackend.__init__(tokenizer, name_or_path=str(name_or_path), **config, **more)
+    return tokenizer
 
 
 def _tokenizer_fields(table: TensorTable) -> tuple[dict[str, Any], dict[str, Any]]:
