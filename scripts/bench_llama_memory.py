@@ -17,9 +17,10 @@ idle machine), greedy, one thread, the same chat prompt and `--tokens` tokens:
   libraries are imported, the seconds from `load_pair` to the first token of the reply (what a new
   file costs beyond Python's imports, which any start pays).
 
-`--baseline DIR` runs another fsd-chat source tree (DIR holds its `fsd_chat` package) beside this
-one, interleaved: its fsd-chat llama.cpp runs and starts are reported under the same names with
-" (baseline)" (a before and after in one run, under one load).
+`--baseline DIR` runs another fsd-chat source tree (DIR holds its `fsd_chat` package and `themes`)
+beside this one, interleaved (which runs first alternates by round): its fsd-chat llama.cpp runs and
+starts are reported under the same names with " (baseline)", and each figure of this tree over the
+baseline's, round by round (a before and after in one run, under one load).
 
 The runs alternate over `--repeats` rounds (the machine's load drifts into all alike); each figure is
 the median over rounds. The goals it checks (issue 46): fsd-chat on llama.cpp peaks at no more than
@@ -176,12 +177,15 @@ def main() -> None:
             }
             for name, command in commands.items():
                 runs.setdefault(name, []).append(timed(command, env))
-            for suffix, tree in trees.items():
+            # The trees in turn, in the other order every other round: the second of two processes
+            # run back to back can find the machine warmer.
+            order = list(trees.items())[:: -1 if repeat % 2 else 1]
+            for suffix, tree in order:
                 run = [*fsd, "--target", str(gguf), "--engine", "llama.cpp", PROMPT]
                 runs.setdefault(f"fsd-chat llama.cpp{suffix}", []).append(timed(run, tree))
             transformers_engine = [*fsd, "--target", str(gguf), "--engine", "transformers", PROMPT]
             runs.setdefault("fsd-chat transformers", []).append(timed(transformers_engine, env))
-            for suffix, tree in trees.items():
+            for suffix, tree in order:
                 first_starts(gguf, scratch / f"round{repeat}{suffix.strip(' ()')}", suffix, tree, runs)
             print(
                 f"round {repeat + 1}: "
