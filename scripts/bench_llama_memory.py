@@ -27,7 +27,7 @@ the median over rounds. The goals it checks (issue 46): fsd-chat on llama.cpp pe
 the imports' RSS + 1.3 × (the file + the KV cache); a new file answers its first prompt in 5 s.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_llama_memory.py --output docs/bench-llama-cpp-memory.json
-    mkdir /tmp/before && git archive a0d2dc5 fsd_chat | tar -x -C /tmp/before  # a baseline tree
+    mkdir /tmp/before && git archive a0d2dc5 fsd_chat themes | tar -x -C /tmp/before  # a baseline tree
     PYTHONPATH=. .venv/bin/python scripts/bench_llama_memory.py --baseline /tmp/before --output ...
 """
 
