@@ -111,8 +111,9 @@ class TensorTable:
 
     def strings(self, key: str) -> list[str]:
         """The list of strings stored under `key` (e.g. tokenizer.ggml.tokens), read from the file
-        (49,152 tokens and 48,900 merges in 0.05 s: the gguf package's and transformers' readers slice
-        a numpy array per string, 0.4 s).
+        (SmolLM2's 49,152 tokens and 48,900 merges in 0.1 s: transformers' reader, which slices a
+        numpy memmap per string, takes 0.27 s). The header was walked whole by `read_table`, so the
+        strings are within the file.
 
         Raises:
             KeyError: the file holds no list of strings under `key`.
