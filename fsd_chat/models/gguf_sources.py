@@ -16,7 +16,6 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend
 
@@ -141,27 +140,18 @@ def trained_context(table: TensorTable) -> int | None:
 
 TOKENIZER_FORMAT = 1
 """Bumped when the cached tokenizer folder's contents change (`gguf_tokenizer`)."""
-TOKENIZER_STRINGS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-"""The lists of strings a GGUF tokenizer is built from: transformers' `get_gguf_tokenizer` reads
-these two, and every other list of strings as its length (as `TensorTable.metadata` holds them)."""
-SPECIAL_TOKENS = {
-    "bos_token": "bos_token_id",
-    "eos_token": "eos_token_id",
-    "unk_token": "unknown_token_id",
-    "pad_token": "padding_token_id",
-}
-"""tokenizer.ggml.* ids -> the special tokens they name (transformers' `get_gguf_tokenizer`)."""
 
 
 def gguf_tokenizer(
     table: TensorTable, progress: Progress
 ) -> tuple[PreTrainedTokenizerBase, GenerationConfig]:
     """The tokenizer of a GGUF file (its `table`, `readable_table(path, dequantized=False)`: read
-    once a start, 0.02 s for SmolLM2) with its chat template, and its generation config
+    once a start, 0.1 s for SmolLM2) with its chat template, and its generation config
     (`file_generation_config`: the file's sampling keys and end-of-turn ids), for the llama.cpp engine,
     which runs the file itself and needs of transformers only the tokenizer. The first start builds
-    it from the file (`file_tokenizer`: 1.0-1.25 s for SmolLM2's 49,152 tokens, most of it
-    transformers' conversion and the imports it needs) and saves it into the user's cache, keyed by the file's
+    it from the file with transformers' own `from_pretrained(..., gguf_file=...)` (1.3-1.6 s for
+    SmolLM2's 49,152 tokens on a loaded 2-core CPU, most of it transformers' reader and
+    conversion and the imports they need) and saves it into the user's cache, keyed by the file's
     content as the converted copy is; later starts load that (0.15 s); a converted copy, where one
     exists, already holds it.
 
@@ -190,8 +180,10 @@ def gguf_tokenizer(
             ) from None
     progress(f"reading the tokenizer of {path.name} (first start only)")
     try:
-        tokenizer = file_tokenizer(table, folder)
-    except (ValueError, OSError, KeyError, TypeError, IndexError) as exc:
+        # The tokenizer class itself: AutoTokenizer would first read the file's config through
+        # the gguf package's reader, which parses every vocabulary string (10 s of 13).
+        tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"could not read the tokenizer of {path}: {first_line(exc)}") from None
     base = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -212,65 +204,6 @@ def gguf_tokenizer(
         if not (folder / "generation_config.json").is_file():  # not a save that finished first
             raise unwritable_cache(path, folder, exc) from None
     return tokenizer, generation  # what the cache now holds: not read back (0.2 s)
-
-
-def file_tokenizer(table: TensorTable, name_or_path: Path) -> TokenizersBackend:
-    """The tokenizer a GGUF file (its `table`) describes, as transformers builds it for
-    `from_pretrained(..., gguf_file=...)`: the fields its `get_gguf_tokenizer` reads, read here
-    (`TensorTable.strings`: 0.1 s for SmolLM2's vocabulary and merges, where transformers' reader
-    takes 0.27 s), handed to its own conversion (`convert_gguf_tokenizer`: the builder for the
-    file's tokenizer type, its control and user-defined tokens, its pre-tokenizer's split) and to
-    the tokenizer class with the chat template, the special tokens and add_bos/eos_token.
-    `name_or_path` is where it will be saved (what messages about its chat template name).
-
-    Raises:
-        ValueError: transformers has no builder for the file's tokenizer type, or a string is not UTF-8.
-        KeyError: the file holds no token list.
-        IndexError: a special token's id is outside the vocabulary.
-        OSError: the file cannot be read.
-    """
-    # transformers' conversion imports its model packages' tokenizers (0.4 s): the first start only.
-    from transformers.integrations.gguf import convert_gguf_tokenizer
-
-    fields, config = _tokenizer_fields(table)
-    backend, more = convert_gguf_tokenizer(table.architecture, fields)
-    # The class takes the backend as transformers' own tokenizer classes take theirs (GPT2Tokenizer
-    # sets `_tokenizer`, then runs TokenizersBackend.__init__), and as its gguf_file path does: a
-    # `tokenizer_object` would be deep-copied (0.2 s, and 25 MB the copy leaves behind).
-    tokenizer = TokenizersBackend.__new__(TokenizersBackend)
-    tokenizer._tokenizer = backend
-    TokenizersBackend.__init__(tokenizer, name_or_path=str(name_or_path), **config, **more)
-    return tokenizer
-
-
-def _tokenizer_fields(table: TensorTable) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the tokenizer's fields, the tokenizer class's arguments) of a GGUF file, as transformers'
-    `get_gguf_tokenizer` reads them, under its names (`GGUF_TOKENIZER_MAPPING`)."""
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
-
-    metadata: dict[str, Any] = {
-        **table.metadata,
-        **{key: table.strings(key) for key in TOKENIZER_STRINGS if key in table.string_lists},
-    }
-    fields: dict[str, dict[str, Any]] = {
-        group: {
-            name: metadata[f"tokenizer.{key}"]
-            for key, name in names.items()
-            if f"tokenizer.{key}" in metadata
-        }
-        for group, names in GGUF_TOKENIZER_MAPPING.items()
-    }
-    tokenizer, config = fields["tokenizer"], fields["tokenizer_config"]
-    # As get_gguf_tokenizer: llama.cpp adds BOS to a SentencePiece vocabulary that does not say
-    # otherwise; gemma4's chat template writes <bos> itself.
-    if tokenizer.get("tokenizer_type") == "llama":
-        config.setdefault("add_bos_token", True)
-    elif tokenizer.get("tokenizer_type") == "gemma4":
-        config["add_bos_token"] = False
-    for name, key in SPECIAL_TOKENS.items():
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
-        config[name] = tokenizer["tokens"][token_id] if isinstance(token_id, int) else None
-    return tokenizer, config
 
 
 def unwritable_cache(path: Path, folder: Path, exc: OSError) -> ModelLoadError:

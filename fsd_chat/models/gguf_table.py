@@ -83,10 +83,7 @@ class TensorTable:
     path: Path
     metadata: dict[str, object]
     """Its key/value pairs: numbers, strings, lists of numbers; a list of strings as its length
-    (vocabularies and merges are the tokenizer's business, and the bulk of a header: `strings`
-    reads one)."""
-    string_lists: dict[str, int]
-    """Where each list of strings starts (its first element), in bytes from the file's start, by key."""
+    (vocabularies and merges are the tokenizer's business, and the bulk of a header)."""
     tensors: tuple[TensorEntry, ...]
     table_start: int
     """Where the tensor table starts, in bytes from the file's start (after the key/value pairs)."""
@@ -108,27 +105,6 @@ class TensorTable:
         qtype = gguf.GGMLQuantizationType(entry.type_id)
         # Copied where the gguf package hands back a view of the read-only map (F32).
         return np.require(dequantize(self.raw(entry), qtype).reshape(entry.shape), requirements="W")
-
-    def strings(self, key: str) -> list[str]:
-        """The list of strings stored under `key` (e.g. tokenizer.ggml.tokens), read from the file
-        (SmolLM2's 49,152 tokens and 48,900 merges in 0.1 s: transformers' reader, which slices a
-        numpy memmap per string, takes 0.27 s). The header was walked whole by `read_table`, so the
-        strings are within the file.
-
-        Raises:
-            KeyError: the file holds no list of strings under `key`.
-            UnicodeDecodeError: a string is not UTF-8.
-            OSError: the file cannot be read.
-        """
-        start, count = self.string_lists[key], self.metadata[key]
-        assert isinstance(count, int)
-        with self.path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-            values = []
-            pos = start
-            for _ in range(count):
-                value, pos = _string(blob, pos)
-                values.append(value)
-            return values
 
 
 def read_table(path: Path) -> TensorTable:
@@ -156,12 +132,9 @@ def _parse(path: Path, blob: mmap.mmap) -> TensorTable:
         )
     pos = 24
     metadata: dict[str, object] = {}
-    string_lists: dict[str, int] = {}
     for _ in range(key_count):
         key, pos = _string(blob, pos)
         (kind,) = struct.unpack_from("<I", blob, pos)
-        if kind == _ARRAY and struct.unpack_from("<I", blob, pos + 4)[0] == _STRING:
-            string_lists[key] = pos + 16  # past the value type, element type and count
         metadata[key], pos = _value(blob, pos + 4, kind)
     table_start = pos
     tensors = []
@@ -175,9 +148,7 @@ def _parse(path: Path, blob: mmap.mmap) -> TensorTable:
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"its general.alignment {alignment!r} is not a power of two")
-    return TensorTable(
-        path, metadata, string_lists, tuple(tensors), table_start, _aligned(pos, alignment), alignment
-    )
+    return TensorTable(path, metadata, tuple(tensors), table_start, _aligned(pos, alignment), alignment)
 
 
 def _aligned(pos: int, alignment: int) -> int:
