@@ -17,11 +17,18 @@ idle machine), greedy, one thread, the same chat prompt and `--tokens` tokens:
   libraries are imported, the seconds from `load_pair` to the first token of the reply (what a new
   file costs beyond Python's imports, which any start pays).
 
+`--baseline DIR` runs another fsd-chat source tree (DIR holds its `fsd_chat` package and `themes`)
+beside this one, interleaved (which runs first alternates by round): its fsd-chat llama.cpp runs and
+starts are reported under the same names with " (baseline)", and each figure of this tree over the
+baseline's, round by round (a before and after in one run, under one load).
+
 The runs alternate over `--repeats` rounds (the machine's load drifts into all alike); each figure is
-the median over rounds. The goal it checks (issue 46): fsd-chat on llama.cpp peaks at no more than
-the imports' RSS + 1.3 × (the file + the KV cache).
+the median over rounds. The goals it checks (issue 46): fsd-chat on llama.cpp peaks at no more than
+the imports' RSS + 1.3 × (the file + the KV cache); a new file answers its first prompt in 5 s.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_llama_memory.py --output docs/bench-llama-cpp-memory.json
+    mkdir /tmp/before && git archive a0d2dc5 fsd_chat themes | tar -x -C /tmp/before  # a baseline tree
+    PYTHONPATH=. .venv/bin/python scripts/bench_llama_memory.py --baseline /tmp/before --output ...
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ ids = prompt_ids(pair.tokenizer, [Message("user", sys.argv[2])])
 next(iter(pair.speculative(Controls()).generate(ids, max_new_tokens=1)))
 print(time.perf_counter() - start, time.process_time() - cpu)
 """
+FIRST_PROMPT_GOAL_S = 5.0
+"""Issue 46: a new GGUF file answers its first prompt in 5 s on this machine."""
 KV_BYTES = """
 import sys
 import llama_cpp
@@ -89,9 +98,54 @@ def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
     assert wall is not None
     seconds = int(wall[1] or 0) * 3600 + int(wall[2]) * 60 + float(wall[3])
     user, system = (
-        float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", done.stderr)[1]) for kind in ("User", "System")
-    )  # type: ignore[index]
+        float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", done.stderr)[1])  # type: ignore[index]
+        for kind in ("User", "System")
+    )
     return {"rss_mb": rss / 1024, "wall_s": seconds, "cpu_s": user + system}
+
+
+def against_baseline(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """For each run with a " (baseline)" twin: this tree's figure over the baseline's, round by round
+    (the two ran back to back, under the same load), as {"median", "min", "max"} over the rounds, for
+    the peak RSS and the CPU seconds (and the CPU seconds from `load_pair` on, where measured)."""
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for name, rounds in runs.items():
+        before = runs.get(f"{name} (baseline)")
+        if before is None:
+            continue
+        ratios[name] = {}
+        for metric in ("rss_mb", "cpu_s", "load_cpu_s"):
+            if metric in rounds[0]:
+                each = [a[metric] / b[metric] for a, b in zip(rounds, before, strict=True)]
+                ratios[name][metric] = {"median": statistics.median(each), "min": min(each), "max": max(each)}
+    return ratios
+
+
+def first_starts(
+    gguf: Path, folder: Path, suffix: str, env: dict[str, str], runs: dict[str, list[dict[str, float]]]
+) -> None:
+    """A file fsd-chat has never seen (a copy under a new name, into an empty cache): its first
+    prompt and the start after it, timed whole, then again on another copy from `load_pair` on
+    (imports done), appended to `runs` under their names + `suffix`, run in `env`."""
+    python = sys.executable
+    folder.mkdir()
+    first = [python, "-m", "fsd_chat", "generate", "--threads", "1", "--max-new-tokens", "1"]
+    copy = shutil.copy(gguf, folder / "new.gguf")
+    cache = {**env, ENV_CACHE_DIR: str(folder / "cache")}
+    for name in ("first prompt, new file", "second start"):
+        runs.setdefault(name + suffix, []).append(timed([*first, "--target", str(copy), PROMPT], cache))
+    copy = shutil.copy(gguf, folder / "newer.gguf")
+    cache = {**env, ENV_CACHE_DIR: str(folder / "cache-load")}
+    for name in ("first prompt, new file", "second start"):
+        done = subprocess.run(
+            [python, "-c", FIRST_TOKEN, str(copy), PROMPT],
+            capture_output=True,
+            text=True,
+            env=cache,
+            check=True,
+        )
+        wall_s, cpu_s = map(float, done.stdout.strip().splitlines()[-1].split())
+        runs[name + suffix][-1] |= {"load_s": wall_s, "load_cpu_s": cpu_s}
 
 
 def main() -> None:
@@ -102,6 +156,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another fsd-chat source tree to run beside this one"
+    )
     args = parser.parse_args()
     gguf = args.gguf or default_model_path()
     python = sys.executable
@@ -109,37 +166,27 @@ def main() -> None:
     env = {**os.environ}
     runs: dict[str, list[dict[str, float]]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="llama-memory-"))
+    trees = {"": env}  # suffix of the names -> the environment that runs that tree's fsd_chat
+    if args.baseline is not None:
+        trees[" (baseline)"] = {**env, "PYTHONPATH": str(args.baseline.resolve())}
     try:
         for repeat in range(args.repeats):
             commands = {
                 "imports": [python, "-c", "import torch, transformers"],
                 "llama.cpp": [python, "-c", LLAMA_ALONE, str(gguf), PROMPT, str(args.tokens)],
-                "fsd-chat llama.cpp": [*fsd, "--target", str(gguf), "--engine", "llama.cpp", PROMPT],
-                "fsd-chat transformers": [*fsd, "--target", str(gguf), "--engine", "transformers", PROMPT],
             }
             for name, command in commands.items():
                 runs.setdefault(name, []).append(timed(command, env))
-            # A file fsd-chat has never seen: a copy under a new name, into an empty cache.
-            fresh = scratch / f"round{repeat}"
-            fresh.mkdir()
-            copy = shutil.copy(gguf, fresh / f"new-{repeat}.gguf")
-            cache = {**env, ENV_CACHE_DIR: str(fresh / "cache")}
-            first = [python, "-m", "fsd_chat", "generate", "--threads", "1", "--max-new-tokens", "1"]
-            for name in ("first prompt, new file", "second start"):
-                runs.setdefault(name, []).append(timed([*first, "--target", str(copy), PROMPT], cache))
-            # The same pair of starts, timed from load_pair on (imports done), on another copy.
-            copy = shutil.copy(gguf, fresh / f"newer-{repeat}.gguf")
-            cache = {**env, ENV_CACHE_DIR: str(fresh / "cache-load")}
-            for name in ("first prompt, new file", "second start"):
-                done = subprocess.run(
-                    [python, "-c", FIRST_TOKEN, str(copy), PROMPT],
-                    capture_output=True,
-                    text=True,
-                    env=cache,
-                    check=True,
-                )
-                wall_s, cpu_s = map(float, done.stdout.strip().splitlines()[-1].split())
-                runs[name][-1] |= {"load_s": wall_s, "load_cpu_s": cpu_s}
+            # The trees in turn, in the other order every other round: the second of two processes
+            # run back to back can find the machine warmer.
+            order = list(trees.items())[:: -1 if repeat % 2 else 1]
+            for suffix, tree in order:
+                run = [*fsd, "--target", str(gguf), "--engine", "llama.cpp", PROMPT]
+                runs.setdefault(f"fsd-chat llama.cpp{suffix}", []).append(timed(run, tree))
+            transformers_engine = [*fsd, "--target", str(gguf), "--engine", "transformers", PROMPT]
+            runs.setdefault("fsd-chat transformers", []).append(timed(transformers_engine, env))
+            for suffix, tree in order:
+                first_starts(gguf, scratch / f"round{repeat}{suffix.strip(' ()')}", suffix, tree, runs)
             print(
                 f"round {repeat + 1}: "
                 + ", ".join(
@@ -169,7 +216,9 @@ def main() -> None:
         "file_mb": file_mb,
         "kv_cache_mb": kv_mb,
         "goal_rss_mb": bound,
+        "goal_first_prompt_s": FIRST_PROMPT_GOAL_S,
         "medians": medians,
+        "against_baseline": against_baseline(runs),
         "runs": runs,
     }
     args.output.write_text(json.dumps(report, indent=2) + "\n")
@@ -182,6 +231,18 @@ def main() -> None:
         print(
             f"{name:24} {figures['rss_mb']:7.0f} MB {figures['wall_s']:6.1f} s ({figures['cpu_s']:.1f} s CPU){load}"
         )
+    for name, metrics in report["against_baseline"].items():
+        print(
+            f"{name}: "
+            + ", ".join(
+                f"{m} ×{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]" for m, r in metrics.items()
+            )
+        )
+    first = medians["first prompt, new file"]
+    print(
+        f"goal: a new file's first prompt ≤ {FIRST_PROMPT_GOAL_S:.0f} s: {first['wall_s']:.1f} s wall, "
+        f"{first['cpu_s']:.1f} s CPU"
+    )
     print(
         f"goal: fsd-chat llama.cpp ≤ {bound:.0f} MB (imports + 1.3 × (file {file_mb:.0f} MB + KV {kv_mb:.0f} MB))"
     )

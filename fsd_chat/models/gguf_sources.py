@@ -148,13 +148,15 @@ def gguf_tokenizer(
     """The tokenizer of a GGUF file (its `table`, `readable_table(path, dequantized=False)`: read
     once a start, 0.1 s for SmolLM2) with its chat template, and its generation config
     (`file_generation_config`: the file's sampling keys and end-of-turn ids), for the llama.cpp engine,
-    which runs the file itself and needs of transformers only the tokenizer. transformers reads a
-    GGUF file's vocabulary in seconds (3 s for SmolLM2's 49,152 tokens on a loaded 2-core CPU), so
-    the first start saves it into the user's cache, keyed by the file's content as the converted
-    copy is (0.3 s to load); a converted copy, where one exists, already holds it.
+    which runs the file itself and needs of transformers only the tokenizer. The first start builds
+    it from the file with transformers' own `from_pretrained(..., gguf_file=...)` (1.3-1.6 s for
+    SmolLM2's 49,152 tokens on a loaded 2-core CPU, most of it transformers' reader and
+    conversion and the imports they need) and saves it into the user's cache, keyed by the file's
+    content as the converted copy is; later starts load that (0.15 s); a converted copy, where one
+    exists, already holds it.
 
     Raises:
-        ModelLoadError: transformers cannot read the file's tokenizer, or the cache is not writable.
+        ModelLoadError: transformers cannot build the file's tokenizer, or the cache is not writable.
     """
     path = table.path
     key = identity(table, f"fsd-chat gguf tokenizer {TOKENIZER_FORMAT}")
@@ -167,9 +169,11 @@ def gguf_tokenizer(
         try:
             # The class the first read makes, named: AutoTokenizer would load the folder's model
             # config (a converted copy's), whose model module imports torch.distributed and sympy.
-            return TokenizersBackend.from_pretrained(str(folder)), GenerationConfig.from_pretrained(
-                str(folder)
-            )
+            # Its added tokens are the backend's own (tokenizer.json): without an (empty) list of
+            # them, transformers parses the whole tokenizer.json in Python to find them again
+            # (0.1 s, and 14 MB held after it), then the backend reads it.
+            tokenizer = TokenizersBackend.from_pretrained(str(folder), added_tokens_decoder={})
+            return tokenizer, GenerationConfig.from_pretrained(str(folder))
         except (ValueError, OSError) as exc:
             raise ModelLoadError(
                 f"could not load the cached tokenizer of {path} ({folder}): {first_line(exc)}"
@@ -199,7 +203,7 @@ def gguf_tokenizer(
     except OSError as exc:
         if not (folder / "generation_config.json").is_file():  # not a save that finished first
             raise unwritable_cache(path, folder, exc) from None
-    return tokenizer, generation  # what the cache now holds: not read back (0.3 s)
+    return tokenizer, generation  # what the cache now holds: not read back (0.2 s)
 
 
 def unwritable_cache(path: Path, folder: Path, exc: OSError) -> ModelLoadError:
