@@ -24,6 +24,7 @@ llama-cpp-python (the GPU image has none).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -162,7 +163,14 @@ class LlamaCppModel:
         np.ctypeslib.as_array(batch.n_seq_id, shape=(BATCH,))[:] = 1
         for i in range(BATCH):
             batch.seq_id[i][0] = 0  # one sequence, id 0
-        self._offsets = np.arange(BATCH, dtype=np.int32)
+        # Every position the cache holds, and BATCH 0s then BATCH 1s (a chunk's output flags are a
+        # slice of it): a chunk's positions and flags are one copy each.
+        self._all_positions = np.arange(self.n_ctx, dtype=np.int32)
+        self._flags = np.repeat(np.array([0, 1], dtype=np.int8), BATCH)
+        # Views of llama.cpp's logits buffer by row count, and the address they are of: it moves
+        # only when llama.cpp needs more rows than it has, and the views are made anew then.
+        self._logits_address = 0
+        self._logits: dict[int, torch.Tensor] = {}
         self._eos = frozenset(
             i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(lib.llama_model_get_vocab(model), i)
         )
@@ -203,8 +211,17 @@ class LlamaCppModel:
             ContextLengthError: `upto` exceeds the KV cache (n_ctx), or llama.cpp found no room.
         """
         self._decode(seq, upto, keep)
-        rows = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits(self._ctx), shape=(keep, self._n_vocab))
-        return torch.from_numpy(rows)[:, : self.vocab_size]
+        # The decoding loop's per-token work is a few calls, each a cache miss after llama_decode
+        # (its weights pass through every cache): a view is rebuilt only when the buffer moved.
+        pointer = self._llama_cpp.llama_get_logits(self._ctx)
+        address = ctypes.addressof(pointer.contents)
+        if address != self._logits_address:
+            self._logits_address, self._logits = address, {}
+        view = self._logits.get(keep)
+        if view is None:
+            rows = np.ctypeslib.as_array(pointer, shape=(keep, self._n_vocab))
+            view = self._logits[keep] = torch.from_numpy(rows)[:, : self.vocab_size]
+        return view
 
     def prefill(self, seq: torch.Tensor, upto: int) -> None:
         """See `ModelRunner.prefill`: the last position's logits only (llama.cpp computes none
@@ -220,16 +237,16 @@ class LlamaCppModel:
             raise ContextLengthError(
                 f"the sequence reached {upto} tokens but llama.cpp's KV cache holds {self.n_ctx}"
             )
-        ids = seq[0, self.seen : upto].numpy()
+        ids = seq.numpy()[0, self.seen : upto]
         start = self.seen
         first = (len(ids) - 1) % BATCH + 1
         for begin, end in itertools.pairwise([0, *range(first, len(ids) + 1, BATCH)]):
             n = end - begin
             self._tokens[:n] = ids[begin:end]
-            np.add(self._offsets[:n], start + begin, out=self._positions[:n])
-            self._outputs[:n] = 0
-            if end == len(ids):
-                self._outputs[n - keep : n] = 1
+            self._positions[:n] = self._all_positions[start + begin : start + end]
+            # Flags 1 for the last `keep` positions of the last chunk (`_flags`: 0s, then 1s).
+            zeros = BATCH - n + (keep if end == len(ids) else 0)
+            self._outputs[:n] = self._flags[zeros : zeros + n]
             self._batch.n_tokens = n
             code = self._llama_cpp.llama_decode(self._ctx, self._batch)
             if code != 0:
