@@ -42,8 +42,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 class DecodeClock:
     """Process CPU seconds and calls inside `llama_decode`, wrapped in both llama_cpp modules (the
@@ -76,7 +74,6 @@ def configurations(sampled: bool) -> list[tuple[str, bool]]:
 
 def measure(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[str, list[dict[str, float]]]:
     """One round over the prompts in this process: per configuration, a record a reply."""
-    import torch
 
     from fsd_chat.bench.llama_baselines import baseline_llama, llama_generate
     from fsd_chat.bench.prompts import load_prompt_set
@@ -157,7 +154,6 @@ def measure(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[
                 }
             )
     llama.close()
-    del torch
     return runs
 
 
@@ -219,7 +215,7 @@ def run_trees(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="tinystories-retell")
-    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--model", help="a GGUF file (default: the default chat model)")
