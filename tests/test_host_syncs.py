@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding import sampling as sampling_module
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.draft_policy import ForwardTimings
 from fsd_chat.decoding.events import Step
@@ -47,7 +48,11 @@ output sized by the data (boolean masks, `unique`)."""
 
 @pytest.fixture
 def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
-    """Counts of each tensor-to-host read while the test runs."""
+    """Counts of each tensor-to-host read while the test runs, on the path every device takes: on
+    the CPU the loop also reads float32 laws and logits with numpy where that is faster
+    (`sampling.READ_CPU_ON_HOST`), reads that wait for no queue there (`tests/test_host_paths.py`
+    checks that those give the same replies)."""
+    monkeypatch.setattr(sampling_module, "READ_CPU_ON_HOST", False)
     counts: collections.Counter[str] = collections.Counter()
     for name in READS:
         original = getattr(torch.Tensor, name)

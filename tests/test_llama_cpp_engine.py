@@ -122,6 +122,24 @@ def test_rollback_and_prefix_reuse_give_a_fresh_feeds_logits(llama_pair: ModelPa
     assert runner.keep_prefix(ids_tensor([9, 9]), 2) == 0
 
 
+def test_an_empty_cache_is_not_cleared_again(llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply starting on an empty cache (the bench empties it before every reply) writes nothing:
+    clearing llama.cpp's memory writes its whole KV buffer. A cache holding tokens is cleared."""
+    runner = llama_pair.target
+    assert isinstance(runner, engine.LlamaCppModel)
+    runner.reset()
+    cleared: list[object] = []
+    clear = runner._llama_cpp.llama_memory_clear
+    monkeypatch.setattr(
+        runner._llama_cpp, "llama_memory_clear", lambda *args: cleared.append(args) or clear(*args)
+    )
+    assert runner.keep_prefix(ids_tensor([5, 6, 7]), 3) == 0
+    assert cleared == []
+    runner.forward(ids_tensor([5, 6, 7]), 3, keep=1)
+    assert runner.keep_prefix(ids_tensor([9, 9]), 2) == 0
+    assert len(cleared) == 1 and runner.seen == 0
+
+
 @pytest.fixture(scope="module")
 def default_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
     """The default chat model on llama.cpp, one thread, prompt lookup."""

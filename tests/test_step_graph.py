@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsd_chat.decoding import Controls, DecodingSettings, step_graph
+from fsd_chat.decoding import sampling as sampling_module
 from fsd_chat.decoding.acceptance import judge
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
@@ -468,6 +469,8 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     the asynchronous copies (`_copy_to_host`) (mocks: there is no GPU here), so that
     `CapturedSteps` captures and replays on the CPU. Returns the `TIMELINE`, emptied."""
     TIMELINE.clear()
+    # A GPU's path: the CPU's own reads of laws with numpy cannot be captured.
+    monkeypatch.setattr(sampling_module, "READ_CPU_ON_HOST", False)
     monkeypatch.setattr(step_graph, "copy_to_host", _copy_to_host)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
     monkeypatch.setattr(torch.cuda, "graph", _capture)

@@ -102,7 +102,7 @@ import torch
 from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl, selected
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.kv_cache import compile_failure
-from fsd_chat.decoding.sampling import draw, exponential_noise, non_finite, non_finite_error
+from fsd_chat.decoding.sampling import argmax, draw, exponential_noise, non_finite, non_finite_error
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 
 COST_FLOOR = 1e-6
@@ -348,7 +348,7 @@ def judge(
     if q is None:
         q_x = torch.ones_like(p_x)
         div = (
-            against_point_mass(divergence_name, p_compared[positions, draft_ids])
+            against_point_mass(divergence_name, p_x if p_full is None else p_compared[positions, draft_ids])
             if divergences is None
             else divergences
         )
@@ -368,11 +368,14 @@ def judge(
     relaxed = torch.zeros(k, dtype=torch.bool, device=p.device)
     costs = torch.zeros(k, device=p.device)
     if sampling.greedy:
-        exact = draft_ids == p_draft.argmax(-1)
+        # The target's choice at every position, corrections and bonus alike (one argmax).
+        candidates = argmax(p)
+        best = candidates[:k]
+        exact = draft_ids == best
         accept = exact
         if rule != "exact":
             # log p(argmax) − log p(x̃): +inf for a token the target's truncation removed.
-            regret = p_draft.max(-1).values.log() - p_x.log()
+            regret = p_draft[positions, best].log() - p_x.log()
             # Every relaxed rule tests the regret, the cost of the token it would emit: D(p, q) of
             # a greedy draft is dead over most of the dial (module docstring, Greedy).
             passes = regret <= threshold
@@ -382,7 +385,6 @@ def judge(
             # correction is the target's argmax (regret 0).
             relaxed = passes & ~exact
             costs = torch.where(passes, regret, costs)
-        candidates = p.argmax(-1)
     else:
         u = torch.rand(k, generator=generator, device=p.device) if uniforms is None else uniforms
         # u < p/q written without the division (q(x̃) > 0 since x̃ was drawn from q); strict, so
@@ -546,17 +548,19 @@ def decide(
     used = torch.arange(k + 1, device=p.device) <= n
     # Per law, a flag per row (k + 1 for p, k for q), read with the rest: no reduction to one here.
     flags = [non_finite(p) & used] if q is None else [non_finite(p) & used, non_finite(q) & used[:k]]
+    # One concatenation, then one conversion: every entry is exact in the promoted type (flags, ids
+    # and counts below 2^24 in float32; the laws' own floats).
     block = torch.cat(
         [
-            *(flag.double() for flag in flags),
-            n.view(1).double(),
-            next_token.double(),
-            draft_ids.double(),
-            judged.draft_exact.double(),
-            judged.divergences.double(),
-            judged.costs.double(),
+            *flags,
+            n.view(1),
+            next_token,
+            draft_ids,
+            judged.draft_exact,
+            judged.divergences,
+            judged.costs,
         ]
-    )
+    ).double()
     return block, next_token
 
 

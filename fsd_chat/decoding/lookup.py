@@ -49,11 +49,12 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
     """Where the continuation of the latest earlier occurrence of the context's longest matching
     suffix (≤ `ngram` tokens) starts, and how many tokens of it to propose.
 
-    Vectorised over the context: every position's window of `ngram` tokens is compared with the
-    last window at once ([L, ngram] comparisons), the length of agreement is counted back from each
-    window's end, and the best (longest agreement, then latest) is chosen by one argmax. It runs on
-    the host's copy of the context (`Reply.host`): the step's proposal length must be known there,
-    and searching a device copy would cost a device read per step besides the verdict's.
+    Vectorised over the context: the earlier positions holding the context's last token are found
+    in one comparison, and their agreement with the suffix is extended backwards one token at a
+    time, for those positions only (at most `ngram` - 1 more comparisons of a few entries); the
+    best (longest agreement, then latest) is chosen by one argmax. It runs on the host's copy of
+    the context (`Reply.host`): the step's proposal length must be known there, and searching a
+    device copy would cost a device read per step besides the verdict's.
 
     Args:
         tokens: The context, shape [L] int64 (prompt and reply so far).
@@ -67,17 +68,18 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
     length = tokens.shape[0]
     if length < 2:
         return NO_MATCH
-    padded = np.concatenate([np.full(ngram - 1, -1, dtype=tokens.dtype), tokens])
-    windows = np.lib.stride_tricks.sliding_window_view(padded, ngram)  # [L, ngram]: row e ends at tokens[e]
-    agree = (windows == windows[-1])[:, ::-1].cumprod(-1).sum(-1)  # [L]
-    ends = np.arange(length)
-    # Padding agrees with padding: no agreement runs past the context's start.
-    agree = np.minimum(agree, ends + 1)[:-1]  # the last window is the suffix itself: not an earlier one
-    end = int((agree * length + ends[:-1]).argmax())
-    if agree[end] == 0:
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier occurrences of the last token
+    if ends.size == 0:
         return NO_MATCH
-    start = end + 1
-    return Match(start, min(limit, length - start), int(agree[end]))
+    agree = np.ones(ends.size, dtype=np.int64)
+    # An occurrence ending at `end` agrees on j + 1 tokens when it agreed on j and the tokens j back
+    # match; none reaches back past the context's start (end ≥ j), nor the suffix past it.
+    for back in range(1, min(ngram, length - 1)):
+        before = ends - back
+        agree += (agree == back) & (before >= 0) & (tokens[before] == tokens[length - 1 - back])
+    best = int((agree * length + ends).argmax())
+    start = int(ends[best]) + 1
+    return Match(start, min(limit, length - start), int(agree[best]))
 
 
 def repeat_run(tokens: np.ndarray, distance: int) -> int:

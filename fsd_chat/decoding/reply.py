@@ -17,7 +17,14 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
 from fsd_chat.decoding.events import Origin, Step, StepStats, StopReason, Token
 from fsd_chat.decoding.runner import ModelRunner, id_set
-from fsd_chat.decoding.sampling import draw, non_finite, non_finite_error, probabilities, seeded_generator
+from fsd_chat.decoding.sampling import (
+    draw,
+    greedy_on_host,
+    non_finite,
+    non_finite_error,
+    probabilities,
+    seeded_generator,
+)
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.support.errors import ContextLengthError, SettingsError
@@ -377,13 +384,18 @@ def target_step(
     """
     ids: list[int] = []
     if not reply.unread:
-        logits = target.forward(reply.seq, reply.length, keep=1)
-        probs = probabilities(logits[-1], sampling)
-        token = draw(probs, sampling, generator)
-        reply.seq[0, reply.length : reply.length + 1].copy_(token.view(1))
-        bad, token_id = torch.stack([non_finite(probs).long(), token]).tolist()
-        if bad:
-            raise non_finite_error("target")
+        logits = target.forward(reply.seq, reply.length, keep=1)[-1]
+        # Greedy on the CPU, the token is read off the logits (the law's own argmax, and no law).
+        token_id = greedy_on_host(logits) if sampling.greedy else None
+        if token_id is not None:
+            reply.seq[0, reply.length] = token_id
+        else:
+            probs = probabilities(logits, sampling)
+            token = draw(probs, sampling, generator)
+            reply.seq[0, reply.length : reply.length + 1].copy_(token.view(1))
+            bad, token_id = torch.stack([non_finite(probs).long(), token]).tolist()
+            if bad:
+                raise non_finite_error("target")
         ids = [token_id]
         reply.record(ids)
     return commit_target(

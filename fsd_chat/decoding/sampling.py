@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from fsd_chat.decoding.settings import SamplingConfig
@@ -190,10 +191,69 @@ def draw(
     runs this inside a compiled function, where a generator cannot go; default drawn here.
     """
     if config.greedy:
-        return probs.argmax(-1)
+        return argmax(probs)
     if noise is None:
         noise = exponential_noise(probs, generator)
-    return (probs / noise).argmax(-1)
+    return argmax(probs / noise)
+
+
+READ_CPU_ON_HOST = True
+"""Whether `argmax` and `greedy_on_host` read float32 tensors on the CPU with numpy, where a read
+waits for no queue: numpy's argmax is vectorised and torch's CPU argmax is not (a row of SmolLM2's
+49,152 entries, one thread: 6 µs against 80). False: every device's path, which reads nothing but
+a step's one transfer (what `tests/test_host_syncs.py` checks on the CPU for a GPU's sake)."""
+
+
+def _on_host(values: torch.Tensor) -> bool:
+    """Whether `values` is read with numpy (`READ_CPU_ON_HOST`): float32 on the CPU, no gradient,
+    outside a compiled function (which traces torch's operators)."""
+    return (
+        READ_CPU_ON_HOST
+        and values.is_cpu
+        and values.dtype == torch.float32
+        and not values.requires_grad
+        and not torch.compiler.is_compiling()
+    )
+
+
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(-1)`, [..., n] -> [...] int64 on `values`' device: each row's first largest
+    entry (its first NaN, in a row that has one). On the CPU numpy's, the same index
+    (`READ_CPU_ON_HOST`)."""
+    if _on_host(values):
+        return torch.from_numpy(np.asarray(values.numpy().argmax(-1)))
+    return values.argmax(-1)
+
+
+GREEDY_MARGIN = 2.0**-10
+"""`greedy_on_host`: logits within this much of the largest (or within 2^-12 of its magnitude, if
+more) make a near tie, which the shortcut leaves to `probabilities` and `draw`."""
+
+
+def greedy_on_host(logits: torch.Tensor) -> int | None:
+    """The greedy token of one row of logits, [vocab], read from the logits with numpy where a
+    read costs nothing (float32 on the CPU: `READ_CPU_ON_HOST`), without their law:
+    `draw(probabilities(logits), greedy)` gives the same token, for a fraction of its time. None
+    where that is not sure, for the caller to take the law's way: another device, a row that is
+    not finite (NaN, +inf, or all -inf: the rows whose law is NaN, `non_finite`), or a near tie.
+
+    Why the same token: both argmaxes return the first largest entry, and the softmax keeps the
+    order of logits that differ by more than GREEDY_MARGIN. Its largest entry is exp(0) / s and a
+    logit at least d below gives at most exp(-d) / s: for d ≥ 2^-11 the two exps are thousands of
+    float32 ulps apart, more than the exp's error (1 ulp) and than rounding the division by the
+    same s can close. Logits closer than the margin (ties included) are counted and refused.
+    """
+    if not _on_host(logits):
+        return None
+    row = logits.numpy()
+    token = int(row.argmax())
+    top = float(row[token])
+    if not math.isfinite(top):
+        return None
+    # Compared in float32: the margin is twice what the argument above needs, so that the rounding
+    # of the floor (at most half an ulp of `top`, which the relative part bounds) cannot matter.
+    floor = top - max(GREEDY_MARGIN, abs(top) * 2.0**-12)
+    return token if np.count_nonzero(row >= floor) == 1 else None
 
 
 def exponential_noise(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -20,6 +20,8 @@ class PhaseClock:
     def __init__(self, device: torch.device, *, synchronize: bool = True) -> None:
         self._cuda = device.type == "cuda" and synchronize
         self._device = device
+        # Asked every step: a device's type is a new string each time it is read.
+        self._exact = self._cuda or device.type != "cuda"
         self._last = self.now()
 
     @property
@@ -27,7 +29,7 @@ class PhaseClock:
         """Whether each lap is the seconds of its own phase: on the CPU (whose work is done when
         the call returns) or when marks synchronise; on CUDA without them, only sums up to a host
         wait are."""
-        return self._cuda or self._device.type != "cuda"
+        return self._exact
 
     def now(self) -> float:
         """Current time in seconds, after the device has finished its queued work."""

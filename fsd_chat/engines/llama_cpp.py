@@ -9,7 +9,8 @@ What the seam maps to (llama.h):
   and keeps `keep` rows of logits, not a row per token.
 - the logits: `llama_get_logits` points at llama.cpp's output buffer, whose rows are the flagged
   positions in batch order; they are returned as a torch view of that buffer
-  (`np.ctypeslib.as_array` then `torch.from_numpy`: no copy), valid until the next decode.
+  (`np.ctypeslib.as_array` then `torch.from_numpy`: no copy), valid until the next decode, and
+  kept from call to call while llama.cpp keeps the buffer where it is.
 - `rollback`: `llama_memory_seq_rm(memory, 0, length, -1)` drops the positions from `length` on.
 - `keep_prefix`: the ids the cache holds are kept on the host; the longest common prefix with the
   new sequence stays, the rest is removed (llama.cpp's own prefix cache is this same KV cache).
@@ -24,6 +25,7 @@ llama-cpp-python (the GPU image has none).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -162,7 +164,14 @@ class LlamaCppModel:
         np.ctypeslib.as_array(batch.n_seq_id, shape=(BATCH,))[:] = 1
         for i in range(BATCH):
             batch.seq_id[i][0] = 0  # one sequence, id 0
-        self._offsets = np.arange(BATCH, dtype=np.int32)
+        # Every position the cache holds, and BATCH 0s then BATCH 1s (a chunk's output flags are a
+        # slice of it): a chunk's positions and flags are one copy each.
+        self._all_positions = np.arange(self.n_ctx, dtype=np.int32)
+        self._flags = np.repeat(np.array([0, 1], dtype=np.int8), BATCH)
+        # Views of llama.cpp's logits buffer by row count, and the address they are of: it moves
+        # only when llama.cpp needs more rows than it has, and the views are made anew then.
+        self._logits_address = 0
+        self._logits: dict[int, torch.Tensor] = {}
         self._eos = frozenset(
             i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(lib.llama_model_get_vocab(model), i)
         )
@@ -203,8 +212,17 @@ class LlamaCppModel:
             ContextLengthError: `upto` exceeds the KV cache (n_ctx), or llama.cpp found no room.
         """
         self._decode(seq, upto, keep)
-        rows = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits(self._ctx), shape=(keep, self._n_vocab))
-        return torch.from_numpy(rows)[:, : self.vocab_size]
+        # Each call after llama_decode runs from cold caches (the weights have just passed through
+        # them): the views are made anew only when llama.cpp moved its buffer.
+        pointer = self._llama_cpp.llama_get_logits(self._ctx)
+        address = ctypes.addressof(pointer.contents)
+        if address != self._logits_address:
+            self._logits_address, self._logits = address, {}
+        view = self._logits.get(keep)
+        if view is None:
+            rows = np.ctypeslib.as_array(pointer, shape=(keep, self._n_vocab))
+            view = self._logits[keep] = torch.from_numpy(rows)[:, : self.vocab_size]
+        return view
 
     def prefill(self, seq: torch.Tensor, upto: int) -> None:
         """See `ModelRunner.prefill`: the last position's logits only (llama.cpp computes none
@@ -220,16 +238,16 @@ class LlamaCppModel:
             raise ContextLengthError(
                 f"the sequence reached {upto} tokens but llama.cpp's KV cache holds {self.n_ctx}"
             )
-        ids = seq[0, self.seen : upto].numpy()
+        ids = seq.numpy()[0, self.seen : upto]
         start = self.seen
         first = (len(ids) - 1) % BATCH + 1
         for begin, end in itertools.pairwise([0, *range(first, len(ids) + 1, BATCH)]):
             n = end - begin
             self._tokens[:n] = ids[begin:end]
-            np.add(self._offsets[:n], start + begin, out=self._positions[:n])
-            self._outputs[:n] = 0
-            if end == len(ids):
-                self._outputs[n - keep : n] = 1
+            self._positions[:n] = self._all_positions[start + begin : start + end]
+            # Flags 1 for the last `keep` positions of the last chunk (`_flags`: 0s, then 1s).
+            zeros = BATCH - n + (keep if end == len(ids) else 0)
+            self._outputs[:n] = self._flags[zeros : zeros + n]
             self._batch.n_tokens = n
             code = self._llama_cpp.llama_decode(self._ctx, self._batch)
             if code != 0:
@@ -263,9 +281,11 @@ class LlamaCppModel:
         n = min(self.seen, length)
         differ = np.flatnonzero(self._ids[:n] != seq[0, :n].numpy())
         common = int(differ[0]) if len(differ) else n
-        if common == 0:
+        if common == 0 and self.seen:
             self.reset()
         else:
+            # An empty cache stays as it is: clearing it again writes the whole KV buffer (5 ms of
+            # CPU for the default model's 184 MiB), which the bench paid on every reply.
             self.rollback(common)
         return self.seen
 
