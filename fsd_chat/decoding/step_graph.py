@@ -280,24 +280,30 @@ def speculative_step(
     """
     seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
     untruncated = inputs.sampling.untruncated() if inputs.truncates else None
-    # Every position the step feeds, computed once: the draft's first pass at span[0:2] (position
-    # − 1 and position; at position 0, position twice: the same token written twice at one slot),
-    # its i-th at span[i + 1], the target's verify at span[1:].
-    span = (position + torch.arange(-1, k + 1, device=device)).clamp_min(0)
-    verified = span[1:]
-    # One attention mask for every pass of the step: its rows are the passes' positions.
-    mask = target.attention_mask(span)
+    # Every position the step feeds or writes, computed once: the draft's first pass at span[0:2]
+    # (position − 1 and position; at position 0, position twice: the same token written twice at
+    # one slot), its i-th at span[i + 1], the target's verify at span[1 : k + 2], and the target's
+    # token at span[2:][n] (position + 1 + n). A copy feeds no position before `position`.
+    span = position + torch.arange(-1, k + 2, device=device)
+    verified = span[1 : k + 2]
     q_rows: list[torch.Tensor] = []
     q_full_rows: list[torch.Tensor] = []
     if draft is None:
-        seq.index_copy_(0, verified[1:], seq.index_select(0, inputs.source + torch.arange(k, device=device)))
+        mask = target.attention_mask(verified)
+        # The copy seq[source : source + k]: a row of seq's windows of k tokens.
+        seq.index_copy_(0, verified[1:], seq.unfold(0, k, 1).index_select(0, inputs.source).view(k))
     else:
+        span = span.clamp_min(0)
+        verified = span[1 : k + 2]
+        # One attention mask for every pass of the step: its rows are the passes' positions.
+        mask = target.attention_mask(span[: k + 2])
         shared = draft.capacity == target.capacity and draft.model.dtype == target.model.dtype
         _draft_positions(
             draft, inputs, k, draws, untruncated, span, mask if shared else None, q_rows, q_full_rows
         )
+        mask = mask[:, :, 1:]
     fed = seq.index_select(0, verified)
-    logits = static_forward(target, fed.view(1, k + 1), verified, mask[:, :, 1:])
+    logits = static_forward(target, fed.view(1, k + 1), verified, mask)
     p = probabilities(logits, inputs.sampling)
     block, next_token = decide(
         p,
@@ -313,9 +319,9 @@ def speculative_step(
         q_full=torch.cat(q_full_rows) if q_full_rows else None,
     )
     # n follows the flags: of p's k + 1 rows, and of q's k rows for a draft model.
-    moved = block.narrow(0, verdict_flags(k, draft is None), 1).long() + 1
-    seq.index_copy_(0, position + moved, next_token)
-    position.add_(moved)
+    after = span[2:].index_select(0, block.narrow(0, verdict_flags(k, draft is None), 1).long())
+    seq.index_copy_(0, after, next_token)
+    position.copy_(after)
     return block
 
 
