@@ -22,11 +22,11 @@ the CPU the same function runs eagerly (`EagerSteps`).
 
 **Output**: `decide`'s float64 block (flags of non-finite laws, n, the target's token, then per
 draft position its token, draft-exact flag, divergence and cost; `acceptance.read_verdict` reads
-it), or for a target-only step [non-finite flag, token]. The host copies it once per step; on CUDA
+it), or for a target-only step [check, token] (`target_step`). The host copies it once per step; on CUDA
 the graph's output memory is overwritten by the next replay, so the copy happens first.
 
 **One step in flight** (CUDA: `CapturedSteps.ahead`). A step reads its inputs from device buffers
-that the step before wrote (the tokens in `seq`, the position, the caches' write positions), so
+that the step before wrote (the tokens in `seq`, the position, the caches' slots), so
 step t + 1 can be launched before the host has read step t: launching a step is a graph replay,
 then an asynchronous copy of its block into one of two pinned host buffers, taken in turn, and an
 event recorded after it (`Launched`); reading it waits on that event. The decoders launch step
@@ -53,9 +53,10 @@ host reads step t before it launches step t + 2. What follows from it (`room_ahe
 On the CPU there is no queue to overlap: a step runs when it is called (`EagerSteps.ahead` is
 False), and the decoders read each step before they launch the next, as before.
 
-**Caches.** Both models run over static caches (`kv_cache.StaticModel`). A forward pass sets
-every layer's write position (`StaticLayer.cumulative_length`) from its device positions before
-it runs, so rolling back is nothing more: the next pass writes over the rejected slots. The
+**Caches.** Both models run over static caches (`kv_cache.StaticModel`) whose layers write a
+pass's keys and values at the positions it is given (`kv_cache.PositionedLayer`), so rolling back
+is nothing: the next pass writes over the rejected slots. A step computes its positions once
+and one attention mask over them for all its passes (`StaticModel.attention_mask`). The
 draft's first pass of a step is two tokens wide (positions position − 1 and position, re-feeding
 a slot whose keys it may already hold): after a fully accepted block the draft lacks the last
 draft token, after a rejection it does not, and a fixed width serves both without a host branch
@@ -386,8 +387,8 @@ def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Dr
 
 
 _GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
-"""What `draw` is told of a step: greedy, or not (the temperature is already applied). `_GREEDY`
-is also a greedy untruncated step's laws (`StepInputs.for_step`)."""
+"""A greedy untruncated step's laws (`StepInputs.for_step`), and what `draw` is told of a sampled
+step (the temperature is already applied)."""
 
 
 StepFunctions = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
