@@ -5,8 +5,10 @@ rotates from round to round, so that a machine's drifting load falls on all of t
     python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64] [--clock process]
         [--target default --draft lookup]
 
-Prints, per decoder pair (today's / whole step), the ratio of tokens/s per round and its median
-with the range over rounds. Greedy decoding of the offline story pair (../shared/models) unless
+Prints, per decoder pair (today's / whole step), the ratio of tokens/s per prompt and round
+(each prompt's reply timed on its own, the pair's two replies in the same round), its median and
+the median's distribution-free 95% interval (`bench.stats.median_ci95`); `--output` writes them
+as JSON. Greedy decoding of the offline story pair (../shared/models) unless
 `--target` and `--draft` name another (`default`: the default chat model, on the transformers
 engine; `lookup`: prompt lookup), one torch thread on the CPU; on CUDA the whole step is captured
 as graphs at construction and today's steps are compiled (the default there).
@@ -15,6 +17,8 @@ as graphs at construction and today's steps are compiled (the default there).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from fsd_chat.bench.stats import median_with_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.default_model import default_model_path
@@ -46,6 +51,7 @@ def main() -> None:
         default="wall",
         help="process: the process's CPU time (one torch thread), steadier on a shared machine",
     )
+    parser.add_argument("--output", type=Path, help="write the ratios and their intervals as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
     target = str(default_model_path()) if args.target == "default" else args.target
@@ -56,13 +62,11 @@ def main() -> None:
     )
     sampling = SamplingConfig(temperature=args.temperature, seed=0 if args.temperature else None)
 
-    def exact(policy: str) -> DecodingSettings:
-        return DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy=policy)
-
+    exact = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed")
     fuzzy = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
     makers: dict[str, Callable[[bool], Decoder]] = {
         "target-only": lambda whole: pair.autoregressive(Controls(), whole_step=whole),
-        "exact k4": lambda whole: pair.speculative(Controls(exact("fixed")), whole_step=whole),
+        "exact k4": lambda whole: pair.speculative(Controls(exact), whole_step=whole),
         "fuzzy js 0.1 k4": lambda whole: pair.speculative(Controls(fuzzy), whole_step=whole),
     }
     decoders = {(name, whole): make(whole) for name, make in makers.items() for whole in (False, True)}
@@ -70,33 +74,53 @@ def main() -> None:
 
     clock = time.perf_counter if args.clock == "wall" else time.process_time
 
-    def rate(decoder: Decoder) -> float:
-        tokens, seconds = 0, 0.0
+    def rates(decoder: Decoder) -> list[float]:
+        """Tokens/s of each prompt's reply."""
+        out = []
         for prompt in ids:
-            start = clock()
+            tokens, start = 0, clock()
             for step in decoder.generate(prompt, max_new_tokens=args.tokens, sampling=sampling):
                 tokens += len(step.tokens)
-            seconds += clock() - start
-        return tokens / seconds
+            out.append(tokens / (clock() - start))
+        return out
 
     for decoder in decoders.values():
-        rate(decoder)  # warm-up (first replies, the policies' measurements)
-    rates: dict[tuple[str, bool], list[float]] = {key: [] for key in decoders}
+        rates(decoder)  # warm-up (first replies, the policies' measurements)
+    measured: dict[tuple[str, bool], list[float]] = {key: [] for key in decoders}
     keys = list(decoders)
+    loads = [os.getloadavg()[0]]
     for round_ in range(args.rounds):
         shift = round_ % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            rates[key].append(rate(decoders[key]))
+            measured[key].extend(rates(decoders[key]))
+        loads.append(os.getloadavg()[0])
     print(
-        f"{args.clock} clock, device {args.device}, {args.rounds} rounds, {len(PROMPTS)} prompts × {args.tokens} tokens, {sampling.describe()}"
+        f"{args.clock} clock, device {args.device}, {args.rounds} rounds, {len(PROMPTS)} prompts × {args.tokens} tokens,"
+        f" {sampling.describe()}, load {min(loads):.1f}–{max(loads):.1f}"
     )
+    ratio_report: dict[str, object] = {}
+    report: dict[str, object] = {
+        "target": target,
+        "draft": args.draft,
+        "clock": args.clock,
+        "rounds": args.rounds,
+        "prompts": len(PROMPTS),
+        "tokens": args.tokens,
+        "load": [min(loads), max(loads)],
+        "ratios": ratio_report,
+    }
     for name in makers:
-        today, whole = rates[(name, False)], rates[(name, True)]
+        today, whole = measured[(name, False)], measured[(name, True)]
         ratios = [w / t for w, t in zip(whole, today, strict=True)]
+        median, interval = median_with_ci95(ratios)
+        low, high = interval or (min(ratios), max(ratios))
         print(
             f"{name:18} today {statistics.median(today):7.0f} tok/s  whole step {statistics.median(whole):7.0f} tok/s"
-            f"  ratio {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+            f"  ratio {median:.3f} [{low:.3f}–{high:.3f}]"
         )
+        ratio_report[name] = {"median": median, "ci95": interval, "today_tok_s": today, "whole_tok_s": whole}
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ GPU") counted 52 kernels a layer, 1,247 a token. Neither count needs a GPU to be
   once a layer (`launches`).
 
 A layer's count is the slope between two depths of one model (`per_layer`), so that the work
-outside the layers (embedding, head, laws, rule) is not spread over them.
+outside the layers (embedding, head, laws, rule) is not spread over them. A decoder's count a
+token (`reply_ops`) compares two step paths over the same reply: the whole step against the
+per-forward steps it replaces.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from fsd_chat.decoding.fused_linear import fuse_projections
 from fsd_chat.decoding.kv_cache import StaticModel
+from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.step_graph import StepInputs, target_step
 
 
@@ -59,7 +62,10 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except NotImplementedError:  # an opaque tensor: oneDNN's prepacked weights (`packed_linear`)
+        return id(tensor)
 
 
 def eager_ops(step: Callable[..., Any], *args: Any) -> Counter[str]:
@@ -67,6 +73,25 @@ def eager_ops(step: Callable[..., Any], *args: Any) -> Counter[str]:
     with _OpCounter() as counter:
         step(*args)
     return counter.ops
+
+
+def reply_ops(decoder: Decoder, prompt: list[int], tokens: int) -> float:
+    """Kernel-launching aten operators a token of a greedy reply of `tokens` tokens to `prompt`
+    (`eager_ops`' count), from its second step on: the prompt's prefill and the first step are
+    left out, so that the count is the decoding steps'.
+
+    Raises:
+        ValueError: the reply ended at its first step (no step to count).
+    """
+    steps = decoder.generate(prompt, max_new_tokens=tokens)
+    next(steps)
+    emitted = 0
+    with _OpCounter() as counter:
+        for step in steps:
+            emitted += len(step.tokens)
+    if not emitted:
+        raise ValueError("the reply ended at its first step: no decoding step to count")
+    return sum(counter.ops.values()) / emitted
 
 
 _FUNCTION = re.compile(r"^(?:    )?def (\w+)\(", re.MULTILINE)

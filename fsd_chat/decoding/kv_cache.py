@@ -206,16 +206,67 @@ class CachedModel:
             )
 
 
-class StaticModel(CachedModel):
-    """A model over a static KV cache (transformers' `StaticCache`), every forward pass eager.
+class PositionedLayer(StaticLayer):
+    """A full-attention static cache layer that writes a forward pass's keys and values at the
+    positions its cache holds for that pass (`PositionedCache.positions`, a device tensor), and
+    keeps no write position of its own.
 
-    The cache keeps tensor shapes and addresses fixed: rolling back only moves each layer's write
-    position (`StaticLayer.cumulative_length`, a device tensor), and the slots beyond it are
-    masked out until they are overwritten. A forward pass attends over the whole capacity (the
-    mask hides the slots beyond the sequence), so a capacity far beyond what a reply needs costs
-    attention time on a CPU: `resize` fits it between replies. Its forward passes are what
-    `CompiledModel` compiles, and what `fsd_chat.decoding.step_graph` captures as one graph a
-    step, its positions given on the device (`step_graph.static_forward`).
+    transformers' `StaticLayer.update` writes at its `cumulative_length` (a device counter: an
+    `arange`, an `add` and an `add_` a layer besides the two `index_copy_`), which rolling back
+    must then set in every layer; here the step's positions are given once a pass, so a layer
+    costs its two `index_copy_` (2 operators, 2 kernels on a GPU), and rolling back is nothing:
+    the next pass writes over the rejected slots. What lies beyond the sequence is hidden by the
+    attention mask (`PositionedCache.mask`).
+    """
+
+    def __init__(self, max_cache_len: int, cache: PositionedCache) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        self.cache = cache
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys and values [1, kv heads, w, head dim] at the pass's w positions; the whole
+        buffers back, [1, kv heads, capacity, head dim]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values, positions = self.keys, self.values, self.cache.positions
+        assert keys is not None and values is not None  # allocated above
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        return keys, values
+
+
+class PositionedCache(StaticCache):
+    """transformers' `StaticCache` with its full-attention layers `PositionedLayer`s (other layers
+    are kept as they are, for `StaticModel` to refuse), written at `positions`.
+
+    Attributes:
+        positions: [w] int64 on the model's device, the positions of the next forward pass's
+            tokens (set before each pass).
+    """
+
+    positions: torch.Tensor
+
+    def __init__(self, config: Any, max_cache_len: int) -> None:
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        self.layers = [
+            PositionedLayer(max_cache_len, self) if type(layer) is StaticLayer else layer
+            for layer in self.layers
+        ]
+
+
+class StaticModel(CachedModel):
+    """A model over a static KV cache written at given positions (`PositionedCache`), every
+    forward pass eager.
+
+    The cache keeps tensor shapes and addresses fixed: a pass writes its keys and values at its
+    positions, so rolling back is only `seen` going back, and the slots beyond the sequence are
+    masked out (`attention_mask`) until they are overwritten. A forward pass attends over the
+    whole capacity, so a capacity far beyond what a reply needs costs attention time on a CPU:
+    `resize` fits it between replies. Its forward passes are what `CompiledModel` compiles, and
+    what `fsd_chat.decoding.step_graph` runs as one function a step (captured as a graph on
+    CUDA), its positions given on the device (`run`).
 
     Args:
         model: A causal LM that `compile_refusal` admits (full-attention layers only).
@@ -226,17 +277,14 @@ class StaticModel(CachedModel):
         UnsupportedCacheError: the model has sliding-window or recurrent layers.
     """
 
-    _written: int
-    """The layers' write position (`cumulative_length`), which `_move_to` brings back to `seen`;
-    -1 when unknown on the host (a step moved it on the device)."""
+    cache: PositionedCache
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
         self.capacity = capacity
         super().__init__(model, vocab_size)
 
     def reset(self) -> None:
-        """Start a new sequence: the write position goes back to 0 before the next pass (the cache
-        is reused)."""
+        """Start a new sequence (the cache is reused: the next pass writes from slot 0)."""
         self.seen = 0
 
     def resize(self, capacity: int) -> None:
@@ -261,59 +309,73 @@ class StaticModel(CachedModel):
         self.seen = 0
         self.fed = None
 
-    def _new_cache(self) -> StaticCache:
-        return StaticCache(config=self.model.config, max_cache_len=self.capacity)
+    def _new_cache(self) -> PositionedCache:
+        cache = PositionedCache(self.model.config, self.capacity)
+        # The slots' indices, which `attention_mask` compares with the positions of a pass.
+        self._slots = torch.arange(self.capacity, device=self.device)
+        return cache
+
+    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """The causal mask of queries at `positions` ([w] int64) over the whole cache, additive:
+        [1, 1, w, capacity] in the model's dtype, 0 where a query attends (slots up to its
+        position), the dtype's lowest value elsewhere.
+
+        Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
+        asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
+        `q_offset == 0` unless torch.compile traces it), a host read that a CUDA graph's capture
+        refuses. Additive rather than boolean: SDPA would turn a boolean mask into this one in
+        every layer's call (`convert_boolean_attn_mask`, a kernel a layer on a GPU), so it is
+        built once a pass, or once a step for all its passes (`step_graph`), in 2 operators.
+        """
+        dtype = self.model.dtype
+        allowed = self._slots <= positions.unsqueeze(-1)
+        return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).view(1, 1, *allowed.shape)
+
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One forward pass over `ids` at device `positions`: its keys and values written at those
+        positions, its logits.
+
+        Args:
+            ids: [1, w] int64.
+            positions: [w] int64, consecutive (or the first one repeated: the same token written
+                twice at one slot, `step_graph`'s draft at position 0).
+            mask: `attention_mask(positions)`, when the caller built it already.
+
+        Returns:
+            Logits [w, padded vocabulary] in the model's dtype.
+        """
+        self.cache.positions = positions
+        out = self.model(
+            input_ids=ids,
+            cache=self.cache,
+            position_ids=positions.unsqueeze(0),
+            attention_mask=self.attention_mask(positions) if mask is None else mask,
+            use_cache=True,
+        )
+        return out.logits[0]
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
         """See `CachedModel.forward`; `upto` must not exceed `capacity`."""
-        self._move_to(self.seen)
-        logits = self._eager(seq, upto, keep)
+        logits = self.run(seq[:, self.seen : upto], torch.arange(self.seen, upto, device=self.device))[-keep:]
         self.seen = upto
         self.fed = seq
         return logits[:, : self.vocab_size].float()
 
-    def _eager(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        """The eager pass over seq[0, seen:upto], its last `keep` logits (not yet cut to the vocabulary)."""
-        out = self.model(
-            input_ids=seq[:, self.seen : upto],
-            cache=self.cache,
-            cache_position=torch.arange(self.seen, upto, device=self.device),
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        self._written = upto
-        return out.logits[0, -keep:]
-
     def rollback(self, length: int) -> None:
-        """Go back to `length` tokens (no-op when the cache holds fewer): the write position moves
-        before the next pass."""
+        """Go back to `length` tokens (no-op when the cache holds fewer): the next pass writes over
+        what lies beyond."""
         self.seen = min(self.seen, length)
 
-    def moved(self, seen: int) -> None:
-        """The cache holds `seen` tokens, and its write position was moved on the device (by a
-        whole step, `fsd_chat.decoding.step_graph`): unknown on the host, set again before the
-        next eager pass."""
-        self.seen = seen
-        self._written = -1
-
-    def _move_to(self, length: int) -> None:
-        """Put every layer's write position at `length`, where it is not already."""
-        if self._written == length:
-            return
-        for layer in self.layers:
-            if layer.is_initialized:
-                # In place: CUDA graphs captured the tensor's address.
-                layer.cumulative_length.fill_(length)
-        self._written = length
-
     def _prefix_reusable(self) -> bool:
-        return True  # rolling back only moves the write position
+        return True  # rolling back only moves `seen`
 
     @torch.inference_mode()
     def _check_rollback(self) -> None:
-        # Exactly StaticLayer: the sliding-window static layers subclass it.
-        self.layers = [layer for layer in self.cache.layers if type(layer) is StaticLayer]
+        # Exactly ours: the sliding-window static layers subclass StaticLayer, and are left as they are.
+        self.layers = [layer for layer in self.cache.layers if type(layer) is PositionedLayer]
         if len(self.layers) < len(self.cache.layers):
             kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
             raise UnsupportedCacheError(
@@ -322,8 +384,7 @@ class StaticModel(CachedModel):
         # One eager pass allocates the layers (`StaticLayer.lazy_initialization`), outside any
         # compiled graph: their addresses are then marked static, which CUDA graphs need.
         probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.model(input_ids=probe, cache=self.cache, use_cache=True, logits_to_keep=1)
-        self._written = 1
+        self.run(probe, torch.zeros(1, dtype=torch.long, device=self.device))
 
 
 class CompiledModel(StaticModel):
@@ -337,9 +398,8 @@ class CompiledModel(StaticModel):
     **Widths.** A forward pass of w tokens, w ≤ max(widths), is padded to the smallest of `widths`
     that holds it, and each of those widths is one compiled graph. Padding is exact: the padded
     positions come after the real ones, so the causal mask hides them from every real position;
-    their cache slots lie beyond the real end, where the write position goes back before the next
-    pass (transformers' `StaticLayer` writes at its `cumulative_length`), and they are overwritten
-    before any query can see them. Widths of powers of two bound the graphs to a few (1, 2, 4, 8,
+    their cache slots lie beyond the real end, and the next pass writes at its own positions
+    (`PositionedLayer`), over them, before any query can see them. Widths of powers of two bound the graphs to a few (1, 2, 4, 8,
     16, 33 for a target verifying up to MAX_DRAFT_TOKENS): one graph per width would compile anew,
     seconds each on a GPU and tens of seconds on a CPU, whenever the draft policy picks a new draft
     length k, while padding costs only the positions it adds: nothing measurable on a GPU, where a
@@ -387,28 +447,26 @@ class CompiledModel(StaticModel):
         """See `CachedModel.forward`; `upto` + max(widths) must not exceed `capacity`."""
         width = upto - self.seen
         padded = next((w for w in self.widths if w >= width), None)
-        self._move_to(self.seen)
         logits = None
         if padded is not None and self.compile_error is None:
             self._ids[0, :width].copy_(seq[0, self.seen : upto])
+            positions = torch.arange(self.seen, self.seen + padded, device=self.device)
+            self.cache.positions = positions
             try:
                 out = self._compiled(
                     # A view of a buffer of its own: the compiled function is guarded on strides,
                     # and each reply's buffer has its own length.
                     input_ids=self._ids[:, :padded],
                     cache=self.cache,
-                    # Given explicitly: the model would otherwise read the write position back from the device.
-                    cache_position=torch.arange(self.seen, self.seen + padded, device=self.device),
+                    position_ids=positions.unsqueeze(0),
+                    attention_mask=self.attention_mask(positions),
                     use_cache=True,
                 )
                 logits = out.logits[0, width - keep : width]
-                self._written = self.seen + padded
             except Exception as exc:  # compilation failures come in many types; fall back to eager
                 self.compile_error = compile_failure(exc)
-                self._written = -1  # a pass that failed midway may have moved some layers' positions
-                self._move_to(self.seen)
         if logits is None:
-            logits = self._eager(seq, upto, keep)
+            return StaticModel.forward(self, seq, upto, keep)
         self.seen = upto
         self.fed = seq
         return logits[:, : self.vocab_size].float()

@@ -514,9 +514,9 @@ class SpeculativeDecoder:
         target, draft = steps.target, steps.draft
         block = launch.launched.read().tolist()
         # What the caches surely hold, should the verdict end the reply (a non-finite law)...
-        target.moved(start)
+        target.seen = start
         if draft is not None:
-            draft.moved(start)
+            draft.seen = start
         n = int(block[step_graph.verdict_flags(k, lookup)])
         try:
             verdict = read_verdict(

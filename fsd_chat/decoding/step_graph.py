@@ -22,11 +22,11 @@ the CPU the same function runs eagerly (`EagerSteps`).
 
 **Output**: `decide`'s float64 block (flags of non-finite laws, n, the target's token, then per
 draft position its token, draft-exact flag, divergence and cost; `acceptance.read_verdict` reads
-it), or for a target-only step [non-finite flag, token]. The host copies it once per step; on CUDA
+it), or for a target-only step [check, token] (`target_step`). The host copies it once per step; on CUDA
 the graph's output memory is overwritten by the next replay, so the copy happens first.
 
 **One step in flight** (CUDA: `CapturedSteps.ahead`). A step reads its inputs from device buffers
-that the step before wrote (the tokens in `seq`, the position, the caches' write positions), so
+that the step before wrote (the tokens in `seq`, the position, the caches' slots), so
 step t + 1 can be launched before the host has read step t: launching a step is a graph replay,
 then an asynchronous copy of its block into one of two pinned host buffers, taken in turn, and an
 event recorded after it (`Launched`); reading it waits on that event. The decoders launch step
@@ -53,9 +53,10 @@ host reads step t before it launches step t + 2. What follows from it (`room_ahe
 On the CPU there is no queue to overlap: a step runs when it is called (`EagerSteps.ahead` is
 False), and the decoders read each step before they launch the next, as before.
 
-**Caches.** Both models run over static caches (`kv_cache.StaticModel`). A forward pass sets
-every layer's write position (`StaticLayer.cumulative_length`) from its device positions before
-it runs, so rolling back is nothing more: the next pass writes over the rejected slots. The
+**Caches.** Both models run over static caches (`kv_cache.StaticModel`) whose layers write a
+pass's keys and values at the positions it is given (`kv_cache.PositionedLayer`), so rolling back
+is nothing: the next pass writes over the rejected slots. A step computes its positions once
+and one attention mask over them for all its passes (`StaticModel.attention_mask`). The
 draft's first pass of a step is two tokens wide (positions position − 1 and position, re-feeding
 a slot whose keys it may already hold): after a fully accepted block the draft lacks the last
 draft token, after a rejection it does not, and a fixed width serves both without a host branch
@@ -74,6 +75,7 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -91,7 +93,6 @@ from fsd_chat.decoding.sampling import (
     SamplingTensors,
     draw,
     exponential_noise,
-    non_finite,
     non_finite_error,
     probabilities,
 )
@@ -231,50 +232,22 @@ class Draws:
         return cls(draft, uniforms, noise)
 
 
-def static_forward(model: StaticModel, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One forward pass over `ids` at device `positions`, its logits.
-
-    Every layer's write position is set from positions[0] first (in place: graphs captured its
-    address), which is the rollback. The positions are given to the model so that it reads
-    nothing back from the device (without them it asks the cache its length).
+def static_forward(
+    model: StaticModel, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One forward pass over `ids` at device `positions` (`StaticModel.run`: its keys and values
+    written there, which is the rollback), its logits cut to the vocabulary.
 
     Args:
         model: The model over its static cache.
         ids: [1, w] int64.
-        positions: [w] int64, consecutive.
+        positions: [w] int64 (`StaticModel.run`).
+        mask: Its attention mask ([1, 1, w, capacity]), when the step built it for all its passes.
 
     Returns:
         Logits [w, vocab_size] float32.
     """
-    # One multi-tensor copy for every layer (one kernel on CUDA, not one a layer).
-    lengths = [layer.cumulative_length for layer in model.layers]
-    torch._foreach_copy_(lengths, [positions[0]] * len(lengths))
-    out = model.model(
-        input_ids=ids,
-        cache=model.cache,
-        cache_position=positions,
-        position_ids=positions.unsqueeze(0),
-        attention_mask=attention_mask(model, positions),
-        use_cache=True,
-    )
-    return out.logits[0, :, : model.vocab_size].float()
-
-
-def attention_mask(model: StaticModel, positions: torch.Tensor) -> torch.Tensor:
-    """The causal mask over the whole static cache, [1, 1, w, capacity], built on the device.
-
-    Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
-    asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
-    `q_offset == 0` unless torch.compile traces it), a host read that a CUDA graph's capture
-    refuses. Additive (0: attend; the dtype's lowest value: not), for every attention kernel:
-    SDPA turns a boolean mask into this one in every layer's call (`convert_boolean_attn_mask`:
-    two more operators a layer, a tenth of a small model's operators on the CPU), so the step
-    builds it once.
-    """
-    allowed = torch.arange(model.capacity, device=positions.device) <= positions.unsqueeze(-1)
-    dtype = model.model.dtype
-    mask = torch.full((1, 1, *allowed.shape), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(allowed, 0.0)
+    return model.run(ids, positions, mask)[:, : model.vocab_size].float()
 
 
 def speculative_step(
@@ -308,20 +281,35 @@ def speculative_step(
     """
     seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
     untruncated = inputs.sampling.untruncated() if inputs.truncates else None
+    # Every position the step feeds or writes, computed once: the draft's first pass at span[0:2]
+    # (position − 1 and position; at position 0, position twice: the same token written twice at
+    # one slot), its i-th at span[i + 1], the target's verify at span[1 : k + 2], and the target's
+    # token at span[2:][n] (position + 1 + n). A copy feeds no position before `position`.
+    span = position + torch.arange(-1, k + 2, device=device)
+    verified = span[1 : k + 2]
     q_rows: list[torch.Tensor] = []
     q_full_rows: list[torch.Tensor] = []
     if draft is None:
-        offsets = torch.arange(k, device=device)
-        seq.index_copy_(0, position + 1 + offsets, seq.index_select(0, inputs.source + offsets))
+        mask = target.attention_mask(verified)
+        # The copy seq[source : source + k]: a row of seq's windows of k tokens.
+        seq.index_copy_(0, verified[1:], seq.unfold(0, k, 1).index_select(0, inputs.source).view(k))
     else:
-        _draft_positions(draft, inputs, k, draws, untruncated, q_rows, q_full_rows)
-    verified = position + torch.arange(k + 1, device=device)
-    logits = static_forward(target, seq.index_select(0, verified).view(1, k + 1), verified)
+        span = span.clamp_min(0)
+        verified = span[1 : k + 2]
+        # One attention mask for every pass of the step: its rows are the passes' positions.
+        mask = target.attention_mask(span[: k + 2])
+        shared = draft.capacity == target.capacity and draft.model.dtype == target.model.dtype
+        _draft_positions(
+            draft, inputs, k, draws, untruncated, span, mask if shared else None, q_rows, q_full_rows
+        )
+        mask = mask[:, :, 1:]
+    fed = seq.index_select(0, verified)
+    logits = static_forward(target, fed.view(1, k + 1), verified, mask)
     p = probabilities(logits, inputs.sampling)
     block, next_token = decide(
         p,
         torch.cat(q_rows) if q_rows else None,
-        seq.index_select(0, verified[1:]),
+        fed[1:],
         None if draws is None else draws.uniforms,
         None if draws is None else draws.noise,
         rule=inputs.rule,
@@ -332,9 +320,9 @@ def speculative_step(
         q_full=torch.cat(q_full_rows) if q_full_rows else None,
     )
     # n follows the flags: of p's k + 1 rows, and of q's k rows for a draft model.
-    accepted = block.narrow(0, verdict_flags(k, draft is None), 1).long()
-    seq.index_copy_(0, position + 1 + accepted, next_token)
-    position.add_(accepted + 1)
+    after = span[2:].index_select(0, block.narrow(0, verdict_flags(k, draft is None), 1).long())
+    seq.index_copy_(0, after, next_token)
+    position.copy_(after)
     return block
 
 
@@ -349,26 +337,31 @@ def _draft_positions(
     k: int,
     draws: Draws | None,
     untruncated: SamplingConfig | SamplingTensors | None,
+    span: torch.Tensor,
+    mask: torch.Tensor | None,
     q_rows: list[torch.Tensor],
     q_full_rows: list[torch.Tensor],
 ) -> None:
-    """The draft model's k positions: x̃_i ~ q_i written at seq[position + 1 + i], q_i (and the
-    untruncated law, when asked) appended to the lists."""
-    seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
-    # The draft's first pass: two tokens, so that its width does not depend on the last step's n.
-    first = (position - 1).clamp_min(0) + torch.arange(2, device=device)
-    logits = static_forward(draft, seq.index_select(0, first).view(1, 2), first)
-    row = logits.index_select(0, position - first[0])
+    """The draft model's k positions: x̃_i ~ q_i written at seq[span[i + 2]] (position + 1 + i),
+    q_i (and the untruncated law, when asked) appended to the lists. `mask`: the step's mask over
+    `span`, when the draft's cache has the target's shape (else each pass builds its own)."""
+    seq = inputs.seq[0]
+    # The draft's first pass: two tokens, so that its width does not depend on the last step's n;
+    # its second row is the position's (`span`).
+    first = span[:2]
+    ids = seq.index_select(0, first).view(1, 2)
+    row = static_forward(draft, ids, first, None if mask is None else mask[:, :, :2])[1:]
     for i in range(k):
         if i:
-            at = position + i
-            row = static_forward(draft, seq.index_select(0, at).view(1, 1), at)
+            at = span[i + 1 : i + 2]
+            row = static_forward(draft, ids, at, None if mask is None else mask[:, :, i + 1 : i + 2])
         q = probabilities(row, inputs.sampling)
         q_rows.append(q)
         if untruncated is not None:
             q_full_rows.append(probabilities(row, untruncated))
         token = q.argmax(-1) if draws is None else (q / draws.draft[i]).argmax(-1)
-        seq.index_copy_(0, position + 1 + i, token)
+        seq.index_copy_(0, span[i + 2 : i + 3], token)
+        ids = token.view(1, 1)
 
 
 def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Draws | None) -> torch.Tensor:
@@ -376,20 +369,26 @@ def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Dr
     move position on by one.
 
     Returns:
-        [non-finite flag, token], float64.
+        [check, token], float64. The check is NaN exactly when the logits were not finite (the
+        host tests it, `whole_target_step`): a greedy step's largest probability, whose `max`
+        also gives the argmax (one operator for `draw` and `sampling.non_finite`), a sampled
+        step's total probability.
     """
     seq, position = inputs.seq[0], inputs.position
     logits = static_forward(target, seq.index_select(0, position).view(1, 1), position)
     probs = probabilities(logits, inputs.sampling)
-    token = draw(probs, _GREEDY if greedy else _SAMPLED, None, None if draws is None else draws.noise)
-    seq.index_copy_(0, position + 1, token)
+    if greedy:
+        check, token = probs.max(-1)
+    else:
+        check, token = probs.sum(-1), draw(probs, _SAMPLED, None, None if draws is None else draws.noise)
+    seq[1:].index_copy_(0, position, token)  # at position + 1
     position.add_(1)
-    return torch.cat([non_finite(probs).double(), token.double()])
+    return torch.cat([check.double(), token])
 
 
 _GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
-"""What `draw` is told of a step: greedy, or not (the temperature is already applied). `_GREEDY`
-is also a greedy untruncated step's laws (`StepInputs.for_step`)."""
+"""A greedy untruncated step's laws (`StepInputs.for_step`), and what `draw` is told of a sampled
+step (the temperature is already applied)."""
 
 
 StepFunctions = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
@@ -644,7 +643,7 @@ class CapturedSteps(EagerSteps):
         # The warm-up calls wrote into the caches and moved the position: nothing is cached now.
         for model in (target, draft):
             if model is not None:
-                model.moved(0)
+                model.seen = 0
 
     @torch.inference_mode()
     def _capture(
@@ -837,9 +836,9 @@ def whole_target_step(
     Raises:
         NonFiniteError: the target's logits are not finite (the reply ends before this token).
     """
-    flag, token = launched.read().tolist()
-    steps.target.moved(reply.length)
-    if flag:
+    check, token = launched.read().tolist()
+    steps.target.seen = reply.length
+    if math.isnan(check):
         steps.clear()
         raise non_finite_error("target")
     ids = [int(token)]
