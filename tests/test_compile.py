@@ -20,7 +20,7 @@ import torch._dynamo
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
-from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, bind
+from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, StaticModel, bind
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect, count_fed
@@ -78,6 +78,28 @@ def test_prefix_is_reused_across_replies(pair: ModelPair) -> None:
     assert got.ids == want.ids
     # The prefill fed only what the first reply left out of the cache.
     assert seen_before > len(first_prompt) and fed[0] == len(second_prompt) - 1 - seen_before
+
+
+def test_a_static_caches_prefill_runs_the_lm_head_on_the_rows_it_keeps(pair: ModelPair) -> None:
+    """A prompt's prefill over the whole step's static cache asks for one row of logits: the LM head
+    (a vocabulary-wide GEMM a row) runs on that row, not on every prompt position, and the row is
+    the one a full head gives."""
+    static = bind(pair.target, pair.vocab_size, compiled=False, capacity=64, static=True)
+    assert isinstance(static, StaticModel)
+    head_rows: list[int] = []
+    hook = pair.target.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: head_rows.append(args[0].shape[-2])
+    )
+    seq = torch.tensor([pair.tokenizer(PROMPTS[0]).input_ids])
+    try:
+        kept = static.forward(seq, seq.shape[1], 1)
+        static.reset()
+        full = static.forward(seq, seq.shape[1], seq.shape[1])
+    finally:
+        hook.remove()
+    assert head_rows == [1, seq.shape[1]] and seq.shape[1] > 1
+    assert kept.shape == (1, pair.vocab_size)
+    torch.testing.assert_close(kept[0], full[-1])
 
 
 @pytest.mark.parametrize("kind", ["target-only", "exact"])

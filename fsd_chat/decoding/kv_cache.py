@@ -332,7 +332,7 @@ class StaticModel(CachedModel):
         return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).view(1, 1, *allowed.shape)
 
     def run(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None, keep: int = 0
     ) -> torch.Tensor:
         """One forward pass over `ids` at device `positions`: its keys and values written at those
         positions, its logits.
@@ -342,9 +342,12 @@ class StaticModel(CachedModel):
             positions: [w] int64, consecutive (or the first one repeated: the same token written
                 twice at one slot, `step_graph`'s draft at position 0).
             mask: `attention_mask(positions)`, when the caller built it already.
+            keep: The last `keep` positions' logits only (0: all w): a prompt's prefill needs one
+                row, and the LM head over every position of a long prompt is a vocabulary-wide GEMM
+                a token (transformers' `logits_to_keep`).
 
         Returns:
-            Logits [w, padded vocabulary] in the model's dtype.
+            Logits [w or keep, padded vocabulary] in the model's dtype.
         """
         self.cache.positions = positions
         out = self.model(
@@ -353,13 +356,16 @@ class StaticModel(CachedModel):
             position_ids=positions.unsqueeze(0),
             attention_mask=self.attention_mask(positions) if mask is None else mask,
             use_cache=True,
+            logits_to_keep=keep,
         )
         return out.logits[0]
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
         """See `CachedModel.forward`; `upto` must not exceed `capacity`."""
-        logits = self.run(seq[:, self.seen : upto], torch.arange(self.seen, upto, device=self.device))[-keep:]
+        logits = self.run(
+            seq[:, self.seen : upto], torch.arange(self.seen, upto, device=self.device), keep=keep
+        )
         self.seen = upto
         self.fed = seq
         return logits[:, : self.vocab_size].float()
