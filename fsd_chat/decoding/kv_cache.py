@@ -332,7 +332,12 @@ class StaticModel(CachedModel):
         return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).view(1, 1, *allowed.shape)
 
     def run(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None, keep: int = 0
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        keep: int = 0,
+        forward: Callable[..., Any] | None = None,
     ) -> torch.Tensor:
         """One forward pass over `ids` at device `positions`: its keys and values written at those
         positions, its logits.
@@ -345,12 +350,13 @@ class StaticModel(CachedModel):
             keep: The last `keep` positions' logits only (0: all w): a prompt's prefill needs one
                 row, and the LM head over every position of a long prompt is a vocabulary-wide GEMM
                 a token (transformers' `logits_to_keep`).
+            forward: What runs the pass in the model's place (`CompiledModel`'s compiled forward).
 
         Returns:
             Logits [w or keep, padded vocabulary] in the model's dtype.
         """
         self.cache.positions = positions
-        out = self.model(
+        out = (self.model if forward is None else forward)(
             input_ids=ids,
             cache=self.cache,
             position_ids=positions.unsqueeze(0),
@@ -457,18 +463,12 @@ class CompiledModel(StaticModel):
         if padded is not None and self.compile_error is None:
             self._ids[0, :width].copy_(seq[0, self.seen : upto])
             positions = torch.arange(self.seen, self.seen + padded, device=self.device)
-            self.cache.positions = positions
             try:
-                out = self._compiled(
-                    # A view of a buffer of its own: the compiled function is guarded on strides,
-                    # and each reply's buffer has its own length.
-                    input_ids=self._ids[:, :padded],
-                    cache=self.cache,
-                    position_ids=positions.unsqueeze(0),
-                    attention_mask=self.attention_mask(positions),
-                    use_cache=True,
-                )
-                logits = out.logits[0, width - keep : width]
+                # A view of a buffer of its own: the compiled function is guarded on strides, and
+                # each reply's buffer has its own length.
+                logits = self.run(self._ids[:, :padded], positions, forward=self._compiled)[
+                    width - keep : width
+                ]
             except Exception as exc:  # compilation failures come in many types; fall back to eager
                 self.compile_error = compile_failure(exc)
         if logits is None:
