@@ -194,16 +194,17 @@ def run_trees(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
     for number in range(args.rounds):
         for tree in args.trees:
             env = os.environ | {"PYTHONPATH": str(tree.resolve())}
-            out = subprocess.run(
-                [sys.executable, *worker_argv(args)], env=env, check=True, capture_output=True, text=True
-            ).stdout
-            for name, runs in json.loads(out).items():
+            measured = json.loads(
+                subprocess.run(
+                    [sys.executable, *worker_argv(args)], env=env, check=True, capture_output=True, text=True
+                ).stdout
+            )
+            for name, runs in measured.items():
                 rounds[str(tree)].setdefault(name, []).extend(runs)
             log(
                 f"round {number + 1} {tree}: "
                 + ", ".join(
-                    f"{name} {summary(runs)['outside_ms_per_token']:.2f}"
-                    for name, runs in json.loads(out).items()
+                    f"{name} {summary(runs)['outside_ms_per_token']:.2f}" for name, runs in measured.items()
                 )
             )
     return {
