@@ -105,6 +105,9 @@ def test_bench_runs_llama_cpps_own_baselines(
         assert by_method[method]["target_forwards_per_token"] > 0
     assert "llama.cpp" in by_method["fuzzy"]["speedup"]
     assert "llama.cpp-lookup" in by_method["fuzzy"]["speedup"]
+    # Every row ran on llama.cpp, over the file as it is (float32 GGUF files): the rows say so, not
+    # the transformers engine's dtype.
+    assert {c["setup"] for c in configs} == {"llama.cpp F32"}
 
 
 async def test_the_chat_names_the_engine_while_loading_and_opens_on_llama_cpp(

@@ -199,6 +199,13 @@ QUIET_FORWARDS = {
 context, medians of 10 on a quiet 2-core CPU (load 0.4; `engine.LAYER_SECONDS` tells the fit)."""
 
 
+def test_the_file_type_is_the_gguf_files_quantization(default_pair: ModelPair, llama_pair: ModelPair) -> None:
+    """The bench names a llama.cpp row by it: the default model is Q4_1, the offline pair float32."""
+    assert isinstance(default_pair.target, engine.LlamaCppModel)
+    assert isinstance(llama_pair.target, engine.LlamaCppModel)
+    assert (default_pair.target.file_type, llama_pair.target.file_type) == ("Q4_1", "F32")
+
+
 def test_modelled_forwards_follow_the_threads_and_the_measured_times(default_pair: ModelPair) -> None:
     """The times the draft policy reads are the measured ones at the thread count in use, within
     10%, and `use_threads` models them anew: on two threads a verify is cheaper against V(1)."""

@@ -174,7 +174,7 @@ class Summary:
             **config,
             **setup,
             "label": self.config.label,
-            "setup": self.config.setup.label,
+            "setup": self.config.setup_label,
             "sampling": self.config.sampling,
             "tokens_per_second": spread["median"],
             "tokens_per_second_spread": spread,
@@ -191,7 +191,9 @@ class Summary:
             KeyError: a field is missing.
             TypeError: a field has the wrong shape.
         """
-        setup = Setup(**{f.name: data[f.name] for f in fields(Setup)})
+        setup = Setup(
+            **{f.name: data[f.name] for f in fields(Setup) if f.name in data or f.default is MISSING}
+        )
         # A field with a default may be missing: report.json written before it existed.
         config = Configuration(
             setup=setup,

@@ -39,6 +39,7 @@ from fsd_chat.bench.records import (
 from fsd_chat.bench.runner import WARMUP_TOKENS, OnRun, Timing, run_sweep, time_target_only
 from fsd_chat.bench.sweep import SweepSpec, build_sweep
 from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, check_max_new_tokens
+from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.devices import resolve_device, resolve_dtype
 from fsd_chat.models.loading import load_pair
@@ -132,6 +133,14 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"
 
 
+def run_as(setup: Setup, pair: ModelPair) -> Setup:
+    """`setup` as `pair`, loaded from it, runs it: on llama.cpp, named by the engine and the GGUF
+    file's type (`LlamaCppModel.file_type`), which the dtype asked for does not describe."""
+    if not isinstance(pair.target, LlamaCppModel):
+        return setup
+    return replace(setup, engine=pair.engine, file_type=pair.target.file_type)
+
+
 def run_bench(
     *,
     target: str,
@@ -204,13 +213,17 @@ def run_bench(
             engine,
         )
 
+    ran_as: dict[Setup, Setup] = {}  # a setup as its loaded pair runs it (`run_as`)
     for setup in setups:
         specs = specs_of(setup, engine)
         if not console.is_terminal:  # a status spinner shows only on a terminal
             console.print(Text(f"loading {setup.label}"))
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
-        pairs[setup.label] = by_setup[setup] = pair
+        ran = ran_as[setup] = run_as(setup, pair)
+        pairs[ran.label] = by_setup[ran] = pair
+    setups = [ran_as[setup] for setup in setups]
+    configs = [replace(c, setup=ran_as[c.setup]) for c in configs]
     # transformers' baselines run on models of their own, which fsd-chat's compiled decoders never
     # touch (`bench.methods`): loaded again, as transformers' user would load them.
     hf_setups = {c.setup for c in configs if c.method in HF_METHODS}
@@ -223,7 +236,7 @@ def run_bench(
     # Sampling lists not given start from the target's own sampling, as chat and generate do.
     model_sampling = SamplingRequest().resolve(by_setup[setups[0]].generation_config, Path(target).name)
     spec = spec.with_sampling(model_sampling.config)
-    _, configs = build_sweep(spec, auto_dtype=auto_dtype)
+    configs = [replace(c, setup=ran_as[c.setup]) for c in build_sweep(spec, auto_dtype=auto_dtype)[1]]
     if from_model:
         console.print(Text(f"{', '.join(from_model)} from {model_sampling.source}", style="dim"))
     if model_sampling.not_applied:
@@ -331,7 +344,7 @@ def _progress(console: Console, total: int) -> Iterator[OnRun]:
     stream cannot redraw a bar."""
 
     def describe(config: Configuration, phase: str) -> str:
-        return f"{phase} · {config.setup.label} · {config.sampling} · {config.label}"
+        return f"{phase} · {config.setup_label} · {config.sampling} · {config.label}"
 
     if console.is_terminal:
         with Progress(*PROGRESS_COLUMNS, console=console, transient=False) as progress:
@@ -398,7 +411,7 @@ def write_outputs(
     verdicts = compare_curves(summaries, runs)
     with_rows = {s.config for s in summaries}
     cut = [
-        f"{c.setup.label} · {c.sampling} · {c.label}"
+        f"{c.setup_label} · {c.sampling} · {c.label}"
         for c, record in (records or {}).items()
         if record.cut and c not in with_rows
     ]

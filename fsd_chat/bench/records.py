@@ -8,7 +8,7 @@ analyse measurements (metrics, curves, report, plot, terminal) load without torc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from fsd_chat.decoding.events import GenerationStats
@@ -86,15 +86,21 @@ DIVERGENCE_RULES: tuple[Method, ...] = ("fuzzy", "pure")
 
 @dataclass(frozen=True, slots=True)
 class Setup:
-    """How the pair is loaded: compute dtype and bitsandbytes quantization of each model."""
+    """How the pair is loaded: compute dtype and bitsandbytes quantization of each model on the
+    transformers engine; on llama.cpp, the engine and the GGUF file's type (`engine`, `file_type`,
+    set once the pair has loaded: the dtype and bitsandbytes fields do not apply there)."""
 
     dtype: str
     quantize_target: Quantization = "none"
     quantize_draft: Quantization = "none"
+    engine: str = "transformers"
+    file_type: str | None = None
 
     @property
     def label(self) -> str:
-        """Short label, e.g. "float32" or "bfloat16 · target 4bit"."""
+        """Short label, e.g. "float32", "bfloat16 · target 4bit" or "llama.cpp Q4_1"."""
+        if self.engine != "transformers":
+            return f"{self.engine} {self.file_type or 'GGUF'}"
         parts = [self.dtype]
         if self.quantize_target != "none":
             parts.append(f"target {self.quantize_target}")
@@ -157,6 +163,14 @@ class Configuration:
         if self.draft_policy != "fixed":
             parts.append(self.draft_policy)
         return " ".join(parts)
+
+    @property
+    def setup_label(self) -> str:
+        """The label of the setup this row ran on: its setup's, but transformers' baselines run on
+        transformers whatever engine runs fsd-chat's rows (their dtype names them)."""
+        if self.method in HF_METHODS:
+            return replace(self.setup, engine="transformers", file_type=None).label
+        return self.setup.label
 
     @property
     def group(self) -> tuple[Setup, float, int, float, float]:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import LlamaFileType
 
 from fsd_chat.decoding.draft_policy import ForwardTimings, timings_of
 from fsd_chat.support.errors import ContextLengthError, ModelLoadError, UnsupportedCacheError
@@ -198,6 +199,18 @@ class LlamaCppModel:
         """See `ModelRunner.eos_token_ids`: the ids llama.cpp ends generation at
         (`llama_vocab_is_eog`: the end-of-sequence, end-of-turn and end-of-message tokens)."""
         return self._eos
+
+    @property
+    def file_type(self) -> str | None:
+        """The GGUF file's quantization as llama.cpp's tools name it, from its `general.file_type`
+        key: "Q4_1", "Q4_K_M", "F16", "F32"...; None where the file does not say, or says a type
+        the gguf package does not know."""
+        value = self.llama.metadata.get("general.file_type")
+        try:
+            kind = LlamaFileType(int(value) & ~LlamaFileType.GUESSED)
+        except (TypeError, ValueError):
+            return None
+        return kind.name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
     @property
     def file_bytes(self) -> int:
