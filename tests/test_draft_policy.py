@@ -196,14 +196,20 @@ def test_sampling_stays_lossless_while_the_policy_drops_positions(pair: ModelPai
     The curve makes it so: the draft's top probability at position 1 of this prompt is 0.72 (bin
     middle 0.75), so a second position is drafted (0.75² > c_d + V(3) − V(2) = 0.51), and it is
     kept iff 0.75·a_2 ≥ V(3) − V(2) = 0.5, i.e. iff its own top probability is ≥ 0.7, which
-    depends on the first drawn token (about 81% of replies)."""
+    depends on the first drawn token (about 81% of replies).
+
+    Power (simulated: 400 multinomial draws of the second token's counts, run through this very
+    statistic at α = 0.001): with 4,000 replies the test rejects the draft's second-token law
+    always, and a bug confined to the dropped replies (about 19% of them, their second token the
+    draft's: the mixture 0.81·target + 0.19·draft) with probability 0.96 (8,000 replies: 0.9975, at
+    twice the time; a 10% mixture: 0.78)."""
     curve = ForwardTimings(draft=0.01, widths=(1, 2, 3, WIDE), verify=(1.0, 1.1, 1.6, 40.0))
     tokenizer, vocab = pair.tokenizer, pair.vocab_size
     prompt_ids = tokenizer("Once upon a time, there was a").input_ids
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=2, draft_policy="latency"))
     decoder = pair.speculative(controls)
     decoder.timings = lambda: curve
-    samples = 8_000
+    samples = 4_000
     firsts = torch.zeros(vocab + 1, dtype=torch.long)
     seconds = torch.zeros(vocab + 1, dtype=torch.long)
     first_blocks = torch.zeros(3, dtype=torch.long)

@@ -175,8 +175,17 @@ def lookup_context(pair: ModelPair) -> tuple[list[int], int, torch.Tensor]:
     return prompt, x, p
 
 
-SAMPLES = 10_000
-"""Verdicts per rule; each test checks its own power: the wrong law must be rejected at p < POWER."""
+SAMPLES = 2_500
+"""Verdicts per rule tested by chi-square; each test checks its own power: the wrong law must be
+rejected at p < POWER. Simulated (300 multinomial draws of SAMPLES verdicts from each rule's law,
+through the same statistic): exact's and mixture's power checks rejected in all 300, at p ≤ 4e-29
+in the worst draw; at most 1 false alarm at α = 0.001 in each law's 300 draws (as the nominal
+rate predicts; 300 draws resolve no finer). 10,000 verdicts took four times as long (mixture's
+37 s alone on this machine) for no bound the test states."""
+POINT_MASS_SAMPLES = 10_000
+"""Verdicts for fuzzy's point mass, where one stray token fails the test: a rule that leaked
+0.07% of its verdicts would pass with probability (1 − 0.0007)^10,000 < 0.001. Cheap (0.4 ms a
+verdict), so kept at this size."""
 
 
 @pytest.mark.parametrize(
@@ -205,7 +214,8 @@ def test_the_first_token_follows_each_rules_law(
     draft = torch.tensor([x])
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(pair.vocab_size)
-    for _ in range(SAMPLES):
+    samples = POINT_MASS_SAMPLES if rule == "fuzzy" else SAMPLES
+    for _ in range(samples):
         verdict = verify(
             rows,
             None,
@@ -219,7 +229,7 @@ def test_the_first_token_follows_each_rules_law(
         counts[verdict.token_ids[0]] += 1
     law = first_token_law(p, x, rule, divergence_name, threshold)
     if rule == "fuzzy":
-        assert law[x] == 1 and counts[x] == SAMPLES  # a point mass: no sample may fall elsewhere
+        assert law[x] == 1 and counts[x] == samples  # a point mass: no sample may fall elsewhere
     else:
         assert chi_square_p_value(counts, law) > ALPHA
     if rule != "pure":
