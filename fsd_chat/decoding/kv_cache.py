@@ -532,6 +532,26 @@ def compile_refusal(model: PreTrainedModel) -> str | None:
     return None
 
 
+def compiler_refusal(device: torch.device) -> str | None:
+    """Why inductor cannot compile for `device`, in one line (None: it can).
+
+    On the CPU, inductor's kernels are C++: without a working C++ compiler, every compiled
+    function would trace and lower the whole model before failing (about 25 s each on the story
+    pair, three a chat), so the compiler is looked up first, as inductor looks it up
+    (`torch._inductor.cpp_builder.get_cpp_compiler`). On CUDA the kernels are Triton's and the
+    wrapper is Python: nothing to look up.
+    """
+    if device.type != "cpu":
+        return None
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # InvalidCxxCompiler, or whatever the lookup itself raises
+        return compile_failure(exc)
+    return None
+
+
 def compiled_capacity(context: int) -> int:
     """The static KV cache's tokens for a context of `context` tokens: a speculative step's block
     (up to MAX_DRAFT_TOKENS + 1 tokens) and the widest pass's padding fit beyond it. The same for
@@ -550,9 +570,9 @@ def bind(
 ) -> ModelRunner:
     """`model` bound to its KV cache: a `CompiledModel` when `compiled` asks for it (None: on a
     CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
-    takes long and gains little) and `compile_refusal` admits it, a `StaticModel` when `static`
-    asks for one (the whole-step path, `fsd_chat.decoding.step_graph`, which compiles and
-    captures on its own), else a `CachedModel` whose `compile_error` says why compiling (or a
+    takes long and gains little) and `compile_refusal` and `compiler_refusal` admit it, a
+    `StaticModel` when `static` asks for one (the whole-step path, `fsd_chat.decoding.step_graph`,
+    which compiles and captures on its own), else a `CachedModel` whose `compile_error` says why compiling (or a
     static cache) was refused (None when neither was asked for). A runner of another engine
     (`ModelRunner`, e.g. llama.cpp's) is already bound to its cache: returned as it is.
 
@@ -571,6 +591,8 @@ def bind(
     if compiled is None:
         compiled = input_device(model).type == "cuda"
     reason = compile_refusal(model) if compiled or static else None
+    if compiled and reason is None:
+        reason = compiler_refusal(input_device(model))
     if static and reason is None:
         return StaticModel(model, vocab_size, capacity)
     if compiled and not static and reason is None:

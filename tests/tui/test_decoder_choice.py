@@ -88,9 +88,10 @@ async def test_a_target_alone_chats_with_prompt_lookup_and_says_so(target_dir: P
 async def test_a_failed_compilation_is_told_once_and_the_chat_goes_on(
     pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A real failure, as in test_compile: no C++ compiler, and no compiled code to reuse. The chat
-    # compiles in its worker threads, where the settings a test makes (`config.cpp.cxx = ...`) do
-    # not reach: torch keeps them per thread. Their defaults are shared, so those are changed.
+    # A real failure: no C++ compiler, and no compiled code to reuse. It is found before anything
+    # is traced (`kv_cache.compiler_refusal`), so the chat starts eagerly at once. The chat loads
+    # in its worker threads, where the settings a test makes (`config.cpp.cxx = ...`) do not
+    # reach: torch keeps them per thread. Their defaults are shared, so those are changed.
     entries = torch._inductor.config._config
     monkeypatch.setattr(entries["cpp.cxx"], "default", (None, "/nonexistent/c++"))
     monkeypatch.setattr(entries["fx_graph_cache"], "default", False)
