@@ -280,6 +280,10 @@ class StaticModel(CachedModel):
     cache: PositionedCache
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
+        # Deferred with the modeling stack (`AttentionInterface`), which only the torch engine imports.
+        from fsd_chat.decoding.static_attention import selected
+
+        self._attention = selected
         self.capacity = capacity
         super().__init__(model, vocab_size)
 
@@ -356,14 +360,15 @@ class StaticModel(CachedModel):
             Logits [w or keep, padded vocabulary] in the model's dtype.
         """
         self.cache.positions = positions
-        out = (self.model if forward is None else forward)(
-            input_ids=ids,
-            cache=self.cache,
-            position_ids=positions.unsqueeze(0),
-            attention_mask=self.attention_mask(positions) if mask is None else mask,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        with self._attention(self.model):
+            out = (self.model if forward is None else forward)(
+                input_ids=ids,
+                cache=self.cache,
+                position_ids=positions.unsqueeze(0),
+                attention_mask=self.attention_mask(positions) if mask is None else mask,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
         return out.logits[0]
 
     @torch.inference_mode()
