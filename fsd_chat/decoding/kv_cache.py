@@ -278,6 +278,8 @@ class StaticModel(CachedModel):
     """
 
     cache: PositionedCache
+    flag = "--whole-step"
+    """The option that asks for this model (its errors name it)."""
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
         # Deferred with the modeling stack (`AttentionInterface`), which only the torch engine imports.
@@ -396,7 +398,7 @@ class StaticModel(CachedModel):
         if len(self.layers) < len(self.cache.layers):
             kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
             raise UnsupportedCacheError(
-                f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
+                f"{self.flag} needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
             )
         # One eager pass allocates the layers (`StaticLayer.lazy_initialization`), outside any
         # compiled graph: their addresses are then marked static, which CUDA graphs need.
@@ -441,6 +443,8 @@ class CompiledModel(StaticModel):
     Raises:
         UnsupportedCacheError: the model has sliding-window or recurrent layers.
     """
+
+    flag = "--compile"
 
     def __init__(
         self,
@@ -510,8 +514,9 @@ def compiled_forward(model: PreTrainedModel) -> Callable[..., Any]:
     return compiled
 
 
-def compile_refusal(model: PreTrainedModel) -> str | None:
-    """Why `model` cannot run compiled over a static KV cache, in one line (None: it can).
+def compile_refusal(model: PreTrainedModel, flag: str = "--compile") -> str | None:
+    """Why `model` cannot run compiled over a static KV cache, in one line naming the option that
+    asked for it (`flag`: "--compile", or "--whole-step" for a `StaticModel`) (None: it can).
 
     The criteria of transformers' `GenerationMixin._valid_auto_compile_criteria` (a quantization
     that cannot be compiled; layers offloaded to the CPU or the disk), and `CompiledModel`'s own:
@@ -533,7 +538,7 @@ def compile_refusal(model: PreTrainedModel) -> str | None:
         return f"{name} has no static KV cache ({type(exc).__name__})"
     kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
     if kinds:
-        return f"{name} has {', '.join(kinds)} layers; compiling needs full-attention layers only"
+        return f"{name} has {', '.join(kinds)} layers; {flag} needs full-attention layers only"
     return None
 
 
@@ -575,7 +580,7 @@ def bind(
         return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"
-    reason = compile_refusal(model) if compiled or static else None
+    reason = compile_refusal(model, "--whole-step" if static else "--compile") if compiled or static else None
     if static and reason is None:
         return StaticModel(model, vocab_size, capacity)
     if compiled and not static and reason is None:
