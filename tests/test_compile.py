@@ -190,7 +190,11 @@ def test_a_sliding_window_model_runs_eagerly_with_a_reason(tmp_path: Path, targe
     bound = bind(model, 512, compiled=True, capacity=64)
     assert type(bound) is CachedModel
     assert bound.compile_error == (
-        "Gemma2ForCausalLM has StaticSlidingWindowLayer layers; compiling needs full-attention layers only"
+        "Gemma2ForCausalLM has StaticSlidingWindowLayer layers; --compile needs full-attention layers only"
+    )
+    whole = bind(model, 512, compiled=None, capacity=64, static=True)
+    assert whole.compile_error == (
+        "Gemma2ForCausalLM has StaticSlidingWindowLayer layers; --whole-step needs full-attention layers only"
     )
     # Asked for on the CPU by default: not compiled, and nothing to say.
     assert bind(model, 512, compiled=None, capacity=64).compile_error is None

@@ -186,6 +186,7 @@ def run_generate(
         )
     if decoder.compile_error:
         sys.stderr.write(
-            f"fsd-chat: --compile fell back to eager forward passes: {visible(decoder.compile_error)}\n"
+            f"fsd-chat: {'--whole-step' if whole_step else '--compile'} fell back to eager forward passes: "
+            f"{visible(decoder.compile_error)}\n"
         )
     return status

@@ -278,8 +278,14 @@ class StaticModel(CachedModel):
     """
 
     cache: PositionedCache
+    flag = "--whole-step"
+    """The option that asks for this model (its errors name it)."""
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
+        # Deferred with the modeling stack (`AttentionInterface`), which only the torch engine imports.
+        from fsd_chat.decoding.static_attention import selected
+
+        self._attention = selected
         self.capacity = capacity
         super().__init__(model, vocab_size)
 
@@ -356,14 +362,15 @@ class StaticModel(CachedModel):
             Logits [w or keep, padded vocabulary] in the model's dtype.
         """
         self.cache.positions = positions
-        out = (self.model if forward is None else forward)(
-            input_ids=ids,
-            cache=self.cache,
-            position_ids=positions.unsqueeze(0),
-            attention_mask=self.attention_mask(positions) if mask is None else mask,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        with self._attention(self.model):
+            out = (self.model if forward is None else forward)(
+                input_ids=ids,
+                cache=self.cache,
+                position_ids=positions.unsqueeze(0),
+                attention_mask=self.attention_mask(positions) if mask is None else mask,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
         return out.logits[0]
 
     @torch.inference_mode()
@@ -391,7 +398,7 @@ class StaticModel(CachedModel):
         if len(self.layers) < len(self.cache.layers):
             kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
             raise UnsupportedCacheError(
-                f"--compile needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
+                f"{self.flag} needs full-attention layers only; {type(self.model).__name__} has {', '.join(kinds)}"
             )
         # One eager pass allocates the layers (`StaticLayer.lazy_initialization`), outside any
         # compiled graph: their addresses are then marked static, which CUDA graphs need.
@@ -436,6 +443,8 @@ class CompiledModel(StaticModel):
     Raises:
         UnsupportedCacheError: the model has sliding-window or recurrent layers.
     """
+
+    flag = "--compile"
 
     def __init__(
         self,
@@ -505,8 +514,9 @@ def compiled_forward(model: PreTrainedModel) -> Callable[..., Any]:
     return compiled
 
 
-def compile_refusal(model: PreTrainedModel) -> str | None:
-    """Why `model` cannot run compiled over a static KV cache, in one line (None: it can).
+def compile_refusal(model: PreTrainedModel, flag: str = "--compile") -> str | None:
+    """Why `model` cannot run compiled over a static KV cache, in one line naming the option that
+    asked for it (`flag`: "--compile", or "--whole-step" for a `StaticModel`) (None: it can).
 
     The criteria of transformers' `GenerationMixin._valid_auto_compile_criteria` (a quantization
     that cannot be compiled; layers offloaded to the CPU or the disk), and `CompiledModel`'s own:
@@ -528,7 +538,7 @@ def compile_refusal(model: PreTrainedModel) -> str | None:
         return f"{name} has no static KV cache ({type(exc).__name__})"
     kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
     if kinds:
-        return f"{name} has {', '.join(kinds)} layers; compiling needs full-attention layers only"
+        return f"{name} has {', '.join(kinds)} layers; {flag} needs full-attention layers only"
     return None
 
 
@@ -590,7 +600,7 @@ def bind(
         return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"
-    reason = compile_refusal(model) if compiled or static else None
+    reason = compile_refusal(model, "--whole-step" if static else "--compile") if compiled or static else None
     if compiled and reason is None:
         reason = compiler_refusal(input_device(model))
     if static and reason is None:

@@ -1,0 +1,91 @@
+"""The attention of a model over a static KV cache (`kv_cache.StaticModel`): transformers' SDPA,
+with grouped-query attention done inside SDPA (`enable_gqa=True`) on the CPU when a mask is given.
+
+With grouped-query attention (fewer key/value heads than query heads) and a mask, transformers'
+`sdpa_attention_forward` copies the keys and values to every query head (`repeat_kv`) before
+SDPA, unless the process sets `TRANSFORMERS_SDPA_FORCE_GQA` (`use_gqa_in_sdpa`): on CUDA, SDPA's
+fused kernels refuse a mask with `enable_gqa` and fall back to the math kernel. A static cache's
+pass attends over its whole capacity under a mask, so that copy is the capacity's keys and values
+in every layer of every pass; on the CPU, SDPA's own GQA reads the shared heads in place
+(`torch.nn.functional.scaled_dot_product_attention`, `enable_gqa`). Elsewhere (CUDA, no mask, no
+GQA) this is transformers' `sdpa_attention_forward` unchanged.
+
+Registered with transformers' `AttentionInterface` (and its mask builder's) under `NAME`, and
+selected for a static model's passes only (`selected`), so that the same model's other caches
+keep transformers' own SDPA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+NAME = "fsd_static_sdpa"
+
+
+def static_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa_attention_forward`, with a masked grouped-query pass on the CPU given
+    to SDPA whole (`enable_gqa=True`) instead of after `repeat_kv`.
+
+    Args:
+        module: The attention layer (its `num_key_value_groups`: query heads per key/value head).
+        query: [batch, query heads, w, head dim].
+        key, value: [batch, key/value heads, kv length, head dim].
+        attention_mask: Additive or boolean, broadcastable to [batch, query heads, w, kv length].
+        dropout, scaling, kwargs: As `sdpa_attention_forward`'s.
+
+    Returns:
+        The attention's output [batch, w, query heads, head dim], and None (no weights).
+    """
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = (
+        attention_mask is not None and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    )
+    if not (grouped and plain and query.device.type == "cpu"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, static_sdpa_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def selected(model: PreTrainedModel) -> Iterator[None]:
+    """`model`'s passes inside the block run `static_sdpa_forward` where they would run
+    transformers' SDPA (other implementations are left as they are). The choice is the config's
+    `_attn_implementation`, which every attention layer reads at each call (and torch.compile
+    guards on), set back on leaving."""
+    config = model.config
+    before = config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
