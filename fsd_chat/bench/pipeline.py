@@ -223,10 +223,9 @@ def run_bench(
         ran = ran_as[setup] = run_as(setup, pair)
         pairs[ran.label] = by_setup[ran] = pair
     setups = [ran_as[setup] for setup in setups]
-    configs = [replace(c, setup=ran_as[c.setup]) for c in configs]
     # transformers' baselines run on models of their own, which fsd-chat's compiled decoders never
     # touch (`bench.methods`): loaded again, as transformers' user would load them.
-    hf_setups = {c.setup for c in configs if c.method in HF_METHODS}
+    hf_setups = {ran_as[c.setup] for c in configs if c.method in HF_METHODS}
     hf_pairs: dict[Setup, ModelPair] = {}
     for setup in setups:
         if setup in hf_setups:

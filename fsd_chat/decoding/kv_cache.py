@@ -582,9 +582,10 @@ def bind(
     CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
     takes long and gains little) and `compile_refusal` and `compiler_refusal` admit it, a
     `StaticModel` when `static` asks for one (the whole-step path, `fsd_chat.decoding.step_graph`,
-    which compiles and captures on its own), else a `CachedModel` whose `compile_error` says why compiling (or a
-    static cache) was refused (None when neither was asked for). A runner of another engine
-    (`ModelRunner`, e.g. llama.cpp's) is already bound to its cache: returned as it is.
+    which compiles and captures on its own), else a `CachedModel` whose `compile_error` says why
+    compiling (or a static cache) was refused (None when neither was asked for). A runner of
+    another engine (`ModelRunner`, e.g. llama.cpp's) is already bound to its cache: returned as it
+    is.
 
     Args:
         model: A causal LM.
@@ -600,7 +601,11 @@ def bind(
         return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"
-    reason = compile_refusal(model, "--whole-step" if static else "--compile") if compiled or static else None
+    reason = (
+        compile_refusal(model, (StaticModel if static else CompiledModel).flag)
+        if compiled or static
+        else None
+    )
     if compiled and reason is None:
         reason = compiler_refusal(input_device(model))
     if static and reason is None:
