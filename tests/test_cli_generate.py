@@ -139,6 +139,7 @@ def test_autoregressive_flag_and_plain_output(target_dir: Path, draft_dir: Path,
         (["--min-p", "1.5"], "min-p"),
         (["--device", "cuda"], "no CUDA GPU"),
         (["--threads", "0"], "--threads must be ≥ 1, got 0"),
+        (["--threads-batch", "0"], "--threads-batch must be ≥ 1, got 0"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(

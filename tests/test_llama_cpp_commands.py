@@ -93,10 +93,12 @@ def test_bench_runs_llama_cpps_own_baselines(
         "--prompts", "tinystories", "--data-dir", str(DATA_DIR),
         "--limit", "2", "--max-new-tokens", "16",
         "--rules", "fuzzy", "--divergences", "js", "--thresholds", "0.2", "--draft-tokens", "3",
-        "--threads", "1", "--output", str(out),
+        "--threads", "1", "--threads-batch", "2", "--output", str(out),
     ]  # fmt: skip
     main(args)  # returns: a sweep that ran to its end
-    configs = json.loads((out / "report.json").read_text())["configs"]
+    report = json.loads((out / "report.json").read_text())
+    configs = report["configs"]
+    assert report["environment"]["scorer"].endswith("llama.cpp cpu, 1 thread, 2 a batch")
     by_method = {c["method"]: c for c in configs}
     # The default baselines on the llama.cpp engine.
     assert {"autoregressive", "exact", "llama.cpp", "llama.cpp-lookup", "fuzzy"} <= set(by_method)

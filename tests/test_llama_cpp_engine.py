@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from fsd_chat.bench.llama_baselines import baseline_llama
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.runner import ModelRunner
@@ -225,6 +226,29 @@ def test_modelled_forwards_follow_the_threads_and_the_measured_times(default_pai
     assert ratios[2] < 0.9 * ratios[1]
 
 
+def test_a_verify_is_priced_at_the_batch_threads(default_pair: ModelPair) -> None:
+    """One thread for one token and two for a batch (the chat's split on an idle 2-core CPU): V(1) is
+    the one-thread forward's, a verify the two-thread one's, within 10% of the measured times, over
+    a longer context too; a verify is then cheaper against V(1) than on one thread or two alone."""
+
+    def tables(threads: int, batch: int | None = None) -> tuple[list[float], list[float]]:
+        default_pair.use_threads(threads, requested_batch=batch)
+        timings = default_pair.forward_timings()
+        return timings.verify_table(context=100), timings.verify_table(context=1100)
+
+    try:
+        (split, split_long), one, two = tables(1, 2), tables(1), tables(2)
+        assert split[1] * 1000 == pytest.approx(QUIET_FORWARDS[1][1], rel=0.1)
+        for width in (2, 4):
+            assert split[width] * 1000 == pytest.approx(QUIET_FORWARDS[2][width], rel=0.1)
+        for width, alone in ((1, one), (2, two), (6, two)):  # the context's attention alike
+            assert split_long[width] - split[width] == pytest.approx(alone[1][width] - alone[0][width])
+        for alone, _ in (one, two):
+            assert split[6] / split[1] < 0.9 * alone[6] / alone[1]
+    finally:
+        default_pair.use_threads(1)
+
+
 def test_a_gguf_drafts_exact_greedy_decoding_is_target_only_decoding(llama_pair: ModelPair) -> None:
     prompt = llama_pair.tokenizer(PROMPT).input_ids
     target_only = decoded(llama_pair.autoregressive(Controls()), prompt, 40)
@@ -259,7 +283,14 @@ def test_threads_set_llama_cpps_threads_and_leave_torch_one(llama_pair: ModelPai
             assert llama_cpp.llama_n_threads(model.llama.ctx) == 2
             assert llama_cpp.llama_n_threads_batch(model.llama.ctx) == 2
         assert torch.get_num_threads() == 1
-        assert "llama.cpp cpu, 2 threads" in llama_pair.describe()
+        assert llama_pair.describe().endswith("llama.cpp cpu, 2 threads")
+        llama_pair.use_threads(1, requested_batch=2)  # `--threads 1 --threads-batch 2`
+        for model in (target, draft):
+            assert llama_cpp.llama_n_threads(model.llama.ctx) == 1
+            assert llama_cpp.llama_n_threads_batch(model.llama.ctx) == 2
+        assert llama_pair.describe().endswith("llama.cpp cpu, 1 thread, 2 a batch")
+        baseline = baseline_llama(target, lookup_tokens=None)  # the bench's llama.cpp rows
+        assert (baseline.n_threads, baseline.n_threads_batch) == (1, 2)
     finally:
         llama_pair.use_threads(1)
 

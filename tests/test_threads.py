@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsd_chat.support.errors import SettingsError
-from fsd_chat.support.threads import apply_threads, choose_threads, idle_cores
+from fsd_chat.support.threads import apply_threads, choose_thread_counts, choose_threads, idle_cores
 
 
 def test_an_explicit_count_wins_and_must_be_positive() -> None:
@@ -21,6 +21,21 @@ def test_the_default_counts_idle_cores_and_never_goes_below_one() -> None:
     idle = idle_cores(0.05)
     assert 0 <= idle <= (psutil.cpu_count() or 1)
     assert choose_threads(None, reserve=64) == 1  # more reserved than there are cores
+
+
+def test_batches_take_the_explicit_counts_else_every_idle_core() -> None:
+    """llama.cpp's forwards of several tokens: `--threads-batch` wins, else `--threads` (as
+    llama.cpp's `-tb` defaults to `-t`), else the idle cores, never fewer than one token's threads,
+    which alone lose the cores reserved for the UI."""
+    assert choose_thread_counts(1, 3) == (1, 3)
+    assert choose_thread_counts(2) == (2, 2)
+    assert choose_thread_counts(None, 4, reserve=64) == (1, 4)
+    threads, batch = choose_thread_counts(None, reserve=64)
+    assert threads == 1 and 1 <= batch <= (psutil.cpu_count() or 1)
+    with pytest.raises(SettingsError, match="--threads-batch must be ≥ 1, got 0"):
+        choose_thread_counts(1, 0)
+    with pytest.raises(SettingsError, match="--threads must be ≥ 1, got 0"):
+        choose_thread_counts(0, 2)
 
 
 def test_apply_sets_torchs_thread_count() -> None:

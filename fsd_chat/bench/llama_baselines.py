@@ -31,7 +31,8 @@ from fsd_chat.engines.llama_cpp import LlamaCppModel, llama_cpp_module, open_ggu
 
 
 def baseline_llama(target: LlamaCppModel, lookup_tokens: int | None) -> Any:
-    """A `Llama` of its own over the target's file, threads and placement; with prompt lookup of
+    """A `Llama` of its own over the target's file, threads (for one token and for several) and
+    placement; with prompt lookup of
     up to `lookup_tokens` tokens a step when given."""
     draft = None
     if lookup_tokens is not None:
@@ -42,6 +43,7 @@ def baseline_llama(target: LlamaCppModel, lookup_tokens: int | None) -> Any:
     return open_gguf(
         target.path,
         threads=target.threads,
+        batch_threads=target.batch_threads,
         gpu=target.gpu,
         context=target.n_ctx,
         draft_model=draft,

@@ -156,6 +156,7 @@ def run_bench(
     device: str,
     threads: int | None,
     trust_remote_code: bool,
+    threads_batch: int | None = None,
     budget: TimeBudget | None = None,
     cut_after: float | None = None,
     whole_step: bool = False,
@@ -169,7 +170,8 @@ def run_bench(
     said in the report's title and its sweep record. `profile`: one more reply of each fsd-chat row
     under torch.profiler, against the device's copy bandwidth measured here (`bench.profile`).
     `engine`: what runs fsd-chat's rows (`--engine`); transformers' rows run on transformers
-    whatever it is.
+    whatever it is. `threads_batch`: llama.cpp's threads for forwards of several tokens, its own
+    baselines' alike (None: the threads of one token's).
 
     Raises:
         FsdChatError: bad lists, prompt set, counts, or models that fail to load.
@@ -192,7 +194,7 @@ def run_bench(
     for prompt_seed in (seed, seed + len(prompt_set.items) - 1):
         SamplingConfig(seed=prompt_seed)
     if resolve_device(device).type == "cpu":
-        apply_threads(threads)
+        threads = apply_threads(threads)
     check_writable(output)
     # Lines unbroken (a terminal wraps them itself): a log keeps each note on one line.
     console = Console(stderr=True, soft_wrap=True)
@@ -220,6 +222,7 @@ def run_bench(
             console.print(Text(f"loading {setup.label}"))
         with console.status(f"loading {setup.label}"):
             pair = load_pair(*specs)
+        pair.use_threads(threads, requested_batch=threads_batch)
         ran = ran_as[setup] = run_as(setup, pair)
         pairs[ran.label] = by_setup[ran] = pair
     setups = [ran_as[setup] for setup in setups]

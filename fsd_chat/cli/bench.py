@@ -123,6 +123,7 @@ QUANTIZE_DRAFT = o.QUANTIZE_DRAFT.listed()
     o.DEVICE,
     DTYPES,
     o.THREADS,
+    o.THREADS_BATCH,
     o.TRUST_REMOTE_CODE,
     o.WHOLE_STEP.replace(
         help="fsd-chat's rows (target-only, exact, fuzzy, mixture) decode each step as one function over "
@@ -253,6 +254,7 @@ def bench(
         output=output,
         device=o.DEVICE.of(values),
         threads=threads if threads is not None else preset.threads,
+        threads_batch=o.THREADS_BATCH.get(values),
         trust_remote_code=o.TRUST_REMOTE_CODE.of(values),
         # --quick keeps its promise on any pair: the counts it chose are cut to fit the time.
         budget=TimeBudget(QUICK_BUDGET_SECONDS, prompts=limit is None, tokens=max_new_tokens is None)

@@ -139,6 +139,7 @@ def chat(
         keymap=config.keymap,
         user_themes_dir=user_themes_dir(),
         threads=o.THREADS.get(v),
+        threads_batch=o.THREADS_BATCH.get(v),
         compiled=o.COMPILE.of(v),
         whole_step=o.WHOLE_STEP.of(v),
     )

@@ -42,6 +42,7 @@ def generate(
         as_json=JSON.of(values),
         autoregressive=o.AUTOREGRESSIVE.of(values),
         threads=o.THREADS.get(values),
+        threads_batch=o.THREADS_BATCH.get(values),
         compiled=o.COMPILE.of(values),
         whole_step=o.WHOLE_STEP.of(values),
     )

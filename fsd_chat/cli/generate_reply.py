@@ -82,6 +82,7 @@ def run_generate(
     as_json: bool,
     autoregressive: bool,
     threads: int | None = None,
+    threads_batch: int | None = None,
     compiled: bool | None = None,
     threshold_given: bool = True,
     whole_step: bool = False,
@@ -102,7 +103,7 @@ def run_generate(
         sys.stderr.write(
             f"fsd-chat: not applied (the model's generation_config): {', '.join(resolved.not_applied)}\n"
         )
-    pair.use_threads(threads)
+    pair.use_threads(threads, requested_batch=threads_batch)
     # T not given: the setup's default (greedy: a regret bound with its own scale).
     settings = default_threshold(settings, threshold_given, resolved.config.greedy)
     controls = Controls(settings)

@@ -46,7 +46,7 @@ from fsd_chat.models.options import (
     check_quantization,
     pair_specs,
 )
-from fsd_chat.support.threads import choose_threads
+from fsd_chat.support.threads import check_threads_batch, choose_threads
 
 MODELS = "Models"
 DECODING = "Decoding"
@@ -144,6 +144,16 @@ THREADS = Option(
     "CPU threads of torch and llama.cpp (default: the cores idle at the start, one fewer in the chat).",
     MODELS,
     choose_threads,
+)
+THREADS_BATCH = Option(
+    "threads_batch",
+    ("--threads-batch",),
+    int,
+    None,
+    "llama.cpp's CPU threads for forwards of several tokens: a prompt's prefill, a verify (default: "
+    "--threads if given, else the cores idle at the start).",
+    MODELS,
+    check_threads_batch,
 )
 TRUST_REMOTE_CODE = Option(
     "trust_remote_code",
@@ -306,6 +316,7 @@ REPLY_OPTIONS: tuple[Option[Any], ...] = (
     MAX_NEW_TOKENS,
     *MODEL_OPTIONS,
     THREADS,
+    THREADS_BATCH,
     RAW,
 )
 """The options of a reply, which `generate` and `chat` both take."""

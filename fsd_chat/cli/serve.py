@@ -163,6 +163,7 @@ def serve(ctx: typer.Context, **values: Any) -> None:
         port=PORT.of(v),
         queue_size=QUEUE_SIZE.of(v),
         threads=o.THREADS.get(v),
+        threads_batch=o.THREADS_BATCH.get(v),
         autoregressive=o.AUTOREGRESSIVE.of(v),
         compiled=o.COMPILE.of(v),
         whole_step=o.WHOLE_STEP.of(v),

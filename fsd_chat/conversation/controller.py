@@ -81,6 +81,7 @@ class ChatOptions:
         keymap: Binding id -> keys (also listed by the help screen).
         user_themes_dir: Folder of the user's theme files.
         threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
+        threads_batch: llama.cpp's threads for forwards of several tokens (None: the policy's).
         compiled: Compile the models' decoding steps (`--compile`; None: on a CUDA device only).
         whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`).
     """
@@ -102,6 +103,7 @@ class ChatOptions:
     keymap: dict[str, str] = field(default_factory=dict)
     user_themes_dir: Path | None = None
     threads: int | None = None
+    threads_batch: int | None = None
     compiled: bool | None = None
     whole_step: bool = False
 

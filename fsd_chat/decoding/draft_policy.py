@@ -216,6 +216,9 @@ class ForwardTimings:
             MEASURE_CONTEXT (the context `verify` was timed over).
         attention_width: Seconds each further token of a forward's width adds per token of
             context beyond MEASURE_CONTEXT: a verify reads the keys and values once per query.
+        batch_attention: What the first token of a forward of several tokens adds per token of
+            context beyond MEASURE_CONTEXT (None: `attention`): llama.cpp runs such forwards on
+            threads of their own (`fsd_chat.support.threads`).
     """
 
     draft: float
@@ -226,14 +229,16 @@ class ForwardTimings:
     catch_up: float = 0.0
     attention: float = 0.0
     attention_width: float = 0.0
+    batch_attention: float | None = None
 
     def verify_table(self, context: int = MEASURE_CONTEXT) -> list[float]:
         """V(w) for w = 0..MAX_DRAFT_TOKENS + 1 in seconds, indexed by width (w = 0 unused: V(1)),
         over `context` tokens of context."""
         extra = max(context - MEASURE_CONTEXT, 0)
-        return [
-            self.verify_seconds(max(w, 1)) + extra * (self.attention + (max(w, 1) - 1) * self.attention_width)
-            for w in range(MAX_DRAFT_TOKENS + 2)
+        batch = self.attention if self.batch_attention is None else self.batch_attention
+        return [self.verify_seconds(1) + extra * self.attention] * 2 + [
+            self.verify_seconds(w) + extra * (batch + (w - 1) * self.attention_width)
+            for w in range(2, MAX_DRAFT_TOKENS + 2)
         ]
 
     def verify_seconds(self, width: int) -> float:
@@ -436,6 +441,7 @@ def timings_of(
     vocab: int,
     attention: float,
     attention_width: float,
+    batch_attention: float | None = None,
 ) -> ForwardTimings:
     """Modelled `ForwardTimings` of an engine's models from its `forward_seconds(model, width)`
     (`modelled_timings` for transformers models; `fsd_chat.engines.llama_cpp.modelled_timings`):
@@ -455,6 +461,7 @@ def timings_of(
         catch_up=catch_up,
         attention=attention,
         attention_width=attention_width,
+        batch_attention=batch_attention,
     )
 
 

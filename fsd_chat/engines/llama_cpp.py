@@ -81,12 +81,22 @@ def llama_cpp_module() -> Any:
         ) from None
 
 
-def open_gguf(path: Path, *, threads: int, gpu: bool, context: int = CONTEXT, draft_model: Any = None) -> Any:
+def open_gguf(
+    path: Path,
+    *,
+    threads: int,
+    gpu: bool,
+    batch_threads: int | None = None,
+    context: int = CONTEXT,
+    draft_model: Any = None,
+) -> Any:
     """A `llama_cpp.Llama` over the GGUF file `path`, with no output of its own on stderr.
 
     Args:
         path: The GGUF file.
-        threads: llama.cpp's threads, for single tokens and batches alike.
+        threads: llama.cpp's threads for forwards of one token.
+        batch_threads: Its threads for forwards of several (the prefill, a verify); None: `threads`
+            (`fsd_chat.support.threads` says why they differ).
         gpu: Offload every layer to the GPU (a CUDA or Metal build); False: the CPU.
         context: Most tokens the KV cache holds (capped to the model's trained context).
         draft_model: llama-cpp-python's own drafting (`LlamaPromptLookupDecoding`: the bench's
@@ -103,7 +113,7 @@ def open_gguf(path: Path, *, threads: int, gpu: bool, context: int = CONTEXT, dr
             n_batch=BATCH,
             n_ubatch=BATCH,
             n_threads=threads,
-            n_threads_batch=threads,
+            n_threads_batch=batch_threads or threads,
             n_gpu_layers=-1 if gpu else 0,
             logits_all=False,
             swa_full=True,
@@ -141,6 +151,7 @@ class LlamaCppModel:
         self.llama = llama
         self.path = Path(llama.model_path)
         self.threads = int(llama.n_threads)
+        self.batch_threads = int(llama.n_threads_batch)
         self.gpu = llama.model_params.n_gpu_layers != 0
         self._ctx = llama.ctx
         model = llama.model
@@ -182,11 +193,11 @@ class LlamaCppModel:
             self._llama_cpp.llama_batch_free(batch)
             self._batch = None
 
-    def set_threads(self, threads: int) -> None:
-        """Decode with `threads` CPU threads from now on, single tokens and batches alike
-        (`llama_set_n_threads`)."""
-        self._llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
-        self.threads = threads
+    def set_threads(self, threads: int, batch_threads: int) -> None:
+        """Decode one token on `threads` CPU threads from now on, several (a prefill, a verify) on
+        `batch_threads` (`llama_set_n_threads`)."""
+        self._llama_cpp.llama_set_n_threads(self._ctx, threads, batch_threads)
+        self.threads, self.batch_threads = threads, batch_threads
 
     @property
     def context(self) -> int | None:
@@ -343,33 +354,34 @@ measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000); divided among the t
 
 def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
     """The draft and verify forward times of models on llama.cpp at their thread counts
-    (`LlamaCppModel.threads`), from their sizes alone (as
+    (`LlamaCppModel.threads` for one token, `batch_threads` for several), from their sizes alone (as
     `fsd_chat.decoding.draft_policy.modelled_timings` does for transformers models): no clock, so a
     seed gives the same reply under any load. A forward of w tokens costs a part per layer, the read
     of its weights (`llama_model_size`) and a part per token and parameter, the last two divided
     among the threads (`forward_seconds`); prompt lookup's positions cost nothing."""
     lib = target._llama_cpp
     model = target.llama.model
-    attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model)) / target.threads
+    attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model))
     return timings_of(
         forward_seconds,
         target,
         draft,
         vocab=target.vocab_size,
-        attention=attended * ATTENTION_SECONDS,
-        attention_width=attended * ATTENTION_WIDTH_SECONDS,
+        attention=attended * ATTENTION_SECONDS / target.threads,
+        attention_width=attended * ATTENTION_WIDTH_SECONDS / target.batch_threads,
+        batch_attention=attended * ATTENTION_SECONDS / target.batch_threads,
     )
 
 
 def forward_seconds(model: LlamaCppModel, width: int) -> float:
     """The modelled seconds of a forward of `width` tokens on llama.cpp over
-    `fsd_chat.decoding.draft_policy.MEASURE_CONTEXT` tokens of context, at the model's threads
-    (`modelled_timings`; the constants say how they were fitted)."""
+    `fsd_chat.decoding.draft_policy.MEASURE_CONTEXT` tokens of context, at the model's threads for
+    its width (`modelled_timings`; the constants say how they were fitted)."""
     lib = model._llama_cpp
     layers = int(lib.llama_model_n_layer(model.llama.model))
     params = int(lib.llama_model_n_params(model.llama.model))
-    read = BYTE_SECONDS if width == 1 else WIDE_BYTE_SECONDS
+    read, threads = (BYTE_SECONDS, model.threads) if width == 1 else (WIDE_BYTE_SECONDS, model.batch_threads)
     return (
         layers * LAYER_SECONDS
-        + (model.file_bytes * read + width * params * TOKEN_PARAMETER_SECONDS) / model.threads
+        + (model.file_bytes * read + width * params * TOKEN_PARAMETER_SECONDS) / threads
     )

@@ -23,7 +23,7 @@ from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.options import ModelSpec, quantization_note
-from fsd_chat.support.threads import apply_threads, choose_threads
+from fsd_chat.support.threads import apply_threads, choose_thread_counts
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
@@ -107,10 +107,11 @@ class ModelPair:
                 draft += f" · mapped vocabulary, {self.coverage:.0%} coverage"
         target = f"target {self.target_spec.name}{quantization_note(self.target_spec.quantization)}"
         if isinstance(self.target, LlamaCppModel):
-            threads = self.target.threads
-            return (
-                f"{target} · {draft} · llama.cpp {self.device}, {threads} thread{'s' if threads != 1 else ''}"
+            threads, batch = self.target.threads, self.target.batch_threads
+            where = f"{threads} thread{'s' if threads != 1 else ''}" + (
+                f", {batch} a batch" if batch != threads else ""
             )
+            return f"{target} · {draft} · llama.cpp {self.device}, {where}"
         return f"{target} · {draft} · {self.device} {dtype}"
 
     def decoder(
@@ -176,22 +177,26 @@ class ModelPair:
             capture_progress=capture_progress,
         )
 
-    def use_threads(self, requested: int | None, *, reserve: int = 0) -> None:
+    def use_threads(
+        self, requested: int | None, *, reserve: int = 0, requested_batch: int | None = None
+    ) -> None:
         """Run on `choose_threads(requested, reserve=reserve)` CPU threads (`--threads`, or the idle
-        cores less `reserve`): torch's on the CPU; on llama.cpp, llama.cpp's (target and draft),
-        torch keeping one thread (its work there is a few vector operations a step, and its idle
+        cores less `reserve`): torch's on the CPU; on llama.cpp, llama.cpp's for one token (target
+        and draft), its forwards of several on `choose_thread_counts`' second count
+        (`--threads-batch`, else `--threads`, else the idle cores; transformers models take no such
+        count), torch keeping one thread (its work there is a few vector operations a step, and its idle
         OpenMP threads spin for the CPU llama.cpp's threads need: two torch threads beside one
         llama.cpp thread halved target-only decoding of the default model, 31 tokens/s against
         llama.cpp's own 56, on a 2-core CPU). Nothing for transformers models on a GPU.
 
         Raises:
-            SettingsError: `requested` < 1.
+            SettingsError: `requested` or `requested_batch` < 1.
         """
         if isinstance(self.target, LlamaCppModel):
-            threads = choose_threads(requested, reserve=reserve)
+            threads = choose_thread_counts(requested, requested_batch, reserve=reserve)
             for model in (self.target, self.draft):
                 if isinstance(model, LlamaCppModel):
-                    model.set_threads(threads)
+                    model.set_threads(*threads)
             torch.set_num_threads(1)
             # llama.cpp's forward times depend on its threads: modelled anew at the next call.
             self.timings = None

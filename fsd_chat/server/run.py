@@ -212,6 +212,7 @@ def run_server(
     port: int,
     queue_size: int,
     threads: int | None,
+    threads_batch: int | None = None,
     autoregressive: bool,
     compiled: bool | None,
     announce: Callable[[str], None],
@@ -225,6 +226,7 @@ def run_server(
         host, port: Where to listen.
         queue_size: Most requests waiting while one decodes.
         threads: torch CPU threads (None: the thread policy's choice).
+        threads_batch: llama.cpp's threads for forwards of several tokens (None: the policy's).
         autoregressive: Target-only decoding (`fsd` objects are then checked, and change nothing).
         compiled: Compile the models' decoding steps (None: on a CUDA device only).
         whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`;
@@ -238,7 +240,7 @@ def run_server(
     sock = bind(host, port)  # before the load, which may take minutes: a busy port fails at once
     try:
         pair = load_pair(target, draft, load)
-        pair.use_threads(threads)
+        pair.use_threads(threads, requested_batch=threads_batch)
         controls = Controls(options.settings)
         decoder = pair.decoder(
             controls,

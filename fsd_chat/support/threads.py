@@ -7,6 +7,16 @@ other busy process, `generate` at the default ran at 14.7 tokens/s against 347 w
 The policy: an explicit `--threads` (or `threads` in config.toml) wins; otherwise one thread per
 core that is idle when decoding starts, minus the cores kept for other work of this process (the
 chat's UI thread), and at least one.
+
+llama.cpp runs a forward of one token and a forward of several (the prompt's prefill, a verify) on
+thread counts of their own (`n_threads`, `n_threads_batch`; llama.cpp's `-t` and `-tb`). A batch
+takes every idle core, the UI's included: the chat's UI thread has little to draw while a prompt is
+read, and a batch's quantized products scale with the cores where a one-token forward barely does
+(the default model, 2 cores: the prefill and a 6-token verify take 0.55 and 0.5 of their one-thread
+time on two threads, a one-token forward 0.62). So an explicit `--threads-batch` wins, else an
+explicit `--threads`, as llama.cpp's `-tb` defaults to `-t`; else the idle cores, never fewer than
+the one-token forwards' threads. llama-cpp-python's own default is the same split (half the cores
+for one token, all of them for a batch).
 """
 
 from __future__ import annotations
@@ -34,11 +44,40 @@ def choose_threads(requested: int | None, *, reserve: int = 0) -> int:
     Raises:
         SettingsError: `requested` < 1.
     """
+    return choose_thread_counts(requested, reserve=reserve)[0]
+
+
+def choose_thread_counts(
+    requested: int | None, requested_batch: int | None = None, *, reserve: int = 0
+) -> tuple[int, int]:
+    """llama.cpp's threads for forwards of one token and of several (module docstring): `requested`
+    (`--threads`) if given, else the idle cores minus `reserve`, at least one; `requested_batch`
+    (`--threads-batch`) if given, else `requested` if given, else the idle cores (sampled once),
+    never fewer than the first.
+
+    Raises:
+        SettingsError: `requested` or `requested_batch` < 1.
+    """
+    if requested_batch is not None:
+        check_threads_batch(requested_batch)
     if requested is not None:
         if requested < 1:
             raise SettingsError(f"--threads must be ≥ 1, got {requested}")
-        return requested
-    return max(1, idle_cores() - reserve)
+        return requested, requested_batch or requested
+    idle = idle_cores()
+    threads = max(1, idle - reserve)
+    return threads, requested_batch or max(threads, idle)
+
+
+def check_threads_batch(requested: int) -> int:
+    """`--threads-batch` once checked.
+
+    Raises:
+        SettingsError: `requested` < 1.
+    """
+    if requested < 1:
+        raise SettingsError(f"--threads-batch must be ≥ 1, got {requested}")
+    return requested
 
 
 def apply_threads(requested: int | None, *, reserve: int = 0) -> int:

@@ -194,7 +194,8 @@ class FsdChatApp(App[None]):
         graphs (`--whole-step` on CUDA) are captured as it is built, which takes seconds the
         loading screen shows."""
         pair = self.loader(lambda text: self.post_message(LoadProgress(text)))
-        pair.use_threads(self.options.threads, reserve=1)  # one core is left to the UI
+        # One core is left to the UI for one-token forwards; batches take it too (`support.threads`).
+        pair.use_threads(self.options.threads, reserve=1, requested_batch=self.options.threads_batch)
         return pair, self.decoder_factory(pair, self.controls)
 
     def on_load_progress(self, message: LoadProgress) -> None:
