@@ -1,5 +1,6 @@
 """The most prompt lookup could gain over target-only decoding on the llama.cpp engine, at the
-modelled forward times of each thread count (`fsd_chat.engines.llama_cpp.modelled_timings`).
+modelled forward times of each thread count (`fsd_chat.engines.llama_cpp.modelled_timings`): one
+thread, two, and one for a token with two for a batch (the chat's split on an idle 2-core CPU).
 
 Each prompt's reply is decoded once per rule with a fixed draft length k (every matched copy
 verified, greedy), which records how many of each step's copied tokens the rule accepted. An oracle
@@ -29,6 +30,8 @@ from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 
+SPLITS = {"1": (1, 1), "2": (2, 2), "1, batches 2": (1, 2)}
+"""llama.cpp's threads for one token and for several (`--threads`, `--threads-batch`) priced."""
 RULES = {
     "exact (T = 0)": DecodingSettings(rule="exact", threshold=0.0),
     "fuzzy T 1 regret": DecodingSettings(threshold=1.0),
@@ -74,8 +77,8 @@ def main() -> None:
                 )
             )
         by_threads = {}
-        for threads in (1, 2):
-            target.set_threads(threads)
+        for label, threads in SPLITS.items():
+            target.set_threads(*threads)
             verify = llama_cpp.modelled_timings(target, None).verify_table()
             decode, overall = [], []
             for prompt_length, steps, _ in runs:
@@ -88,12 +91,12 @@ def main() -> None:
                 prefill = llama_cpp.forward_seconds(target, prompt_length)
                 decode.append(alone / oracle)
                 overall.append((alone + prefill) / (oracle + prefill))
-            by_threads[threads] = {
+            by_threads[label] = {
                 "decode_median": statistics.median(decode),
                 "with_prefill_median": statistics.median(overall),
                 "with_prefill": overall,
             }
-        target.set_threads(1)
+        target.set_threads(1, 1)
         tokens = sum(emitted for _, steps, _ in runs for _, emitted in steps)
         report[name] = {"threads": by_threads, "nats_per_token": sum(cost for *_, cost in runs) / tokens}
         print(name, json.dumps(by_threads), flush=True)
