@@ -61,18 +61,19 @@ lock: | $(BIN)/python
 		--unsafe-package llama-cpp-python --strip-extras \
 		--no-emit-find-links --no-emit-index-url --output-file requirements.lock pyproject.toml
 
-# One pytest worker a core (pytest-xdist); a file's tests stay on one worker, so module fixtures
-# (the bench sweep) run once. Each worker runs torch on one thread (tests/conftest.py).
+# One pytest worker a core (pytest-xdist), tests spread one by one, but a module's with a
+# module-scoped fixture (the bench sweep) on one worker, where it runs once. Each worker runs torch
+# on one thread (tests/conftest.py).
 PYTEST_WORKERS ?= auto
 
 # The slow tests chat with the real default model: fetched first (once).
 test: model
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 # Everything but the tests marked slow (more than a few seconds each: statistical laws, subprocesses,
 # long chats; one quick test per area stays): for the edit-test loop, under 2 minutes on 2 cores.
 test-fast: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not cuda"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not cuda"
 
 lint: setup
 	$(BIN)/ruff check fsd_chat tests

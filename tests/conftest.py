@@ -30,6 +30,19 @@ if not TARGET_DIR.is_dir():  # pragma: no cover - a broken checkout, not a test 
     raise RuntimeError(f"offline models not found at {MODELS_DIR} (set FSD_CHAT_MODELS)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` (the Makefile's) tests are spread over the workers one by one, so that
+    no big file holds a worker while the other idles; but the tests of a module with a module-scoped
+    fixture (a bench sweep, a converted model) stay on one worker, where the fixture runs once."""
+    for item in items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        if definitions is None:
+            continue
+        if any(d.scope == "module" for defs in definitions.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def target_dir() -> Path:
     """Directory of the stories260K target (a real pretrained Llama)."""

@@ -101,6 +101,7 @@ def test_the_rule_selected_on_the_device_is_the_rule_named(greedy: bool, point_m
             assert torch.equal(getattr(named, field), getattr(chosen, field)), (rule, name, threshold, field)
 
 
+@pytest.mark.slow  # 20,000 replies a case; the device selection's equality with `judge` is the quick test above
 @pytest.mark.parametrize(("rule", "threshold", "seed"), LOSSLESS_CASES)
 def test_first_two_tokens_follow_the_target_with_the_rule_on_the_device(
     pair: ModelPair, monkeypatch: pytest.MonkeyPatch, rule: Rule, threshold: float, seed: int
@@ -190,6 +191,7 @@ def test_greedy_whole_steps_equal_the_eager_steps(pair: ModelPair, rule: Rule, t
         assert divergences == pytest.approx(expected, rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.slow  # END_TO_END seeded replies; greedy identity through the whole step stays quick
 def test_replies_through_the_whole_step_follow_the_target(pair: ModelPair) -> None:
     """The sampling law through the whole step (the sampled graph's draws, the device rule
     selection, the seeding a reply): END_TO_END seeded two-token replies at T = 0, their first
