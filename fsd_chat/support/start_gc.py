@@ -2,10 +2,10 @@
 models are loaded (`paused` around the command, `resume` once the pair is in memory).
 
 Starting imports torch and transformers and builds a tokenizer: millions of objects that live as
-long as the process. While they are made, the collector runs its full collections over all of
-them again and again (three of them, and thousands of younger ones, before a new GGUF file's first
-token), finding almost nothing: 0.2-0.9 s of a 4 s start on the 2-core CPU, for 1 MB less memory
-(`scripts/bench_llama_memory.py`). The objects that exist when the start ends are frozen
+long as the process. While they are made, the collector walks them again and again, finding almost
+nothing: 638 collections, 4 of them full ones, 0.46-0.60 s of CPU before a new GGUF file's first
+token (a 5.5-6 s start on the 2-core CPU; docs/engines.md), for about 1 MB of garbage it would
+have freed (`scripts/bench_llama_memory.py`). The objects that exist when the start ends are frozen
 (`gc.freeze`: the collector never walks them again) and collection resumes for what the replies
 make. A transformers model resumes it before its weights load (`resume` there too), so that a
 long conversion collects as it goes.
