@@ -193,7 +193,10 @@ def main() -> None:
     gguf = args.gguf or default_model_path()
     python = sys.executable
     fsd = [python, "-m", "fsd_chat", "generate", "--threads", "1", "--max-new-tokens", str(args.tokens)]
-    env = {**os.environ}
+    # Safe paths: `python -m` and `-c` would put the working directory first on sys.path, ahead
+    # of PYTHONPATH, and a run from a checkout would import that checkout's fsd_chat, the
+    # baseline's runs included. Each tree is named by its absolute path.
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     runs: dict[str, list[dict[str, float]]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="llama-memory-"))
     trees = {"": env}  # suffix of the names -> the environment that runs that tree's fsd_chat

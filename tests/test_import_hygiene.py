@@ -77,11 +77,13 @@ UNUSED_ON_LLAMA_CPP = (
     "sympy",  # torch's symbolic shapes: the compiler's, or a transformers model module's
 )
 """What a process on the llama.cpp engine does not use: 90 MB and seconds of imports (docs/engines.md)."""
+UNUSED_BY_GENERATE = ("fsd_chat.conversation.store", "fsd_chat.conversation.transcript")
+"""The saved sessions' modules, which `generate` does not use (`fsd_chat.cli.chat`)."""
 
 
 def generated_on_llama_cpp(target: Path, draft: str, cache: Path) -> list[str]:
-    """The `UNUSED_ON_LLAMA_CPP` modules a real `fsd-chat generate` of `target` on llama.cpp
-    imports, with llama_cpp itself first (which proves it ran there), the user's cache at `cache`."""
+    """The `UNUSED_ON_LLAMA_CPP` and `UNUSED_BY_GENERATE` modules a real `fsd-chat generate` of
+    `target` on llama.cpp imports, with llama_cpp itself first (which proves it ran there), the user's cache at `cache`."""
     argv = ["generate", "--target", str(target), "--draft", draft, "--engine", "llama.cpp"]
     argv += ["--threads", "1", "--max-new-tokens", "4", "Once upon a time"]
     code = (
@@ -91,7 +93,8 @@ def generated_on_llama_cpp(target: Path, draft: str, cache: Path) -> list[str]:
         "except SystemExit as exc:\n"
         "    assert exc.code in (0, None), exc.code"
     )
-    return loaded(code, ("llama_cpp", *UNUSED_ON_LLAMA_CPP), {**os.environ, ENV_CACHE_DIR: str(cache)})
+    modules = ("llama_cpp", *UNUSED_ON_LLAMA_CPP, *UNUSED_BY_GENERATE)
+    return loaded(code, modules, {**os.environ, ENV_CACHE_DIR: str(cache)})
 
 
 def test_the_llama_cpp_engine_imports_no_transformers_modeling(

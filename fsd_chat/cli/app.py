@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort, TyperException
 
 from fsd_chat.cli import bench, chat, generate, serve
+from fsd_chat.support import start_gc
 from fsd_chat.support.errors import FsdChatError
 from fsd_chat.support.text import one_line, require_utf8
 
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             raise FsdChatError(unknown_command(args[0], sorted(commands)))
         if not args or (args[0] not in commands and args[0] not in ("--help", "-h")):
             args.insert(0, "chat")
-        status = command.main(args, prog_name="fsd-chat", standalone_mode=False)
+        with start_gc.paused():  # until the models are loaded (`load_pair`)
+            status = command.main(args, prog_name="fsd-chat", standalone_mode=False)
         # Flushed here, not at interpreter exit, so that a full disk is reported like any other error.
         sys.stdout.flush()
     except FsdChatError as exc:

@@ -1,6 +1,8 @@
 """The `chat`, `history` and `export` commands.
 
-Only light modules are imported here; Textual, torch and transformers load inside `chat`.
+Only light modules are imported here; Textual, torch and transformers load inside `chat`, and the
+saved sessions' modules inside the commands that read them: every command imports this module, and
+`generate`, `serve` and `bench` do not need them (0.8 MB of a `generate`'s peak).
 Settings come from the command line, else config.toml, else the built-in defaults.
 """
 
@@ -14,9 +16,6 @@ import typer
 
 from fsd_chat.cli import options as o
 from fsd_chat.cli.option import Option, config_values, takes
-from fsd_chat.conversation.session import final_dial
-from fsd_chat.conversation.store import SessionStore
-from fsd_chat.conversation.transcript import ending_signals_raise, export_transcript, render_markdown
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models.default_model import HOW_TO_GET
 from fsd_chat.support.config import ConfigError, load_config, sessions_path, user_themes_dir
@@ -91,6 +90,9 @@ def chat(
     **values: Any,
 ) -> None:
     """Chat in a full-screen terminal UI with a live threshold dial (the default command)."""
+    from fsd_chat.conversation.session import final_dial
+    from fsd_chat.conversation.store import SessionStore
+
     config = load_config()
     v = with_config(ctx, values, config_values(config, CONFIG_OPTIONS))
     if resume is not None and not resume.strip():
@@ -156,6 +158,8 @@ def chat(
 
 def history() -> None:
     """List the saved chat sessions, most recent first."""
+    from fsd_chat.conversation.store import SessionStore
+
     summaries = SessionStore(sessions_path()).summaries(
         on_damaged=lambda reason: print(f"fsd-chat: warning: {one_line(reason)}", file=sys.stderr)
     )
@@ -177,6 +181,9 @@ def export(
     ] = None,
 ) -> None:
     """Write a saved session as a Markdown transcript."""
+    from fsd_chat.conversation.store import SessionStore
+    from fsd_chat.conversation.transcript import ending_signals_raise, export_transcript, render_markdown
+
     markdown = render_markdown(SessionStore(sessions_path()).load(session_id))
     with ending_signals_raise():
         written = export_transcript(markdown, output)

@@ -15,6 +15,7 @@ from fsd_chat.models.gguf_sources import Progress as Progress  # re-exported: th
 from fsd_chat.models.gguf_sources import on_stderr
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.support import start_gc
 
 
 def load_pair(
@@ -24,7 +25,7 @@ def load_pair(
     progress: Progress | None = None,
 ) -> ModelPair:
     """Load and check a target/draft pair, on the engine `options.engine` chooses
-    (`engine_choice.choose_engine`). The choice and its reason are told to `progress` first; with
+    (`engine_choice.choose_engine`), and end a command's start (`start_gc.resume`). The choice and its reason are told to `progress` first; with
     no `progress`, for a GGUF target (where there was a choice), on stderr once the pair has
     loaded (so that a load that fails says so in one line).
 
@@ -53,9 +54,11 @@ def load_pair(
         # Imported here: transformers' modeling stack, which the llama.cpp engine does not use.
         from fsd_chat.models.transformers_loading import load_transformers_pair
 
+        start_gc.resume()  # a conversion or a download takes long: it collects as it goes
         pair = load_transformers_pair(target, draft, options, progress)
     else:
         pair = load_llama_cpp_pair(choice, target, draft, options, progress, announce)
+        start_gc.resume()
     if progress is None and choice.target_is_gguf:
         on_stderr(choice.describe())
     return pair
