@@ -25,9 +25,9 @@ def load_pair(
     progress: Progress | None = None,
 ) -> ModelPair:
     """Load and check a target/draft pair, on the engine `options.engine` chooses
-    (`engine_choice.choose_engine`), and end a command's start (`start_gc.resume`). The choice and its reason are told to `progress` first; with
-    no `progress`, for a GGUF target (where there was a choice), on stderr once the pair has
-    loaded (so that a load that fails says so in one line).
+    (`engine_choice.choose_engine`), and end a command's start (`start_gc.resume`). The choice and
+    its reason are told to `progress` first; with no `progress`, for a GGUF target (where there was
+    a choice), on stderr once the pair has loaded (so that a load that fails says so in one line).
 
     With several GPUs and `device` auto or cuda, the target is spread over them
     (`device_map="auto"`); the draft stays on the first.
