@@ -29,7 +29,7 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.draft_policy import FixedPolicy
 from fsd_chat.decoding.events import StopReason
-from fsd_chat.decoding.kv_cache import StaticModel, compiled_capacity
+from fsd_chat.decoding.kv_cache import PositionedLayer, StaticModel, compiled_capacity
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
@@ -860,3 +860,36 @@ def test_a_static_models_grouped_attention_gives_transformers_sdpa_logits(pair: 
     assert model.config._attn_implementation == "sdpa"  # set back after each pass
     for mine, reference in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_an_eager_step_attends_over_the_slots_its_reply_reaches(pair: ModelPair) -> None:
+    """On the CPU each pass of a whole-step reply (the prefill, every draft pass and verify)
+    attends over the slots up to its reply's length + k (`StaticModel.attending`), not the static
+    cache's capacity, and the step decides as over the whole capacity: the same ids and origins
+    (a fuzzy rule, sampled: divergences and draws, not only argmaxes)."""
+    k = 4
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=k, draft_policy="fixed")
+    sampling = SamplingConfig(temperature=0.9, seed=5)
+    ids = pair.tokenizer(PROMPTS[2]).input_ids
+    passes: list[tuple[int, int, int]] = []
+    update = PositionedLayer.update
+
+    def recorded(layer: PositionedLayer, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = update(layer, *args, **kwargs)
+        passes.append((keys.shape[2], int(layer.cache.positions.max()), layer.max_cache_len))
+        return keys, values
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PositionedLayer, "update", recorded)
+        got = collect(whole(pair, settings).generate(ids, max_new_tokens=60, sampling=sampling))
+    assert len(got.ids) == 60
+    # Every slot a pass writes is attended; at most k + 2 beyond it (a draft pass's window is
+    # its step's); below the capacity. (The one-token probe at position 0 that allocates a
+    # cache as it grows, `StaticModel._check_rollback`, attends over all of it.)
+    replied = [(slots, position, capacity) for slots, position, capacity in passes if position > 0]
+    assert len(replied) > 60
+    assert all(position < slots <= position + k + 2 < capacity for slots, position, capacity in replied)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StaticModel, "attending", lambda _, window: contextlib.nullcontext())
+        whole_capacity = collect(whole(pair, settings).generate(ids, max_new_tokens=60, sampling=sampling))
+    assert (got.ids, got.origins) == (whole_capacity.ids, whole_capacity.origins)
