@@ -291,9 +291,11 @@ class StaticModel(CachedModel):
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
         # Deferred with the modeling stack (`AttentionInterface`), which only the torch engine imports.
-        from fsd_chat.decoding.static_attention import selected
+        from fsd_chat.decoding.static_attention import use
 
-        self._attention = selected
+        use(model)
+        # Read once: `PreTrainedModel.dtype` walks the parameters (~60 µs, at every mask).
+        self.dtype = model.dtype
         self.capacity = capacity
         super().__init__(model, vocab_size)
 
@@ -342,7 +344,7 @@ class StaticModel(CachedModel):
         every layer's call (`convert_boolean_attn_mask`, a kernel a layer on a GPU), so it is
         built once a pass, or once a step for all its passes (`step_graph`), in 2 operators.
         """
-        dtype = self.model.dtype
+        dtype = self.dtype
         window = self.cache.window
         slots = self._slots if window is None else self._slots[:window]
         allowed = slots <= positions.unsqueeze(-1)
@@ -373,15 +375,15 @@ class StaticModel(CachedModel):
             Logits [w or keep, padded vocabulary] in the model's dtype.
         """
         self.cache.positions = positions
-        with self._attention(self.model):
-            out = (self.model if forward is None else forward)(
-                input_ids=ids,
-                cache=self.cache,
-                position_ids=positions.unsqueeze(0),
-                attention_mask=self.attention_mask(positions) if mask is None else mask,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+        out = (self.model if forward is None else forward)(
+            input_ids=ids,
+            cache=self.cache,
+            position_ids=positions.unsqueeze(0),
+            attention_mask=self.attention_mask(positions) if mask is None else mask,
+            use_cache=True,
+            logits_to_keep=keep,
+            static_cache=True,  # to the attention (`static_attention`)
+        )
         return out.logits[0]
 
     @contextmanager

@@ -299,7 +299,7 @@ def speculative_step(
         verified = span[1 : k + 2]
         # One attention mask for every pass of the step: its rows are the passes' positions.
         mask = target.attention_mask(span[: k + 2])
-        shared = draft.capacity == target.capacity and draft.model.dtype == target.model.dtype
+        shared = draft.capacity == target.capacity and draft.dtype == target.dtype
         _draft_positions(
             draft, inputs, k, draws, untruncated, span, mask if shared else None, q_rows, q_full_rows
         )
