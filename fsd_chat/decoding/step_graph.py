@@ -114,7 +114,7 @@ positions masked, because a step costs its k draft passes and its k + 1 verify w
 the mask; four covers the lengths the goodput policy picks on the story and SmolLM2 pairs."""
 MIN_CAPACITY = 64
 """Smallest static cache of the eager path, in tokens: it grows by doubling to what a reply needs
-(`EagerSteps.fit`), since every pass attends over the whole capacity."""
+(`EagerSteps.fit`); an eager pass attends over the slots the reply reaches (`EagerSteps._eager`)."""
 WARMUP_CALLS = 2
 """Eager calls of a step before its capture, on the capture stream (gpt-fast, vLLM): lazy
 initialisations (cuBLAS workspaces, autotuning) must not happen inside a capture."""
