@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fsd_chat.decoding import Controls, DecodingSettings, static_attention, step_graph
 from fsd_chat.decoding import sampling as sampling_module
@@ -29,7 +30,7 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.draft_policy import FixedPolicy
 from fsd_chat.decoding.events import StopReason
-from fsd_chat.decoding.kv_cache import StaticModel, compiled_capacity
+from fsd_chat.decoding.kv_cache import CachedModel, PositionedLayer, StaticModel, compiled_capacity
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
@@ -837,7 +838,9 @@ def test_a_paused_draft_catches_up_in_a_step_launched_ahead(
 def test_a_static_models_grouped_attention_gives_transformers_sdpa_logits(pair: ModelPair) -> None:
     """The static model's attention (`static_attention`: SDPA's own grouped-query attention under
     the mask, no `repeat_kv`) gives transformers' SDPA's logits, pass by pass (a prompt's prefill,
-    then a 5-token verify), on the story model (8 query heads, 4 key/value heads)."""
+    then a 5-token verify), on the story model (8 query heads, 4 key/value heads); it is the
+    model's attention from then on, and the same model's `DynamicCache` passes (today's steps) are
+    transformers' SDPA's bit for bit."""
     model = pair.target
     assert isinstance(model, PreTrainedModel)
     assert model.config.num_attention_heads > model.config.num_key_value_heads
@@ -846,19 +849,61 @@ def test_a_static_models_grouped_attention_gives_transformers_sdpa_logits(pair: 
 
     def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         nonlocal calls
-        calls += 1
+        calls += int(kwargs.get("static_cache", False))
         return static_attention.static_sdpa_forward(*args, **kwargs)
 
-    def passes(static: StaticModel) -> list[torch.Tensor]:
+    def passes(static: CachedModel) -> list[torch.Tensor]:
         return [static.forward(ids, ids.shape[1] - 5, keep=1), static.forward(ids, ids.shape[1], keep=5)]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(AttentionInterface._global_mapping, static_attention.NAME, counted)
         ours = passes(StaticModel(model, pair.vocab_size, capacity=64))
-    assert calls >= 2 * model.config.num_hidden_layers  # the two passes went through it
+        assert calls >= 2 * model.config.num_hidden_layers  # the two passes went through it
+        calls = 0
+        dynamic = passes(CachedModel(model, pair.vocab_size))
+        assert calls == 0
+    assert model.config._attn_implementation == static_attention.NAME
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(static_attention, "selected", lambda _: contextlib.nullcontext())
+        patch.setitem(AttentionInterface._global_mapping, static_attention.NAME, sdpa_attention_forward)
         theirs = passes(StaticModel(model, pair.vocab_size, capacity=64))
-    assert model.config._attn_implementation == "sdpa"  # set back after each pass
     for mine, reference in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    model.set_attn_implementation("sdpa")
+    try:
+        for mine, reference in zip(dynamic, passes(CachedModel(model, pair.vocab_size)), strict=True):
+            assert torch.equal(mine, reference)
+    finally:
+        static_attention.use(model)
+
+
+def test_an_eager_step_attends_over_the_slots_its_reply_reaches(pair: ModelPair) -> None:
+    """On the CPU each pass of a whole-step reply (the prefill, every draft pass and verify)
+    attends over the slots up to its reply's length + k (`StaticModel.attending`), not the static
+    cache's capacity, and the step decides as over the whole capacity: the same ids and origins
+    (a fuzzy rule, sampled: divergences and draws, not only argmaxes)."""
+    k = 4
+    settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=k, draft_policy="fixed")
+    sampling = SamplingConfig(temperature=0.9, seed=5)
+    ids = pair.tokenizer(PROMPTS[2]).input_ids
+    passes: list[tuple[int, int, int]] = []
+    update = PositionedLayer.update
+
+    def recorded(layer: PositionedLayer, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = update(layer, *args, **kwargs)
+        passes.append((keys.shape[2], int(layer.cache.positions.max()), layer.max_cache_len))
+        return keys, values
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PositionedLayer, "update", recorded)
+        got = collect(whole(pair, settings).generate(ids, max_new_tokens=60, sampling=sampling))
+    assert len(got.ids) == 60
+    # Every slot a pass writes is attended; at most k + 2 beyond it (a draft pass's window is
+    # its step's); below the capacity. (The one-token probe at position 0 that allocates a
+    # cache as it grows, `StaticModel._check_rollback`, attends over all of it.)
+    replied = [(slots, position, capacity) for slots, position, capacity in passes if position > 0]
+    assert len(replied) > 60
+    assert all(position < slots <= position + k + 2 < capacity for slots, position, capacity in replied)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StaticModel, "attending", lambda _, window: contextlib.nullcontext())
+        whole_capacity = collect(whole(pair, settings).generate(ids, max_new_tokens=60, sampling=sampling))
+    assert (got.ids, got.origins) == (whole_capacity.ids, whole_capacity.origins)

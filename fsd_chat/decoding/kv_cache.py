@@ -20,7 +20,8 @@ full-attention ones, exact at any length, at the memory of a full cache for thos
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -226,15 +227,19 @@ class PositionedLayer(StaticLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write keys and values [1, kv heads, w, head dim] at the pass's w positions; the whole
-        buffers back, [1, kv heads, capacity, head dim]."""
+        """Write keys and values [1, kv heads, w, head dim] at the pass's w positions; the
+        buffers back, [1, kv heads, capacity, head dim], or their first `PositionedCache.window`
+        slots (views)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys, values, positions = self.keys, self.values, self.cache.positions
         assert keys is not None and values is not None  # allocated above
         keys.index_copy_(2, positions, key_states)
         values.index_copy_(2, positions, value_states)
-        return keys, values
+        window = self.cache.window
+        if window is None:
+            return keys, values
+        return keys[:, :, :window], values[:, :, :window]
 
 
 class PositionedCache(StaticCache):
@@ -244,9 +249,12 @@ class PositionedCache(StaticCache):
     Attributes:
         positions: [w] int64 on the model's device, the positions of the next forward pass's
             tokens (set before each pass).
+        window: The slots the next passes attend over, the first `window` (None: the whole
+            capacity; `StaticModel.attending`).
     """
 
     positions: torch.Tensor
+    window: int | None = None
 
     def __init__(self, config: Any, max_cache_len: int) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -283,9 +291,11 @@ class StaticModel(CachedModel):
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
         # Deferred with the modeling stack (`AttentionInterface`), which only the torch engine imports.
-        from fsd_chat.decoding.static_attention import selected
+        from fsd_chat.decoding.static_attention import use
 
-        self._attention = selected
+        use(model)
+        # Read once: `PreTrainedModel.dtype` walks the parameters (~60 µs, at every mask).
+        self.dtype = model.dtype
         self.capacity = capacity
         super().__init__(model, vocab_size)
 
@@ -322,9 +332,10 @@ class StaticModel(CachedModel):
         return cache
 
     def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """The causal mask of queries at `positions` ([w] int64) over the whole cache, additive:
-        [1, 1, w, capacity] in the model's dtype, 0 where a query attends (slots up to its
-        position), the dtype's lowest value elsewhere.
+        """The causal mask of queries at `positions` ([w] int64) over the cache (its first
+        `window` slots when `attending` set one), additive: [1, 1, w, capacity or window] in the
+        model's dtype, 0 where a query attends (slots up to its position), the dtype's lowest
+        value elsewhere.
 
         Given to the model as a 4D mask, which transformers uses as it is: its own mask builder
         asks whether the first position is 0 (`masking_utils._ignore_causal_mask_sdpa` reads
@@ -333,8 +344,10 @@ class StaticModel(CachedModel):
         every layer's call (`convert_boolean_attn_mask`, a kernel a layer on a GPU), so it is
         built once a pass, or once a step for all its passes (`step_graph`), in 2 operators.
         """
-        dtype = self.model.dtype
-        allowed = self._slots <= positions.unsqueeze(-1)
+        dtype = self.dtype
+        window = self.cache.window
+        slots = self._slots if window is None else self._slots[:window]
+        allowed = slots <= positions.unsqueeze(-1)
         return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).view(1, 1, *allowed.shape)
 
     def run(
@@ -362,23 +375,43 @@ class StaticModel(CachedModel):
             Logits [w or keep, padded vocabulary] in the model's dtype.
         """
         self.cache.positions = positions
-        with self._attention(self.model):
-            out = (self.model if forward is None else forward)(
-                input_ids=ids,
-                cache=self.cache,
-                position_ids=positions.unsqueeze(0),
-                attention_mask=self.attention_mask(positions) if mask is None else mask,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+        out = (self.model if forward is None else forward)(
+            input_ids=ids,
+            cache=self.cache,
+            position_ids=positions.unsqueeze(0),
+            attention_mask=self.attention_mask(positions) if mask is None else mask,
+            use_cache=True,
+            logits_to_keep=keep,
+            static_cache=True,  # to the attention (`static_attention`)
+        )
         return out.logits[0]
+
+    @contextmanager
+    def attending(self, window: int | None) -> Iterator[None]:
+        """The passes inside the block attend over the cache's first `window` slots only (None,
+        or at least `capacity`: all of them), set back to all on leaving.
+
+        For eager passes whose positions the host knows lie below `window`: a pass's cost on a CPU
+        grows with the slots it attends over, and a static cache is sized for a whole reply (up
+        to twice it, `step_graph.EagerSteps.fit`), so the written prefix is usually shorter. The
+        result is the same: the slots cut are those the mask gives no weight (exp of the dtype's
+        lowest value is 0). Never inside a compiled or captured function, whose shapes are fixed
+        (the window would be guarded on: a graph a length).
+        """
+        self.cache.window = None if window is None or window >= self.capacity else window
+        try:
+            yield
+        finally:
+            self.cache.window = None
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:
-        """See `CachedModel.forward`; `upto` must not exceed `capacity`."""
-        logits = self.run(
-            seq[:, self.seen : upto], torch.arange(self.seen, upto, device=self.device), keep=keep
-        )
+        """See `CachedModel.forward`; `upto` must not exceed `capacity`. Attends over the first
+        `upto` slots (`attending`)."""
+        with self.attending(upto):
+            logits = self.run(
+                seq[:, self.seen : upto], torch.arange(self.seen, upto, device=self.device), keep=keep
+            )
         self.seen = upto
         self.fed = seq
         return logits[:, : self.vocab_size].float()

@@ -11,14 +11,17 @@ in every layer of every pass; on the CPU, SDPA's own GQA reads the shared heads 
 GQA) this is transformers' `sdpa_attention_forward` unchanged.
 
 Registered with transformers' `AttentionInterface` (and its mask builder's) under `NAME`, and
-selected for a static model's passes only (`selected`), so that the same model's other caches
-keep transformers' own SDPA.
+made a model's attention once, when a static model wraps it (`use`); its passes over a static
+cache say so (`static_cache=True`, which `StaticModel.run` gives, and transformers hands every
+attention layer with the model's other keyword arguments). Every other pass of the same model (a
+`DynamicCache` of today's steps) runs transformers' `sdpa_attention_forward` unchanged. Switching
+once rather than around each pass: the config's attribute reads and writes cost ~150 µs a pass
+on the CPU (transformers' config `__getattribute__`/`__setattr__`), and a compiled or captured
+step sees one implementation (torch.compile guards on `_attn_implementation`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,10 +43,11 @@ def static_sdpa_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    static_cache: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa_attention_forward`, with a masked grouped-query pass on the CPU given
-    to SDPA whole (`enable_gqa=True`) instead of after `repeat_kv`.
+    """transformers' `sdpa_attention_forward`, with a masked grouped-query pass over a static
+    cache on the CPU given to SDPA whole (`enable_gqa=True`) instead of after `repeat_kv`.
 
     Args:
         module: The attention layer (its `num_key_value_groups`: query heads per key/value head).
@@ -51,6 +55,8 @@ def static_sdpa_forward(
         key, value: [batch, key/value heads, kv length, head dim].
         attention_mask: Additive or boolean, broadcastable to [batch, query heads, w, kv length].
         dropout, scaling, kwargs: As `sdpa_attention_forward`'s.
+        static_cache: The pass is a static model's (`StaticModel.run`); other passes are
+            `sdpa_attention_forward`'s whatever they are.
 
     Returns:
         The attention's output [batch, w, query heads, head dim], and None (no weights).
@@ -59,7 +65,7 @@ def static_sdpa_forward(
     plain = (
         attention_mask is not None and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     )
-    if not (grouped and plain and query.device.type == "cpu"):
+    if not (static_cache and grouped and plain and query.device.type == "cpu"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -73,19 +79,8 @@ AttentionInterface.register(NAME, static_sdpa_forward)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
-@contextmanager
-def selected(model: PreTrainedModel) -> Iterator[None]:
-    """`model`'s passes inside the block run `static_sdpa_forward` where they would run
-    transformers' SDPA (other implementations are left as they are). The choice is the config's
-    `_attn_implementation`, which every attention layer reads at each call (and torch.compile
-    guards on), set back on leaving."""
-    config = model.config
-    before = config._attn_implementation
-    if before != "sdpa":
-        yield
-        return
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+def use(model: PreTrainedModel) -> None:
+    """Make `static_sdpa_forward` `model`'s attention where it runs transformers' SDPA (other
+    implementations are left as they are): once, when a static model wraps it."""
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(NAME)

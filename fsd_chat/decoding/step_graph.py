@@ -75,6 +75,7 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -113,7 +114,7 @@ positions masked, because a step costs its k draft passes and its k + 1 verify w
 the mask; four covers the lengths the goodput policy picks on the story and SmolLM2 pairs."""
 MIN_CAPACITY = 64
 """Smallest static cache of the eager path, in tokens: it grows by doubling to what a reply needs
-(`EagerSteps.fit`), since every pass attends over the whole capacity."""
+(`EagerSteps.fit`); an eager pass attends over the slots the reply reaches (`EagerSteps._eager`)."""
 WARMUP_CALLS = 2
 """Eager calls of a step before its capture, on the capture stream (gpt-fast, vLLM): lazy
 initialisations (cuBLAS workspaces, autotuning) must not happen inside a capture."""
@@ -298,7 +299,7 @@ def speculative_step(
         verified = span[1 : k + 2]
         # One attention mask for every pass of the step: its rows are the passes' positions.
         mask = target.attention_mask(span[: k + 2])
-        shared = draft.capacity == target.capacity and draft.model.dtype == target.model.dtype
+        shared = draft.capacity == target.capacity and draft.dtype == target.dtype
         _draft_positions(
             draft, inputs, k, draws, untruncated, span, mask if shared else None, q_rows, q_full_rows
         )
@@ -483,6 +484,7 @@ class EagerSteps:
         self.inputs = StepInputs.allocate(1, target.device, on_device=device_inputs)
         self._emulate = emulate_replay
         self._last: torch.Tensor | None = None
+        self._reply: Reply | None = None
         self._functions = compiled_step_functions(target, draft) if compile else EAGER_FUNCTIONS
 
     def clear(self) -> None:
@@ -491,9 +493,11 @@ class EagerSteps:
             if model is not None:
                 model.clear()
 
-    def bind(self, seq: torch.Tensor) -> None:
-        """Run the steps over `seq` (a reply's buffer; eagerly, any tensor will do)."""
-        self.inputs.seq = seq
+    def bind(self, reply: Reply) -> None:
+        """Run the steps over `reply`'s buffer (eagerly, any tensor will do); its length bounds
+        the slots an eager step attends over (`_call`)."""
+        self.inputs.seq = reply.seq
+        self._reply = reply
 
     def fit(self, tokens: int) -> None:
         """Grow the caches to hold `tokens` (doubling from MIN_CAPACITY; never shrinking, which
@@ -519,26 +523,41 @@ class EagerSteps:
             else Draws.make(k, self.target.vocab_size, generator, self.target.device, self.draft is not None)
         )
         inputs = self.inputs.for_step(greedy, self.inputs.truncating)
-        return Launched(self._out(self._call(0, self.target, self.draft, inputs, k, greedy, draws)))
+        return Launched(self._out(self._call(0, k, self.target, self.draft, inputs, k, greedy, draws)))
 
     @torch.inference_mode()
     def target_only(self, greedy: bool, generator: torch.Generator) -> Launched:
         """One target-only step; its block (`target_step`)."""
         draws = None if greedy else Draws.make(0, self.target.vocab_size, generator, self.target.device)
         inputs = self.inputs.for_step(greedy, self.inputs.truncating)
-        return Launched(self._out(self._call(1, self.target, inputs, greedy, draws)))
+        return Launched(self._out(self._call(1, 0, self.target, inputs, greedy, draws)))
 
-    def _call(self, which: int, *args: Any) -> torch.Tensor:
-        """Step function `which` (0 speculative, 1 target-only); eagerly from the first failed
-        compilation on."""
+    def _call(self, which: int, k: int, *args: Any) -> torch.Tensor:
+        """Step function `which` (0 speculative, 1 target-only) of draft length k (0:
+        target-only); eagerly from the first failed compilation on."""
         try:
+            if self._functions is EAGER_FUNCTIONS:
+                return self._eager(which, k, *args)
             return self._functions[which](*args)
         except Exception as exc:  # compilation failures come in many types; fall back to eager
             if self._functions is EAGER_FUNCTIONS:
                 raise
             self.compile_error = compile_failure(exc)
             self._functions = EAGER_FUNCTIONS
-            return self._functions[which](*args)
+            return self._eager(which, k, *args)
+
+    def _eager(self, which: int, k: int, *args: Any) -> torch.Tensor:
+        """Step function `which` run eagerly, its passes attending over the slots the step can
+        reach only (`StaticModel.attending`): the reply's length + k (the step feeds positions
+        up to length − 1 + k; its mask and its caches' writes lie below), where the whole
+        capacity would be up to twice the reply and more early in it. A compiled or captured
+        step attends over the whole capacity (its shapes are fixed)."""
+        window = None if self._reply is None else self._reply.length + k
+        with contextlib.ExitStack() as stack:
+            for model in (self.target, self.draft):
+                if model is not None:
+                    stack.enter_context(model.attending(window))
+            return EAGER_FUNCTIONS[which](*args)
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
         if not self._emulate:
@@ -691,9 +710,9 @@ class CapturedSteps(EagerSteps):
             torch.empty(size, dtype=torch.float64, pin_memory=pinned),
         )
 
-    def bind(self, seq: torch.Tensor) -> None:
+    def bind(self, reply: Reply) -> None:
         """Nothing: a reply decodes in `inputs.seq` itself (`reply.begin`'s `buffer`)."""
-        assert seq is self.inputs.seq, "a captured step runs over its own buffer"
+        assert reply.seq is self.inputs.seq, "a captured step runs over its own buffer"
 
     def fit(self, tokens: int) -> None:
         """Nothing: the graphs hold the caches' addresses (`capacity` bounds the context)."""
@@ -800,7 +819,7 @@ def start(
 ) -> torch.Generator:
     """A prefilled reply's first step is next: the buffers set for it (the buffer bound, the
     position at its last prompt token, the sampling values), and the generator of its draws."""
-    steps.bind(reply.seq)
+    steps.bind(reply)
     steps.inputs.position.fill_(reply.length - 1)
     steps.inputs.write_sampling(sampling)
     return steps.reseed(sampling, generator)
