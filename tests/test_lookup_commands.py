@@ -88,3 +88,19 @@ def test_the_retell_prompts_quote_a_story_then_begin_it_again() -> None:
     for item in items:
         story, first = item.text.split("\n\n")
         assert story.startswith(first) and story.endswith((".", "!", "?", '"'))
+
+
+@pytest.mark.parametrize(
+    ("name", "instruction"),
+    [
+        ("tinystories-retell-chat", "Retell this story in your own words."),
+        ("tinystories-summarise-chat", "Summarise this story."),
+    ],
+)
+def test_the_chat_sets_ask_for_the_same_quoted_stories(name: str, instruction: str) -> None:
+    retell = load_prompt_set("tinystories-retell", data_dir=DATA_DIR, limit=3).items
+    items = load_prompt_set(name, data_dir=DATA_DIR, limit=3).items
+    assert len(items) == 3
+    for item, base in zip(items, retell, strict=True):
+        asked, story = item.text.split("\n\n")
+        assert asked == instruction and story == base.text.split("\n\n")[0]

@@ -16,6 +16,10 @@ Presets (paths relative to the data directory):
   story of `tinystories/*.txt` (its first RETELL_CHARS characters, cut at a sentence's end), a
   blank line, then the story's first sentence again, so that a story model goes on to retell it;
   no answers.
+- `tinystories-retell-chat`, `tinystories-summarise-chat`: the same quoted stories after an
+  instruction, for chat models ("Retell this story in your own words." or "Summarise this
+  story.", a blank line, the story): the copy-heavy requests a chat user makes, where a reply
+  copies some of the prompt's phrases (retelling more of them than summarising); no answers.
 
 Any other value is read as a JSONL file whose rows have a `prompt` field and optionally `answer`.
 """
@@ -34,10 +38,21 @@ from fsd_chat.support.text import read_utf8, require_utf8
 Checker = Callable[[str, str], bool]
 """(reply text, reference answer) -> correct?"""
 
-PRESETS = ("tinystories", "tinystories-retell", "commonsenseqa", "gsm8k", "mt-bench")
+PRESETS = (
+    "tinystories",
+    "tinystories-retell",
+    "tinystories-retell-chat",
+    "tinystories-summarise-chat",
+    "commonsenseqa",
+    "gsm8k",
+    "mt-bench",
+)
 
 RETELL_CHARS = 600
-"""Longest story `tinystories-retell` quotes, in characters (stories260K's context is 512 tokens)."""
+"""Longest story `tinystories-retell` (and the chat sets) quote, in characters (stories260K's context
+is 512 tokens)."""
+RETELL_INSTRUCTION = "Retell this story in your own words."
+SUMMARISE_INSTRUCTION = "Summarise this story."
 
 # Few-shot prompts continue with a new "Q:" once the answer is given; stop there.
 _QA_STOP = ("\nQ:",)
@@ -211,15 +226,28 @@ def _tinystories(data_dir: Path) -> PromptSet:
     return PromptSet("tinystories", tuple(openings))
 
 
+def _quoted(story: str) -> str:
+    """The story's first RETELL_CHARS characters, cut where the last whole sentence in them ends
+    ("" when none does)."""
+    cut = max((m.end() for m in re.finditer(r"[.!?](?=\s|$)", story[:RETELL_CHARS])), default=0)
+    return story[:cut]
+
+
 def _tinystories_retell(data_dir: Path) -> PromptSet:
     items = []
     for story in _stories(data_dir):
-        first = _first_sentence(story)
-        # Whole sentences only: the quoted text ends where a sentence within RETELL_CHARS ends.
-        cut = max((m.end() for m in re.finditer(r"[.!?](?=\s|$)", story[:RETELL_CHARS])), default=0)
-        if first and cut > len(first):
-            items.append(PromptItem(f"{story[:cut]}\n\n{first}"))
+        first, quoted = _first_sentence(story), _quoted(story)
+        if first and len(quoted) > len(first):
+            items.append(PromptItem(f"{quoted}\n\n{first}"))
     return PromptSet("tinystories-retell", tuple(items))
+
+
+def _instructed(name: str, instruction: str) -> Callable[[Path], PromptSet]:
+    def load(data_dir: Path) -> PromptSet:
+        quoted = (_quoted(story) for story in _stories(data_dir))
+        return PromptSet(name, tuple(PromptItem(f"{instruction}\n\n{text}") for text in quoted if text))
+
+    return load
 
 
 def _commonsenseqa(data_dir: Path) -> PromptSet:
@@ -273,6 +301,8 @@ def _jsonl_file(path: Path) -> PromptSet:
 _LOADERS: dict[str, Callable[[Path], PromptSet]] = {
     "tinystories": _tinystories,
     "tinystories-retell": _tinystories_retell,
+    "tinystories-retell-chat": _instructed("tinystories-retell-chat", RETELL_INSTRUCTION),
+    "tinystories-summarise-chat": _instructed("tinystories-summarise-chat", SUMMARISE_INSTRUCTION),
     "commonsenseqa": _commonsenseqa,
     "gsm8k": _gsm8k,
     "mt-bench": _mt_bench,
