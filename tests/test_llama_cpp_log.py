@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from fsd_chat.bench.llama_baselines import llama_generate
+from fsd_chat.bench.records import ForwardTally
 from fsd_chat.cli import main
+from fsd_chat.decoding.settings import SamplingConfig
 from fsd_chat.engines.llama_cpp import open_gguf
 from fsd_chat.support.errors import ModelLoadError
 from fsd_chat.support.log import LLAMA_CPP_LOG, log_path, quiet_libraries
@@ -84,6 +87,30 @@ def test_llama_cpps_lines_reach_the_logger_at_their_levels(
         lines
     )  # a print of llama-cpp-python's
     assert all(line and not line.endswith("\n") for _, line in lines)
+
+
+def test_the_bench_baselines_llama_cpp_notes_go_to_the_logger(
+    stories_gguf_files: tuple[Path, Path], capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`Llama.generate` (the llama.cpp baselines' loop) notes the prefix it reuses on a prompt read
+    before: on the logger, not the terminal."""
+    llama = open_gguf(stories_gguf_files[0], threads=1, gpu=False, context=512)
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger=LLAMA_CPP_LOG):
+        for _ in range(2):
+            ids = llama_generate(
+                llama,
+                [1, 400, 300, 200],
+                SamplingConfig(temperature=0.0),
+                max_new_tokens=4,
+                eos=frozenset(),
+                stop_strings=(),
+                tally=ForwardTally(),
+                stop=lambda: False,
+            )
+            assert len(ids) == 4
+    assert capfd.readouterr() == ("", "")
+    assert "Llama.generate: 3 prefix-match hit, remaining 1 prompt tokens to eval" in caplog.messages
 
 
 def test_the_commands_keep_llama_cpps_warnings_in_the_error_log(
