@@ -5,10 +5,12 @@ log, and `generate` on llama.cpp prints its own lines and nothing else."""
 
 from __future__ import annotations
 
+import io
 import logging
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from fsd_chat.bench.llama_baselines import llama_generate
 from fsd_chat.bench.records import ForwardTally
 from fsd_chat.cli import main
 from fsd_chat.decoding.settings import SamplingConfig
-from fsd_chat.engines.llama_cpp import open_gguf
+from fsd_chat.engines.llama_cpp import open_gguf, prints_to_log
 from fsd_chat.support.errors import ModelLoadError
 from fsd_chat.support.log import LLAMA_CPP_LOG, log_path, quiet_libraries
 from tests.conftest import LLAMA_CPP_MISSING
@@ -27,7 +29,7 @@ pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
 WRITER = """
 import os, sys, threading, time
 from pathlib import Path
-from fsd_chat.engines.llama_cpp import open_gguf
+from fsd_chat.engines.llama_cpp import open_gguf, prints_to_log
 
 written = 0
 loaded = threading.Event()
@@ -87,6 +89,37 @@ def test_llama_cpps_lines_reach_the_logger_at_their_levels(
         lines
     )  # a print of llama-cpp-python's
     assert all(line and not line.endswith("\n") for _, line in lines)
+
+
+def test_prints_to_log_takes_its_own_threads_prints_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model loads in a worker while the chat's app prints on its own thread: the worker's prints
+    go to the log, the app's to its stream; and a `sys.stderr` set meanwhile (the app ending puts
+    the terminal's back) is left as it is."""
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", screen)
+    inside, printed = threading.Event(), threading.Event()
+
+    def load() -> None:
+        with prints_to_log():
+            print("Model metadata: {}", file=sys.stderr)
+            inside.set()
+            assert printed.wait(10)
+
+    with caplog.at_level(logging.DEBUG, logger=LLAMA_CPP_LOG):
+        worker = threading.Thread(target=load)
+        worker.start()
+        assert inside.wait(10)
+        print("a frame", file=sys.stderr)
+        printed.set()
+        worker.join()
+    assert screen.getvalue() == "a frame\n" and sys.stderr is screen
+    assert "Model metadata: {}" in caplog.messages
+    terminal = io.StringIO()
+    with prints_to_log():
+        sys.stderr = terminal
+    assert sys.stderr is terminal
 
 
 def test_the_bench_baselines_llama_cpp_notes_go_to_the_logger(

@@ -39,8 +39,11 @@ import importlib.util
 import io
 import itertools
 import logging
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -124,23 +127,44 @@ def _log_callback(module: Any) -> Any:
 
 
 class _PrintsToLog(io.TextIOBase):
-    """A text stream whose lines go to `log` at debug level."""
+    """`sys.stderr` while `prints_to_log` runs: the lines its thread writes go to `log` at debug
+    level; any other thread's go on to the stream it replaced (the chat's screen runs beside a
+    model loading in a worker thread)."""
+
+    def __init__(self, others: TextIO) -> None:
+        self.others = others
+        self._thread = threading.get_ident()
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
+        if threading.get_ident() != self._thread:
+            return self.others.write(text)
         if text.strip():
             log.debug("%s", text.rstrip())
         return len(text)
 
+    def flush(self) -> None:
+        if threading.get_ident() != self._thread:
+            self.others.flush()
 
-def prints_to_log() -> contextlib.AbstractContextManager[Any]:
-    """While in it, what llama-cpp-python prints to `sys.stderr` (its system info and model metadata
-    at load, its notes on the prefix it reuses in `Llama.generate`: it prints them with `verbose`,
-    which `open_gguf` sets) goes to `log` at debug level instead. It swaps the `sys.stderr` object,
-    not fd 2: what a C library or another thread writes to fd 2 is untouched."""
-    return contextlib.redirect_stderr(_PrintsToLog())
+
+@contextlib.contextmanager
+def prints_to_log() -> Iterator[None]:
+    """While in it, what this thread prints to `sys.stderr` goes to `log` at debug level: llama-cpp-
+    python's prints with `verbose` (which `open_gguf` sets: its system info and model metadata at
+    load, its notes on the prefix it reuses in `Llama.generate`). It swaps the `sys.stderr` object,
+    never fd 2, so what C code writes to fd 2 is untouched, and other threads' prints go where they
+    went. Unlike `contextlib.redirect_stderr`, it puts the old stream back only if `sys.stderr` is
+    still its own: the chat's app may have ended meanwhile and put back the terminal's."""
+    sink = _PrintsToLog(sys.stderr)
+    sys.stderr = sink
+    try:
+        yield
+    finally:
+        if sys.stderr is sink:
+            sys.stderr = sink.others
 
 
 def open_gguf(
