@@ -30,6 +30,14 @@ if not TARGET_DIR.is_dir():  # pragma: no cover - a broken checkout, not a test 
     raise RuntimeError(f"offline models not found at {MODELS_DIR} (set FSD_CHAT_MODELS)")
 
 
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point the config and data folders at tmp_path, so that no test touches the user's (the
+    sessions, the error log, which llama.cpp's warnings reach once a command has set logging up)."""
+    monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `--dist loadgroup` (the Makefile's) tests are spread over the workers one by one, so that

@@ -7,6 +7,7 @@ fsd-chat's rows."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,9 @@ from tests.test_server import MODEL, extra, serving, user
 from tests.tui.helpers import SIZE, recording_loader, wait_for_chat
 
 pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+
+LLAMA_CPP_LINE = re.compile(r"(llama_|ggml_|load_tensors|print_info|Llama\.|Model metadata|Guessed chat)")
+"""The start of a line of llama.cpp's log (its functions' names) or of llama-cpp-python's prints."""
 
 
 def test_generate_runs_a_gguf_file_on_llama_cpp_and_says_so(
@@ -81,7 +85,10 @@ def test_serve_on_llama_cpp_answers_and_reuses_the_cached_prefix(llama_pair: Mod
 
 @pytest.mark.slow  # a sweep
 def test_bench_runs_llama_cpps_own_baselines(
-    stories_gguf_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stories_gguf_files: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     from fsd_chat.cli import main
 
@@ -96,6 +103,11 @@ def test_bench_runs_llama_cpps_own_baselines(
         "--threads", "1", "--threads-batch", "2", "--output", str(out),
     ]  # fmt: skip
     main(args)  # returns: a sweep that ran to its end
+    # It says what loads, on the engine it runs on (not the transformers dtype asked for), and
+    # llama.cpp's baselines print nothing of llama.cpp's or llama-cpp-python's.
+    err = capfd.readouterr().err
+    assert "loading llama.cpp GGUF" in err.splitlines() and "float32" not in err
+    assert not [line for line in err.splitlines() if LLAMA_CPP_LINE.match(line)], err
     report = json.loads((out / "report.json").read_text())
     configs = report["configs"]
     assert report["environment"]["scorer"].endswith("llama.cpp cpu, 1 thread, 2 a batch")

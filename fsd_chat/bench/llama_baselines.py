@@ -27,7 +27,7 @@ from typing import Any
 from fsd_chat.bench.meter import ForwardMeter
 from fsd_chat.bench.records import ForwardTally
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, SamplingConfig
-from fsd_chat.engines.llama_cpp import LlamaCppModel, llama_cpp_module, open_gguf
+from fsd_chat.engines.llama_cpp import LlamaCppModel, llama_cpp_module, open_gguf, prints_to_log
 
 
 def baseline_llama(target: LlamaCppModel, lookup_tokens: int | None) -> Any:
@@ -79,23 +79,24 @@ def llama_generate(
 
     llama.eval = metered
     try:
-        for token in llama.generate(
-            prompt_ids,
-            top_k=sampling.top_k or 0,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            temp=temp,
-            repeat_penalty=1.0,
-        ):
-            if token in eos:
-                break
-            ids.append(token)
-            if stops:
-                text = (text + llama.detokenize([token]))[-(longest + 16) :]
-                if any(s in text for s in stops):
+        with prints_to_log():  # `Llama.generate`'s notes on the prefix it reuses (`open_gguf`: verbose)
+            for token in llama.generate(
+                prompt_ids,
+                top_k=sampling.top_k or 0,
+                top_p=sampling.top_p,
+                min_p=sampling.min_p,
+                temp=temp,
+                repeat_penalty=1.0,
+            ):
+                if token in eos:
                     break
-            if len(ids) >= max_new_tokens or stop():
-                break
+                ids.append(token)
+                if stops:
+                    text = (text + llama.detokenize([token]))[-(longest + 16) :]
+                    if any(s in text for s in stops):
+                        break
+                if len(ids) >= max_new_tokens or stop():
+                    break
     finally:
         del llama.eval  # the class's method again
     return ids

@@ -42,6 +42,8 @@ from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, 
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.devices import resolve_device, resolve_dtype
+from fsd_chat.models.engine_choice import choose_engine
+from fsd_chat.models.gguf_sources import on_stderr
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, pair_specs
 from fsd_chat.models.pair import ModelPair
@@ -218,9 +220,12 @@ def run_bench(
     ran_as: dict[Setup, Setup] = {}  # a setup as its loaded pair runs it (`run_as`)
     for setup in setups:
         specs = specs_of(setup, engine)
+        # Said as it will run: on llama.cpp, not the transformers dtype asked for (`load_pair`
+        # chooses the engine again, the same way; the file's type is known once it has loaded).
+        label = replace(setup, engine=choose_engine(*specs, on_stderr).engine).label
         if not console.is_terminal:  # a status spinner shows only on a terminal
-            console.print(Text(f"loading {setup.label}"))
-        with console.status(f"loading {setup.label}"):
+            console.print(Text(f"loading {label}"))
+        with console.status(f"loading {label}"):
             pair = load_pair(*specs)
         pair.use_threads(threads, requested_batch=threads_batch)
         ran = ran_as[setup] = run_as(setup, pair)

@@ -19,19 +19,31 @@ Sliding-window models keep every token's keys and values (`swa_full`), so that a
 earlier position is exact; recurrent and hybrid models (whose state cannot be cut back to a
 position) are refused.
 
+llama.cpp's output never reaches the terminal, and no file descriptor is redirected: its C log goes
+through a callback of ours to the `LLAMA_CPP_LOG` logger (`fsd_chat.support.log` keeps the warnings
+and errors in the error log), and llama-cpp-python's own prints to `sys.stderr` go there too
+(`prints_to_log`). Its `verbose=False` would instead point fds 1 and 2 at /dev/null while a model
+loads, losing whatever another thread writes meanwhile: the chat's screen, drawn on fd 2.
+
 The module imports no llama_cpp until an engine is made (`llama_cpp_module`): fsd-chat runs without
 llama-cpp-python (the GPU image has none).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
 import importlib.util
+import io
 import itertools
+import logging
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -39,6 +51,10 @@ from gguf import LlamaFileType
 
 from fsd_chat.decoding.draft_policy import ForwardTimings, timings_of
 from fsd_chat.support.errors import ContextLengthError, ModelLoadError, UnsupportedCacheError
+from fsd_chat.support.log import LLAMA_CPP_LOG
+
+log = logging.getLogger(LLAMA_CPP_LOG)
+log.addHandler(logging.NullHandler())  # no handler set up (a library use): dropped, not on stderr
 
 BATCH = 512
 """Tokens a `llama_decode` reads at most (llama.cpp's n_batch and n_ubatch; llama-cpp-python's
@@ -73,12 +89,82 @@ def llama_cpp_module() -> Any:
             f"the llama.cpp engine needs llama-cpp-python, which is not installed: {INSTALL}"
         )
     try:
-        return importlib.import_module("llama_cpp")
+        module = importlib.import_module("llama_cpp")
     except (ImportError, OSError, RuntimeError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelLoadError(
             f"llama-cpp-python is installed but does not load ({reason}): {INSTALL}"
         ) from None
+    # Ours replaces llama-cpp-python's callback (set when it is imported, which prints to stderr).
+    module.llama_log_set(_log_callback(module), None)
+    return module
+
+
+GGML_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+"""ggml's log levels (`enum ggml_log_level`, ggml.h) as `logging`'s; 5 (GGML_LOG_LEVEL_CONT) goes
+on at the level before it, and 0 (NONE) is taken as info."""
+GGML_CONT = 5
+
+
+@functools.cache
+def _log_callback(module: Any) -> Any:
+    """The ctypes callback that hands llama.cpp's log lines (llama.cpp's and ggml's) to `log`.
+
+    Cached: the reference kept here is what keeps the callback alive, since llama.cpp holds only
+    its address. A line below the logger's level costs a call and a dict lookup (llama.cpp logs
+    a line per tensor as a model loads); it is decoded only when kept."""
+    last = [logging.INFO]  # a CONT line's level: the line's it continues
+
+    def forward(level: int, text: bytes | None, _user_data: Any) -> None:
+        python_level = last[0] if level == GGML_CONT else GGML_LEVELS.get(level, logging.INFO)
+        last[0] = python_level
+        if text and log.isEnabledFor(python_level):
+            line = text.decode("utf-8", errors="replace").rstrip()
+            if line:
+                log.log(python_level, "%s", line)
+
+    return module.llama_log_callback(forward)
+
+
+class _PrintsToLog(io.TextIOBase):
+    """`sys.stderr` while `prints_to_log` runs: the lines its thread writes go to `log` at debug
+    level; any other thread's go on to the stream it replaced (the chat's screen runs beside a
+    model loading in a worker thread)."""
+
+    def __init__(self, others: TextIO) -> None:
+        self.others = others
+        self._thread = threading.get_ident()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() != self._thread:
+            return self.others.write(text)
+        if text.strip():
+            log.debug("%s", text.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        if threading.get_ident() != self._thread:
+            self.others.flush()
+
+
+@contextlib.contextmanager
+def prints_to_log() -> Iterator[None]:
+    """While in it, what this thread prints to `sys.stderr` goes to `log` at debug level: llama-cpp-
+    python's prints with `verbose` (which `open_gguf` sets: its system info and model metadata at
+    load, its notes on the prefix it reuses in `Llama.generate`). It swaps the `sys.stderr` object,
+    never fd 2, so what C code writes to fd 2 is untouched, and other threads' prints go where they
+    went. Unlike `contextlib.redirect_stderr`, it puts the old stream back only if `sys.stderr` is
+    still its own: the chat's app may have ended meanwhile and put back the terminal's."""
+    sink = _PrintsToLog(sys.stderr)
+    sys.stderr = sink
+    try:
+        yield
+    finally:
+        if sys.stderr is sink:
+            sys.stderr = sink.others
 
 
 def open_gguf(
@@ -90,7 +176,8 @@ def open_gguf(
     context: int = CONTEXT,
     draft_model: Any = None,
 ) -> Any:
-    """A `llama_cpp.Llama` over the GGUF file `path`, with no output of its own on stderr.
+    """A `llama_cpp.Llama` over the GGUF file `path`, with no output of its own on stderr and no
+    file descriptor redirected meanwhile (see the module docstring).
 
     Args:
         path: The GGUF file.
@@ -107,19 +194,22 @@ def open_gguf(
     """
     llama_cpp = llama_cpp_module()
     try:
-        return llama_cpp.Llama(
-            model_path=str(path),
-            n_ctx=context,
-            n_batch=BATCH,
-            n_ubatch=BATCH,
-            n_threads=threads,
-            n_threads_batch=batch_threads or threads,
-            n_gpu_layers=-1 if gpu else 0,
-            logits_all=False,
-            swa_full=True,
-            draft_model=draft_model,
-            verbose=False,
-        )
+        with prints_to_log():
+            return llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=context,
+                n_batch=BATCH,
+                n_ubatch=BATCH,
+                n_threads=threads,
+                n_threads_batch=batch_threads or threads,
+                n_gpu_layers=-1 if gpu else 0,
+                logits_all=False,
+                swa_full=True,
+                draft_model=draft_model,
+                # True: with False, llama-cpp-python points fds 1 and 2 at /dev/null while the model
+                # loads; what it then prints goes to the log (`prints_to_log`, the log callback).
+                verbose=True,
+            )
     except (ValueError, RuntimeError, OSError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelLoadError(f"llama.cpp could not load {path}: {reason}") from None

@@ -1,6 +1,7 @@
 """Logging set-up, a leaf module every command imports: the libraries' own logs are quietened, and
 unexpected errors (bugs, not bad input) go to a log file in the data folder with their traceback,
-so that the chat can show one line and stay usable while the details are kept."""
+so that the chat can show one line and stay usable while the details are kept; llama.cpp's warnings
+and errors are kept there too (`LLAMA_CPP_LOG`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from pathlib import Path
 
 from fsd_chat.support.config import data_dir
 
+LLAMA_CPP_LOG = "llama.cpp"
+"""The logger llama.cpp's own log lines go to (`fsd_chat.engines.llama_cpp` bridges them), named,
+like transformers' and bitsandbytes', after the library that writes them."""
+
 
 def quiet_libraries() -> None:
     """Silence transformers' progress bars and the advisory logs of transformers and bitsandbytes
@@ -21,6 +26,12 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # llama.cpp's warnings and errors (a model it cannot load, a context longer than the model was
+    # trained on) are worth keeping, never on the terminal, which the chat draws on; its info and
+    # debug lines (a line per tensor at load, the timings) are dropped before they are formatted.
+    llama_cpp = logging.getLogger(LLAMA_CPP_LOG)
+    llama_cpp.setLevel(logging.WARNING)
+    llama_cpp.addHandler(_ERROR_LOG)  # once: a handler already there is not added again
 
 
 def log_path() -> Path:
@@ -39,6 +50,13 @@ def log_exception(error: BaseException, context: str) -> str:
         The traceback as text (for `--debug`).
     """
     text = "".join(traceback.format_exception(error))
+    _append(context, text)
+    return text
+
+
+def _append(context: str, text: str) -> None:
+    """Append an entry, `text` under a line with the time and `context`, to the log, created
+    private to its owner (like the sessions)."""
     path = log_path()
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -47,4 +65,14 @@ def log_exception(error: BaseException, context: str) -> str:
             log.write(f"--- {datetime.now().astimezone().isoformat(timespec='seconds')} {context}\n{text}")
     except OSError:
         pass  # the log is a convenience: failing to write it must not end the chat
-    return text
+
+
+class _ErrorLogHandler(logging.Handler):
+    """Appends each record to the error log as an entry of its own (opened per record: the records
+    kept are warnings and errors, a few a run)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _append(f"{record.name} {record.levelname.lower()}", f"{record.getMessage()}\n")
+
+
+_ERROR_LOG = _ErrorLogHandler()
