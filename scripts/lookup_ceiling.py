@@ -11,6 +11,11 @@ run's: an approximation, as a target-only step would write the target's own toke
 prompt's prefill (priced as one forward over the prompt), which every engine pays alike, it is the
 ceiling of the bench's tokens/s ratio against llama.cpp alone.
 
+Beside each ceiling, at the chat's split (`POLICY_SPLIT`), the goodput policy's own decisions (the
+default chat's: its k per step, under the same rule) priced the same way, a drafting step with the
+model's step overhead (`ForwardTimings.step`): how near the policy comes to the oracle under the
+model, apart from how the machine runs the forwards.
+
     PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 \
         --output /tmp/lookup-ceiling.json
 """
@@ -20,10 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
 from fsd_chat.engines import llama_cpp
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
@@ -32,6 +38,8 @@ from fsd_chat.models.options import LoadOptions, ModelSpec
 
 SPLITS = {"1": (1, 1), "2": (2, 2), "1, batches 2": (1, 2)}
 """llama.cpp's threads for one token and for several (`--threads`, `--threads-batch`) priced."""
+POLICY_SPLIT = "1, batches 2"
+"""The split the goodput policy decides and is priced at (the chat's on an idle 2-core CPU)."""
 RULES = {
     "exact (T = 0)": DecodingSettings(rule="exact", threshold=0.0),
     "fuzzy T 1 regret": DecodingSettings(threshold=1.0),
@@ -57,18 +65,20 @@ def main() -> None:
     report: dict[str, object] = {
         "argv": vars(args) | {"output": str(args.output), "data_dir": str(args.data_dir)}
     }
-    for name, settings in RULES.items():
+
+    def reply(settings: DecodingSettings, prompt: list[int]) -> list[Step]:
+        target.reset()
+        return list(
+            pair.speculative(Controls(settings)).generate(
+                prompt, max_new_tokens=args.max_new_tokens, sampling=SamplingConfig()
+            )
+        )
+
+    for name, rule in RULES.items():
+        settings = replace(rule, draft_tokens=args.draft_tokens)
         runs: list[tuple[int, list[tuple[int, int]], float]] = []
         for prompt in prompts:
-            target.reset()
-            controls = Controls(
-                DecodingSettings(settings.rule, threshold=settings.threshold, draft_tokens=args.draft_tokens)
-            )
-            decoded = list(
-                pair.speculative(controls).generate(
-                    prompt, max_new_tokens=args.max_new_tokens, sampling=SamplingConfig()
-                )
-            )
+            decoded = reply(settings, prompt)
             runs.append(
                 (
                     len(prompt),
@@ -96,6 +106,26 @@ def main() -> None:
                 "with_prefill_median": statistics.median(overall),
                 "with_prefill": overall,
             }
+        pair.use_threads(SPLITS[POLICY_SPLIT][0], requested_batch=SPLITS[POLICY_SPLIT][1])
+        timings = pair.forward_timings()
+        verify = timings.verify_table()
+        goodput = replace(settings, draft_policy="goodput")
+        decode_ratios, overall_ratios = [], []
+        for prompt in prompts:
+            steps = reply(goodput, prompt)
+            alone = sum(s.stats.emitted for s in steps) * verify[1]
+            taken = sum(
+                verify[s.stats.drafted + 1] + (timings.step if s.stats.drafted else 0.0)
+                for s in steps
+                if s.stats.target_forwards
+            )
+            prefill = llama_cpp.forward_seconds(target, len(prompt))
+            decode_ratios.append(alone / taken)
+            overall_ratios.append((alone + prefill) / (taken + prefill))
+        by_threads[POLICY_SPLIT] |= {
+            "goodput_decode_median": statistics.median(decode_ratios),
+            "goodput_with_prefill_median": statistics.median(overall_ratios),
+        }
         target.set_threads(1, 1)
         tokens = sum(emitted for _, steps, _ in runs for _, emitted in steps)
         report[name] = {"threads": by_threads, "nats_per_token": sum(cost for *_, cost in runs) / tokens}
