@@ -547,18 +547,27 @@ SAMPLING_OPS = ("sort", "topk", "kthvalue", "cumsum", "exponential", "uniform", 
 def test_greedy_graphs_do_no_sampling_work(pair: ModelPair, emulated_cuda: list[str]) -> None:
     """The operators each captured graph records (`EmulatedGraph`: the kernels a CUDA graph would
     launch): a greedy graph, target-only or speculative, neither sorts, nor accumulates top-p's
-    sums, nor draws noise. The greedy graph of a reply that truncates, and the sampled ones, do:
-    the check sees such work where it is."""
+    sums, nor draws noise; a greedy target-only graph computes no law at all (no softmax), even
+    for a reply that truncates (truncations keep the largest logit). The greedy speculative graph
+    of a reply that truncates, and the sampled ones, do such work: the check sees it where it is."""
     settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=2, draft_policy="fixed")
     graphs = captured(pair.speculative(Controls(settings), whole_step=True))
 
-    def sampling_work(key: tuple[int, bool, bool]) -> set[str]:
-        ops = {str(op[0]) for op in graphs._graphs[key][0].ops}
-        return {op for op in ops if any(name in op for name in SAMPLING_OPS)}
+    def ops(key: tuple[int, bool, bool]) -> set[str]:
+        return {str(op[0]) for op in graphs._graphs[key][0].ops}
 
+    def sampling_work(key: tuple[int, bool, bool]) -> set[str]:
+        return {op for op in ops(key) if any(name in op for name in SAMPLING_OPS)}
+
+    for truncating in (False, True):
+        assert not any("softmax" in op for op in ops((0, True, truncating))), truncating
+    assert any("softmax" in op for op in ops((0, False, True)))
     for k in range(4):
         assert sampling_work((k, True, False)) == set(), k
-        assert any("sort" in op for op in sampling_work((k, True, True))), k
+        if k:
+            assert any("sort" in op for op in sampling_work((k, True, True))), k
+        else:
+            assert sampling_work((k, True, True)) == set()
         assert any("exponential" in op for op in sampling_work((k, False, True))), k
 
 
