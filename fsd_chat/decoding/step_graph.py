@@ -563,7 +563,8 @@ class EagerSteps:
         with contextlib.ExitStack() as stack:
             for model in (self.target, self.draft):
                 if model is not None:
-                    stack.enter_context(model.attending(window))
+                    # A target-only step feeds position length − 1 alone: no mask to apply.
+                    stack.enter_context(model.attending(window, last=which == 1))
             return EAGER_FUNCTIONS[which](*args)
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
