@@ -3,7 +3,7 @@ tokens/s, interleaved: each round runs every decoder once over the same prompts,
 rotates from round to round, so that a machine's drifting load falls on all of them alike.
 
     python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64] [--clock process]
-        [--target default --draft lookup]
+        [--target default --draft lookup] [--decoders target-only "exact k4"]
 
 Prints, per decoder pair (today's / whole step), the ratio of tokens/s per prompt and round
 (each prompt's reply timed on its own, the pair's two replies in the same round), its median and
@@ -34,6 +34,7 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 
 MODELS = Path(__file__).resolve().parents[1] / ".." / "shared" / "models"
+DECODERS = ("target-only", "exact k4", "fuzzy js 0.1 k4")
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "Lily had a red ball"]
 
 
@@ -50,6 +51,13 @@ def main() -> None:
         choices=("wall", "process"),
         default="wall",
         help="process: the process's CPU time (one torch thread), steadier on a shared machine",
+    )
+    parser.add_argument(
+        "--decoders",
+        nargs="+",
+        choices=DECODERS,
+        default=DECODERS,
+        help="the decoder pairs to time (default: all)",
     )
     parser.add_argument("--output", type=Path, help="write the ratios and their intervals as JSON")
     args = parser.parse_args()
@@ -69,6 +77,7 @@ def main() -> None:
         "exact k4": lambda whole: pair.speculative(Controls(exact), whole_step=whole),
         "fuzzy js 0.1 k4": lambda whole: pair.speculative(Controls(fuzzy), whole_step=whole),
     }
+    makers = {name: make for name, make in makers.items() if name in args.decoders}
     decoders = {(name, whole): make(whole) for name, make in makers.items() for whole in (False, True)}
     ids = [pair.tokenizer(p).input_ids for p in PROMPTS]
 

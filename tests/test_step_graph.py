@@ -547,18 +547,27 @@ SAMPLING_OPS = ("sort", "topk", "kthvalue", "cumsum", "exponential", "uniform", 
 def test_greedy_graphs_do_no_sampling_work(pair: ModelPair, emulated_cuda: list[str]) -> None:
     """The operators each captured graph records (`EmulatedGraph`: the kernels a CUDA graph would
     launch): a greedy graph, target-only or speculative, neither sorts, nor accumulates top-p's
-    sums, nor draws noise. The greedy graph of a reply that truncates, and the sampled ones, do:
-    the check sees such work where it is."""
+    sums, nor draws noise; a greedy target-only graph computes no law at all (no softmax), even
+    for a reply that truncates (truncations keep the largest logit). The greedy speculative graph
+    of a reply that truncates, and the sampled ones, do such work: the check sees it where it is."""
     settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=2, draft_policy="fixed")
     graphs = captured(pair.speculative(Controls(settings), whole_step=True))
 
-    def sampling_work(key: tuple[int, bool, bool]) -> set[str]:
-        ops = {str(op[0]) for op in graphs._graphs[key][0].ops}
-        return {op for op in ops if any(name in op for name in SAMPLING_OPS)}
+    def ops(key: tuple[int, bool, bool]) -> set[str]:
+        return {str(op[0]) for op in graphs._graphs[key][0].ops}
 
+    def sampling_work(key: tuple[int, bool, bool]) -> set[str]:
+        return {op for op in ops(key) if any(name in op for name in SAMPLING_OPS)}
+
+    for truncating in (False, True):
+        assert not any("softmax" in op for op in ops((0, True, truncating))), truncating
+    assert any("softmax" in op for op in ops((0, False, True)))
     for k in range(4):
         assert sampling_work((k, True, False)) == set(), k
-        assert any("sort" in op for op in sampling_work((k, True, True))), k
+        if k:
+            assert any("sort" in op for op in sampling_work((k, True, True))), k
+        else:
+            assert sampling_work((k, True, True)) == set()
         assert any("exponential" in op for op in sampling_work((k, False, True))), k
 
 
@@ -880,22 +889,31 @@ def test_an_eager_step_attends_over_the_slots_its_reply_reaches(pair: ModelPair)
     """On the CPU each pass of a whole-step reply (the prefill, every draft pass and verify)
     attends over the slots up to its reply's length + k (`StaticModel.attending`), not the static
     cache's capacity, and the step decides as over the whole capacity: the same ids and origins
-    (a fuzzy rule, sampled: divergences and draws, not only argmaxes)."""
+    (a fuzzy rule, sampled: divergences and draws, not only argmaxes). A target-only step's pass
+    (one query at the window's last slot) runs its attention without a mask, and decides as the
+    masked pass over the whole capacity does."""
     k = 4
     settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=k, draft_policy="fixed")
     sampling = SamplingConfig(temperature=0.9, seed=5)
     ids = pair.tokenizer(PROMPTS[2]).input_ids
     passes: list[tuple[int, int, int]] = []
+    unmasked: list[tuple[int, int]] = []
     update = PositionedLayer.update
 
     def recorded(layer: PositionedLayer, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = update(layer, *args, **kwargs)
         passes.append((keys.shape[2], int(layer.cache.positions.max()), layer.max_cache_len))
+        if layer.cache.unmasked:
+            unmasked.append((keys.shape[2], int(layer.cache.positions.max())))
         return keys, values
 
+    target_only = pair.autoregressive(Controls(), whole_step=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PositionedLayer, "update", recorded)
         got = collect(whole(pair, settings).generate(ids, max_new_tokens=60, sampling=sampling))
+        got_target = collect(target_only.generate(ids, max_new_tokens=60, sampling=sampling))
+    assert len(unmasked) > 60
+    assert all(slots == position + 1 for slots, position in unmasked)
     assert len(got.ids) == 60
     # Every slot a pass writes is attended; at most k + 2 beyond it (a draft pass's window is
     # its step's); below the capacity. (The one-token probe at position 0 that allocates a
@@ -904,6 +922,8 @@ def test_an_eager_step_attends_over_the_slots_its_reply_reaches(pair: ModelPair)
     assert len(replied) > 60
     assert all(position < slots <= position + k + 2 < capacity for slots, position, capacity in replied)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(StaticModel, "attending", lambda _, window: contextlib.nullcontext())
+        patch.setattr(StaticModel, "attending", lambda _, window, last=False: contextlib.nullcontext())
         whole_capacity = collect(whole(pair, settings).generate(ids, max_new_tokens=60, sampling=sampling))
+        target_whole_capacity = collect(target_only.generate(ids, max_new_tokens=60, sampling=sampling))
     assert (got.ids, got.origins) == (whole_capacity.ids, whole_capacity.origins)
+    assert got_target.ids == target_whole_capacity.ids

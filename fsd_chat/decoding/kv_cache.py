@@ -251,10 +251,13 @@ class PositionedCache(StaticCache):
             tokens (set before each pass).
         window: The slots the next passes attend over, the first `window` (None: the whole
             capacity; `StaticModel.attending`).
+        unmasked: The next passes are one query at the window's last slot, which attends to
+            every slot of it: their attention takes no mask (`StaticModel.attending`).
     """
 
     positions: torch.Tensor
     window: int | None = None
+    unmasked: bool = False
 
     def __init__(self, config: Any, max_cache_len: int) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -383,13 +386,18 @@ class StaticModel(CachedModel):
             use_cache=True,
             logits_to_keep=keep,
             static_cache=True,  # to the attention (`static_attention`)
+            unmasked=self.cache.unmasked,
         )
         return out.logits[0]
 
     @contextmanager
-    def attending(self, window: int | None) -> Iterator[None]:
+    def attending(self, window: int | None, last: bool = False) -> Iterator[None]:
         """The passes inside the block attend over the cache's first `window` slots only (None,
-        or at least `capacity`: all of them), set back to all on leaving.
+        or at least `capacity`: all of them), set back to all on leaving. `last` (with a
+        window): each pass is one query at position window − 1 (a target-only step), which
+        attends to every slot of the window, so its attention runs without a mask
+        (`static_attention`): a masked SDPA costs nearly twice an unmasked one on the CPU
+        (~100 µs a layer against ~60 on the story pair's one-token passes).
 
         For eager passes whose positions the host knows lie below `window`: a pass's cost on a CPU
         grows with the slots it attends over, and a static cache is sized for a whole reply (up
@@ -399,10 +407,12 @@ class StaticModel(CachedModel):
         (the window would be guarded on: a graph a length).
         """
         self.cache.window = None if window is None or window >= self.capacity else window
+        self.cache.unmasked = last and window is not None
         try:
             yield
         finally:
             self.cache.window = None
+            self.cache.unmasked = False
 
     @torch.inference_mode()
     def forward(self, seq: torch.Tensor, upto: int, keep: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ def static_sdpa_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     static_cache: bool = False,
+    unmasked: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa_attention_forward`, with a masked grouped-query pass over a static
@@ -57,10 +58,14 @@ def static_sdpa_forward(
         dropout, scaling, kwargs: As `sdpa_attention_forward`'s.
         static_cache: The pass is a static model's (`StaticModel.run`); other passes are
             `sdpa_attention_forward`'s whatever they are.
+        unmasked: The pass's one query attends to every key (`PositionedCache.unmasked`): its
+            mask, all zeros, is left out, as transformers leaves out a one-token pass's.
 
     Returns:
         The attention's output [batch, w, query heads, head dim], and None (no weights).
     """
+    if unmasked:
+        attention_mask = None
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = (
         attention_mask is not None and kwargs.get("softcap") is None and kwargs.get("position_bias") is None

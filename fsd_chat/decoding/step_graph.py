@@ -92,6 +92,7 @@ from fsd_chat.decoding.regions import mark_layer_regions
 from fsd_chat.decoding.reply import Reply, commit_target
 from fsd_chat.decoding.sampling import (
     SamplingTensors,
+    argmax,
     draw,
     exponential_noise,
     non_finite_error,
@@ -369,18 +370,24 @@ def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Dr
     """One target-only step on the device: feed seq[position], write the drawn token after it,
     move position on by one.
 
+    A greedy step reads the token off the logits and computes no law (issue 45 item 3: no
+    softmax, sort or noise): the softmax and every truncation (top-k, top-p, min-p) keep the
+    largest logit, so its argmax is the law's, bar logits so close that the softmax rounds their
+    probabilities equal (`sampling.GREEDY_MARGIN`), where the law's argmax would take the first.
+
     Returns:
-        [check, token], float64. The check is NaN exactly when the logits were not finite (the
-        host tests it, `whole_target_step`): a greedy step's largest probability, whose `max`
-        also gives the argmax (one operator for `draw` and `sampling.non_finite`), a sampled
-        step's total probability.
+        [check, token], float64. The check is not finite exactly when the law would not be (the
+        host tests it, `whole_target_step`): a greedy step's largest logit (NaN with a NaN, +inf
+        with a +inf, -inf when all are -inf: the rows `sampling.non_finite` flags), a sampled
+        step's total probability (NaN or finite).
     """
     seq, position = inputs.seq[0], inputs.position
     logits = static_forward(target, seq.index_select(0, position).view(1, 1), position)
-    probs = probabilities(logits, inputs.sampling)
     if greedy:
-        check, token = probs.max(-1)
+        token = argmax(logits)
+        check = logits.gather(-1, token.view(1, 1)).view(1)
     else:
+        probs = probabilities(logits, inputs.sampling)
         check, token = probs.sum(-1), draw(probs, _SAMPLED, None, None if draws is None else draws.noise)
     seq[1:].index_copy_(0, position, token)  # at position + 1
     position.add_(1)
@@ -556,7 +563,8 @@ class EagerSteps:
         with contextlib.ExitStack() as stack:
             for model in (self.target, self.draft):
                 if model is not None:
-                    stack.enter_context(model.attending(window))
+                    # A target-only step feeds position length − 1 alone: no mask to apply.
+                    stack.enter_context(model.attending(window, last=which == 1))
             return EAGER_FUNCTIONS[which](*args)
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
@@ -857,7 +865,7 @@ def whole_target_step(
     """
     check, token = launched.read().tolist()
     steps.target.seen = reply.length
-    if math.isnan(check):
+    if not math.isfinite(check):
         steps.clear()
         raise non_finite_error("target")
     ids = [int(token)]
