@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +33,12 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 
 MODELS = Path(__file__).resolve().parents[1] / ".." / "shared" / "models"
-DECODERS = ("target-only", "exact k4", "fuzzy js 0.1 k4")
+DECODERS: dict[str, DecodingSettings | None] = {
+    "target-only": None,
+    "exact k4": DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed"),
+    "fuzzy js 0.1 k4": DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed"),
+}
+"""The decoders timed, by name: target-only (None) or speculative under these settings."""
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park", "Lily had a red ball"]
 
 
@@ -55,8 +59,8 @@ def main() -> None:
     parser.add_argument(
         "--decoders",
         nargs="+",
-        choices=DECODERS,
-        default=DECODERS,
+        choices=tuple(DECODERS),
+        default=tuple(DECODERS),
         help="the decoder pairs to time (default: all)",
     )
     parser.add_argument("--output", type=Path, help="write the ratios and their intervals as JSON")
@@ -70,15 +74,14 @@ def main() -> None:
     )
     sampling = SamplingConfig(temperature=args.temperature, seed=0 if args.temperature else None)
 
-    exact = DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="fixed")
-    fuzzy = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=4, draft_policy="fixed")
-    makers: dict[str, Callable[[bool], Decoder]] = {
-        "target-only": lambda whole: pair.autoregressive(Controls(), whole_step=whole),
-        "exact k4": lambda whole: pair.speculative(Controls(exact), whole_step=whole),
-        "fuzzy js 0.1 k4": lambda whole: pair.speculative(Controls(fuzzy), whole_step=whole),
+    def make(settings: DecodingSettings | None, whole: bool) -> Decoder:
+        if settings is None:
+            return pair.autoregressive(Controls(), whole_step=whole)
+        return pair.speculative(Controls(settings), whole_step=whole)
+
+    decoders = {
+        (name, whole): make(DECODERS[name], whole) for name in args.decoders for whole in (False, True)
     }
-    makers = {name: make for name, make in makers.items() if name in args.decoders}
-    decoders = {(name, whole): make(whole) for name, make in makers.items() for whole in (False, True)}
     ids = [pair.tokenizer(p).input_ids for p in PROMPTS]
 
     clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -118,7 +121,7 @@ def main() -> None:
         "load": [min(loads), max(loads)],
         "ratios": ratio_report,
     }
-    for name in makers:
+    for name in args.decoders:
         today, whole = measured[(name, False)], measured[(name, True)]
         ratios = [w / t for w, t in zip(whole, today, strict=True)]
         median, interval = median_with_ci95(ratios)
