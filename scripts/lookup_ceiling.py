@@ -46,6 +46,14 @@ RULES = {
 }
 
 
+def speedups(priced: list[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
+    """Per reply (the target alone's seconds, the decoder's, the prompt's prefill): its speed-up over
+    the target alone in decoding, and with the prefill, which both pay."""
+    return [alone / taken for alone, taken, _ in priced], [
+        (alone + prefill) / (taken + prefill) for alone, taken, prefill in priced
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="tinystories-retell")
@@ -90,17 +98,21 @@ def main() -> None:
         for label, threads in SPLITS.items():
             target.set_threads(*threads)
             verify = llama_cpp.modelled_timings(target, None).verify_table()
-            decode, overall = [], []
-            for prompt_length, steps, _ in runs:
-                tokens = sum(emitted for _, emitted in steps)
-                alone = tokens * verify[1]
-                oracle = sum(
-                    verify[a + 1] if a and (a + 1) / verify[a + 1] > 1 / verify[1] else emitted * verify[1]
-                    for a, emitted in steps
-                )
-                prefill = llama_cpp.forward_seconds(target, prompt_length)
-                decode.append(alone / oracle)
-                overall.append((alone + prefill) / (oracle + prefill))
+            decode, overall = speedups(
+                [
+                    (
+                        sum(emitted for _, emitted in steps) * verify[1],
+                        sum(
+                            verify[a + 1]
+                            if a and (a + 1) / verify[a + 1] > 1 / verify[1]
+                            else emitted * verify[1]
+                            for a, emitted in steps
+                        ),
+                        llama_cpp.forward_seconds(target, prompt_length),
+                    )
+                    for prompt_length, steps, _ in runs
+                ]
+            )
             by_threads[label] = {
                 "decode_median": statistics.median(decode),
                 "with_prefill_median": statistics.median(overall),
@@ -110,18 +122,17 @@ def main() -> None:
         timings = pair.forward_timings()
         verify = timings.verify_table()
         goodput = replace(settings, draft_policy="goodput")
-        decode_ratios, overall_ratios = [], []
+        priced = []
         for prompt in prompts:
             steps = reply(goodput, prompt)
-            alone = sum(s.stats.emitted for s in steps) * verify[1]
             taken = sum(
                 verify[s.stats.drafted + 1] + (timings.step if s.stats.drafted else 0.0)
                 for s in steps
                 if s.stats.target_forwards
             )
-            prefill = llama_cpp.forward_seconds(target, len(prompt))
-            decode_ratios.append(alone / taken)
-            overall_ratios.append((alone + prefill) / (taken + prefill))
+            alone = sum(s.stats.emitted for s in steps) * verify[1]
+            priced.append((alone, taken, llama_cpp.forward_seconds(target, len(prompt))))
+        decode_ratios, overall_ratios = speedups(priced)
         by_threads[POLICY_SPLIT] |= {
             "goodput_decode_median": statistics.median(decode_ratios),
             "goodput_with_prefill_median": statistics.median(overall_ratios),
