@@ -580,8 +580,9 @@ class CapturedSteps(EagerSteps):
     """The step functions captured as CUDA graphs at load time and replayed (module docstring).
 
     One graph per (k, kind) for k in `lengths` and k = 0 (target-only), the kinds being sampled,
-    greedy, and greedy with a truncation (`StepInputs.for_step`: only that greedy graph sorts), in
-    one memory pool (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
+    greedy, and greedy with a truncation (`StepInputs.for_step`: only that greedy graph sorts; a
+    greedy target-only step reads its token off the logits whatever the truncation, so it has one
+    graph, `_key`), in one memory pool (`torch.cuda.graph_pool_handle`): the graphs never run at once, so they share their
     intermediates, as vLLM's and SGLang's do. Each is warmed up (WARMUP_CALLS eager calls on the
     capture stream) and captured on that stream. Replay is `CUDAGraph.replay`, with no guards:
     inputs are written into `StepInputs` between replays. The draws come from one CUDA generator
@@ -649,7 +650,7 @@ class CapturedSteps(EagerSteps):
             compile_cache.load(artifacts)
             speculative, target_only = compiled_step_functions(target, draft)
         kinds = [(mode, truncating) for mode in greedy for truncating in ((False, True) if mode else (True,))]
-        keys = [(k, *kind) for k in (0, *self.lengths) for kind in kinds]
+        keys = list(dict.fromkeys(self._key(k, *kind) for k in (0, *self.lengths) for kind in kinds))
         for done, key in enumerate(keys):
             if progress is not None:
                 progress(done, len(keys))
@@ -671,6 +672,13 @@ class CapturedSteps(EagerSteps):
         for model in (target, draft):
             if model is not None:
                 model.seen = 0
+
+    @staticmethod
+    def _key(k: int, greedy: bool, truncating: bool) -> tuple[int, bool, bool]:
+        """The graph a step of draft length k (0: target-only) and this kind replays: (k, greedy,
+        truncating), where a sampled step always truncates (its inputs are read as they are) and a
+        greedy target-only step never does (`target_step` reads no law)."""
+        return k, greedy, not greedy or (truncating and k > 0)
 
     @torch.inference_mode()
     def _capture(
@@ -743,7 +751,7 @@ class CapturedSteps(EagerSteps):
 
     @torch.inference_mode()  # the graphs' outputs are inference tensors
     def _replay(self, k: int, greedy: bool) -> Launched:
-        graph, out = self._graphs[(k, greedy, not greedy or self.inputs.truncating)]
+        graph, out = self._graphs[self._key(k, greedy, self.inputs.truncating)]
         graph.replay()
         # The one transfer of the step, queued right after the replay: the next replay (of any
         # graph: they share a pool) may overwrite `out`. Into the buffer the launch before last
