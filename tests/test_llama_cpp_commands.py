@@ -103,11 +103,13 @@ def test_bench_runs_llama_cpps_own_baselines(
         "--threads", "1", "--threads-batch", "2", "--output", str(out),
     ]  # fmt: skip
     main(args)  # returns: a sweep that ran to its end
-    # It says what loads, on the engine it runs on (not the transformers dtype asked for), and
-    # llama.cpp's baselines print nothing of llama.cpp's or llama-cpp-python's.
-    err = capfd.readouterr().err
-    assert "loading llama.cpp GGUF" in err.splitlines() and "float32" not in err
-    assert not [line for line in err.splitlines() if LLAMA_CPP_LINE.match(line)], err
+    # It says the engine it chose and why, then what loaded, as it runs (the file's type, not the
+    # transformers dtype asked for), and llama.cpp's baselines print nothing of llama.cpp's or
+    # llama-cpp-python's.
+    err = capfd.readouterr().err.splitlines()
+    assert "engine llama.cpp (a GGUF file, llama-cpp-python installed)" in err
+    assert "loaded llama.cpp F32" in err and not [line for line in err if "float32" in line]
+    assert not [line for line in err if LLAMA_CPP_LINE.match(line)], err
     report = json.loads((out / "report.json").read_text())
     configs = report["configs"]
     assert report["environment"]["scorer"].endswith("llama.cpp cpu, 1 thread, 2 a batch")

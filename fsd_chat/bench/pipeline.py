@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,6 +19,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.status import Status
 from rich.text import Text
 
 from fsd_chat.bench import plot, report, terminal
@@ -42,8 +43,6 @@ from fsd_chat.decoding.settings import LOOKUP, SamplingConfig, SamplingRequest, 
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.devices import resolve_device, resolve_dtype
-from fsd_chat.models.engine_choice import choose_engine
-from fsd_chat.models.gguf_sources import on_stderr
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import Engine, LoadOptions, ModelSpec, pair_specs
 from fsd_chat.models.pair import ModelPair
@@ -219,16 +218,14 @@ def run_bench(
 
     ran_as: dict[Setup, Setup] = {}  # a setup as its loaded pair runs it (`run_as`)
     for setup in setups:
-        specs = specs_of(setup, engine)
-        # Said as it will run: on llama.cpp, not the transformers dtype asked for (`load_pair`
-        # chooses the engine again, the same way; the file's type is known once it has loaded).
-        label = replace(setup, engine=choose_engine(*specs, on_stderr).engine).label
-        if not console.is_terminal:  # a status spinner shows only on a terminal
-            console.print(Text(f"loading {label}"))
-        with console.status(f"loading {label}"):
-            pair = load_pair(*specs)
+        # `load_pair` says each phase, the engine it chose (and why) first; the setup is named
+        # once it has loaded, as it runs (on llama.cpp: not the dtype asked for, and the file's
+        # type, known only then).
+        with console.status("loading") as status:
+            pair = load_pair(*specs_of(setup, engine), progress=_phases(console, status))
         pair.use_threads(threads, requested_batch=threads_batch)
         ran = ran_as[setup] = run_as(setup, pair)
+        console.print(Text(f"loaded {ran.label}"))
         pairs[ran.label] = by_setup[ran] = pair
     setups = [ran_as[setup] for setup in setups]
     # transformers' baselines run on models of their own, which fsd-chat's compiled decoders never
@@ -342,6 +339,14 @@ def run_bench(
         + (" · whole step" if whole_step else ""),
     )
     return result.exit_status
+
+
+def _phases(console: Console, status: Status) -> Callable[[str], None]:
+    """A load's phases (`load_pair`'s `progress`): the status line's text on a terminal; else one
+    line each (a log file, a pipe: a spinner shows only on a terminal)."""
+    if console.is_terminal:
+        return status.update
+    return lambda phase: console.print(Text(phase))
 
 
 @contextmanager
