@@ -16,7 +16,7 @@ default chat's: its k per step, under the same rule) priced the same way, a draf
 model's step overhead (`ForwardTimings.step`): how near the policy comes to the oracle under the
 model, apart from how the machine runs the forwards.
 
-    PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 \
+    PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 [--thresholds 1 2] \
         --output /tmp/lookup-ceiling.json
 """
 
@@ -40,10 +40,12 @@ SPLITS = {"1": (1, 1), "2": (2, 2), "1, batches 2": (1, 2)}
 """llama.cpp's threads for one token and for several (`--threads`, `--threads-batch`) priced."""
 POLICY_SPLIT = "1, batches 2"
 """The split the goodput policy decides and is priced at (the chat's on an idle 2-core CPU)."""
-RULES = {
-    "exact (T = 0)": DecodingSettings(rule="exact", threshold=0.0),
-    "fuzzy T 1 regret": DecodingSettings(threshold=1.0),
-}
+
+
+def rules(thresholds: list[float]) -> dict[str, DecodingSettings]:
+    """The rules priced, by name: exact, and the fuzzy rule at each greedy threshold T (regret, nats)."""
+    fuzzy = {f"fuzzy T {t:g} regret": DecodingSettings(threshold=t) for t in thresholds}
+    return {"exact (T = 0)": DecodingSettings(rule="exact", threshold=0.0)} | fuzzy
 
 
 def speedups(priced: list[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
@@ -61,6 +63,13 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="the fuzzy rule's greedy thresholds T (regret, nats) priced beside exact (default: 1, the chat's)",
+    )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
     pair = load_pair(
@@ -82,7 +91,7 @@ def main() -> None:
             )
         )
 
-    for name, rule in RULES.items():
+    for name, rule in rules(args.thresholds).items():
         settings = replace(rule, draft_tokens=args.draft_tokens)
         runs: list[tuple[int, list[tuple[int, int]], float]] = []
         for prompt in prompts:
@@ -123,8 +132,11 @@ def main() -> None:
         verify = timings.verify_table()
         goodput = replace(settings, draft_policy="goodput")
         priced = []
+        goodput_cost = goodput_tokens = 0.0
         for prompt in prompts:
             steps = reply(goodput, prompt)
+            goodput_cost += sum(s.stats.cost for s in steps)
+            goodput_tokens += sum(s.stats.emitted for s in steps)
             taken = sum(
                 verify[s.stats.drafted + 1] + (timings.step if s.stats.drafted else 0.0)
                 for s in steps
@@ -136,6 +148,7 @@ def main() -> None:
         by_threads[POLICY_SPLIT] |= {
             "goodput_decode_median": statistics.median(decode_ratios),
             "goodput_with_prefill_median": statistics.median(overall_ratios),
+            "goodput_nats_per_token": goodput_cost / goodput_tokens,
         }
         target.set_threads(1, 1)
         tokens = sum(emitted for _, steps, _ in runs for _, emitted in steps)
