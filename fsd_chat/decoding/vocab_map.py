@@ -24,11 +24,11 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
@@ -94,7 +94,7 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in _byte_encoder().items()}
 
 
-def spelling(tokenizer: PreTrainedTokenizerBase) -> Spelling | None:
+def spelling(tokenizer: Tokenizer) -> Spelling | None:
     """The tokenizer's `Spelling`, from its `tokenizers` decoder (None: it has no `tokenizers`
     backend, so its token strings cannot be read as bytes)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -125,7 +125,7 @@ class _Vocabulary:
     """One tokenizer's ids below `size`, keyed by the bytes they stand for (a text slot and a
     byte-token slot per byte string) and, for special tokens, by their text."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: int, how: Spelling) -> None:
+    def __init__(self, tokenizer: Tokenizer, size: int, how: Spelling) -> None:
         special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.by_bytes: dict[bytes, list[int | None]] = {}
         self.specials: dict[str, int] = {}
@@ -186,8 +186,8 @@ class VocabularyMap:
 
     def __init__(
         self,
-        target_tokenizer: PreTrainedTokenizerBase,
-        draft_tokenizer: PreTrainedTokenizerBase,
+        target_tokenizer: Tokenizer,
+        draft_tokenizer: Tokenizer,
         target_vocab: int,
         draft_vocab: int,
     ) -> None:
@@ -246,8 +246,8 @@ class VocabularyMap:
 
 
 def map_vocabularies(
-    target_tokenizer: PreTrainedTokenizerBase,
-    draft_tokenizer: PreTrainedTokenizerBase,
+    target_tokenizer: Tokenizer,
+    draft_tokenizer: Tokenizer,
     target_vocab: int,
     draft_vocab: int,
 ) -> VocabularyMap | None:
@@ -261,9 +261,7 @@ def map_vocabularies(
 
 
 @torch.inference_mode()
-def coverage(
-    model: PreTrainedModel | ModelRunner, tokenizer: PreTrainedTokenizerBase, mapping: VocabularyMap
-) -> float:
+def coverage(model: PreTrainedModel | ModelRunner, tokenizer: Tokenizer, mapping: VocabularyMap) -> float:
     """The share of the target's probability mass on paired tokens, averaged over the positions
     of `CALIBRATION_TEXT` (temperature 1): an upper bound on the exact rule's acceptance rate,
     since Σ min(p, q) ≤ Σ_{paired} p when q lives on the paired tokens. One forward pass (a
@@ -272,13 +270,14 @@ def coverage(
     Returns:
         The share in [0, 1].
     """
+    ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT)])
     if isinstance(model, ModelRunner):
-        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(model.device)
+        ids = ids.to(model.device)
         model.reset()
         logits = model.forward(ids, ids.shape[1], keep=ids.shape[1])[:, : mapping.target_vocab].clone()
         model.reset()
     else:
-        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(input_device(model))
+        ids = ids.to(input_device(model))
         logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
     probs = logits.softmax(-1)
     return float(probs[:, mapping.target_ids.to(probs.device)].sum(-1).mean())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
@@ -19,6 +19,7 @@ from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
@@ -54,7 +55,7 @@ class ModelPair:
 
     target: PreTrainedModel | LlamaCppModel
     draft: PreTrainedModel | LlamaCppModel | None
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     vocab_size: int
     target_spec: ModelSpec
     draft_spec: ModelSpec
@@ -63,7 +64,7 @@ class ModelPair:
     timings: ForwardTimings | None = None
     vocab_map: VocabularyMap | None = None
     coverage: float | None = None
-    draft_tokenizer: PreTrainedTokenizerBase | None = None
+    draft_tokenizer: Tokenizer | None = None
     engine: str = "transformers"
     generation: GenerationConfig | None = None
 
