@@ -57,7 +57,7 @@ def load_pair(
         start_gc.resume()  # a conversion or a download takes long: it collects as it goes
         pair = load_transformers_pair(target, draft, options, progress)
     else:
-        pair = load_llama_cpp_pair(choice, target, draft, options, progress, announce)
+        pair = load_llama_cpp_pair(choice, target, draft, options, progress)
         start_gc.resume()
     if progress is None and choice.target_is_gguf:
         on_stderr(choice.describe())

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
@@ -23,11 +22,12 @@ from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
+from fsd_chat.models.generation import FileGeneration
 from fsd_chat.models.options import ModelSpec, quantization_note
 from fsd_chat.support.threads import apply_threads, choose_thread_counts
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
-    from transformers import PreTrainedModel
+    from transformers import GenerationConfig, PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class ModelPair:
             hold (`fsd_chat.decoding.vocab_map.coverage`).
         draft_tokenizer: With a vocab_map, the draft's own tokenizer.
         engine: "transformers" or "llama.cpp".
-        generation: On llama.cpp, the target's generation config as read from its GGUF file
+        generation: On llama.cpp, the target's generation defaults as read from its GGUF file
             (transformers models carry their own); see `generation_config`.
     """
 
@@ -66,11 +66,13 @@ class ModelPair:
     coverage: float | None = None
     draft_tokenizer: Tokenizer | None = None
     engine: str = "transformers"
-    generation: GenerationConfig | None = None
+    generation: FileGeneration | None = None
 
     @property
-    def generation_config(self) -> GenerationConfig | None:
-        """The target's generation config (its sampling defaults and end-of-sequence ids)."""
+    def generation_config(self) -> GenerationConfig | FileGeneration | None:
+        """The target's generation config (its sampling defaults and end-of-sequence ids): a
+        transformers model's own, or on llama.cpp the GGUF file's (`FileGeneration`, under the same
+        field names)."""
         if isinstance(self.target, LlamaCppModel):
             return self.generation
         return self.target.generation_config
