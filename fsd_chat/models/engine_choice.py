@@ -179,9 +179,8 @@ def load_llama_cpp_pair(
     target_model = LlamaCppModel(target_llama, len(tokenizer))
     generation = file_generation(
         target_table.metadata,
-        tokenizer.get_vocab(),
         bos=tokenizer.bos_token_id,
-        eos=tokenizer.eos_token_id,
+        eos=target_model.eos_token_ids,  # llama.cpp's end-of-generation ids
         pad=tokenizer.pad_token_id,
     )
     vocab_size = target_model.vocab_size

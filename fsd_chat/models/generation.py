@@ -5,7 +5,7 @@ one place transformers' type is made of them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
@@ -53,17 +53,13 @@ class FileGeneration:
 
 
 def file_generation(
-    metadata: Mapping[str, object],
-    vocabulary: Mapping[str, int],
-    *,
-    bos: int | None,
-    eos: int | list[int] | None,
-    pad: int | None,
+    metadata: Mapping[str, object], *, bos: int | None, eos: Iterable[int], pad: int | None
 ) -> FileGeneration:
-    """The generation defaults of a GGUF file (its `metadata`, its tokenizer's `vocabulary` of token
-    string -> id): the general.sampling.* keys, which turn sampling on (a file without them, or with
-    temp <= 0, decodes greedily: llama.cpp samples greedily at temperature <= 0), and the tokens that
-    end a turn among its end-of-sequence ids (`end_of_turn_ids`, from `eos`)."""
+    """The generation defaults of a GGUF file (its `metadata`): the general.sampling.* keys, which
+    turn sampling on (a file without them, or with temp <= 0, decodes greedily: llama.cpp samples
+    greedily at temperature <= 0), and `eos`, the ids that end a reply (llama.cpp's
+    end-of-generation ids, or `end_of_turn_ids`): one as an int (as transformers writes it), several
+    sorted, None for none."""
     sampling = {
         field: metadata[f"general.sampling.{key}"]
         for key, field in SAMPLING_KEYS.items()
@@ -71,9 +67,10 @@ def file_generation(
     }
     if float(sampling.get("temperature", 1.0)) <= 0:  # type: ignore[arg-type]
         sampling = {}
+    ends = sorted(set(eos))
     return FileGeneration(
         bos_token_id=bos,
-        eos_token_id=end_of_turn_ids(eos, metadata, vocabulary),
+        eos_token_id=None if not ends else ends[0] if len(ends) == 1 else ends,
         pad_token_id=pad,
         do_sample=bool(sampling),
         **sampling,  # type: ignore[arg-type]
@@ -102,15 +99,14 @@ with `<end_of_turn>` (its generation_config.json lists both; the file cannot).""
 
 def end_of_turn_ids(
     eos: int | list[int] | None, metadata: Mapping[str, object], vocabulary: Mapping[str, int]
-) -> int | list[int] | None:
-    """The ids that end a reply of a GGUF model, as llama.cpp ends one: `eos` (the file's
+) -> set[int]:
+    """The ids that end a reply of a GGUF model, as llama.cpp ends one (`llama_vocab_is_eog`, which
+    the llama.cpp engine asks itself), for the transformers engine's conversion: `eos` (the file's
     end-of-sequence id), the file's end-of-turn and end-of-message ids (tokenizer.ggml.eot_token_id,
-    eom_token_id), and every `END_OF_TURN_TOKENS` token its `vocabulary` holds. One id stays an int
-    (as transformers writes it); None when there are none."""
+    eom_token_id), and every `END_OF_TURN_TOKENS` token its `vocabulary` holds."""
     ids = {eos} if isinstance(eos, int) else set(eos or ())
     ids |= {
         v for key in ("eot", "eom") if isinstance(v := metadata.get(f"tokenizer.ggml.{key}_token_id"), int)
     }
     ids |= {vocabulary[token] for token in END_OF_TURN_TOKENS if token in vocabulary}
-    ordered = sorted(ids)
-    return None if not ordered else ordered[0] if len(ordered) == 1 else ordered
+    return ids

@@ -34,7 +34,7 @@ from transformers.integrations.gguf import GGUF_ARCHS, is_gguf_arch_supported
 from transformers.integrations.gguf.dequant import GGML_BLOCK
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-from fsd_chat.models.generation import file_generation
+from fsd_chat.models.generation import end_of_turn_ids, file_generation
 from fsd_chat.models.gguf_rope import scaled_rope_parameters
 from fsd_chat.models.gguf_sources import (
     Progress,
@@ -188,13 +188,8 @@ def _generation_config(
 ) -> GenerationConfig:
     """`base` (transformers' from the converted model's config) with the file's generation defaults
     (`file_generation`): transformers' type made of them, here alone."""
-    defaults = file_generation(
-        table.metadata,
-        tokenizer.get_vocab(),
-        bos=base.bos_token_id,
-        eos=base.eos_token_id,
-        pad=base.pad_token_id,
-    )
+    ends = end_of_turn_ids(base.eos_token_id, table.metadata, tokenizer.get_vocab())
+    defaults = file_generation(table.metadata, bos=base.bos_token_id, eos=ends, pad=base.pad_token_id)
     return GenerationConfig.from_dict({**base.to_dict(), **defaults.as_dict()})
 
 
