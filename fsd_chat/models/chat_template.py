@@ -423,7 +423,7 @@ def prompt_ids(
         raw: Ignore any chat template and join the turns as plain text.
         vocab_size: The models' shared vocabulary (`ModelPair.vocab_size`): a prompt holding a
             token id at or beyond it is refused (an embedding lookup would fail mid-reply).
-        limits: Render the chat template under these limits first (see `check_template`).
+        limits: Render the chat template under these limits (see `RenderLimits`; None: none).
         generation_prompt: End with the template's opening of an assistant turn; False: the
             conversation alone (what the prompt after the next user turn starts with).
 
@@ -431,7 +431,7 @@ def prompt_ids(
         TextError: a turn holds text that is not valid UTF-8.
         ChatTemplateError: the chat template failed (one line naming its file).
         UnknownTokenError: a token id of the prompt is not below `vocab_size`.
-        TemplateLimitError: see `check_template`.
+        TemplateLimitError: see `render_ids`.
     """
     for m in messages:
         require_utf8(m.content, f"the {m.role} message")
