@@ -28,10 +28,12 @@ from fsd_chat.bench.llama_baselines import baseline_llama
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.settings import SamplingRequest
 from fsd_chat.engines import llama_cpp as engine
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import resolve_target
 from fsd_chat.models.engine_choice import choose_engine
+from fsd_chat.models.generation import FileGeneration, file_generation
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -365,6 +367,28 @@ def test_llama_cpps_tokenizer_is_the_models_own(llama_pair: ModelPair, pair: Mod
     ids = pair.tokenizer.encode(text)
     assert llama_pair.tokenizer.decode(ids) == pair.tokenizer.decode(ids)
     assert (llama_pair.tokenizer.bos_token_id, llama_pair.tokenizer.eos_token_id) == (1, 2)
+
+
+def test_the_files_generation_defaults_are_read_without_transformers(tmp_path: Path) -> None:
+    """The file's sampling keys (written as temp 0.7, top-k 40) and llama.cpp's end-of-generation
+    ids, as our `FileGeneration`, resolve as the transformers engine's converted config does; a
+    temperature <= 0 is greedy, as llama.cpp samples it."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    from tests.gguf_models import write_gguf
+
+    path = write_gguf(TARGET_DIR, tmp_path / "stories.gguf", sampling={"temp": 0.7, "top_k": 40})
+    pair = load_pair(
+        ModelSpec(str(path)), ModelSpec("lookup"), LoadOptions(device="cpu", engine="llama.cpp", threads=1)
+    )
+    generation = pair.generation_config
+    assert isinstance(generation, FileGeneration)  # not transformers' GenerationConfig
+    resolved = SamplingRequest().resolve(generation, "stories.gguf")
+    assert resolved.source == "stories.gguf's generation_config: temperature 0.7, top-k 40"
+    assert generation.eos_token_id == 2 and sorted(pair.target.eos_token_ids) == [2]
+    greedy = file_generation(
+        {"general.sampling.temp": 0.0, "general.sampling.top_k": 40}, bos=1, eos=[3, 2], pad=None
+    )
+    assert not greedy.do_sample and greedy.top_k is None and greedy.eos_token_id == [2, 3]
 
 
 def test_a_gguf_draft_of_another_vocabulary_is_mapped_on_llama_cpp(
