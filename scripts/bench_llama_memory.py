@@ -12,8 +12,8 @@ idle machine), greedy, one thread, the same chat prompt and `--tokens` tokens:
 - `fsd-chat transformers`: `fsd-chat generate --engine transformers` (the float32 copy, converted on
   an earlier start);
 - `first prompt, new file`: `fsd-chat generate --max-new-tokens 1` on a copy of the file under a new
-  name, into an empty cache (the tokenizer is read from the file: no conversion); `second start`:
-  the same again (the tokenizer cached). Their `first_token_s` and `first_token_cpu_s`: in such a
+  name, into an empty cache (no conversion; llama.cpp's own tokenizer, where a tree before it built
+  one with transformers and cached it); `second start`: the same again. Their `first_token_s` and `first_token_cpu_s`: in such a
   process (`generate --json`, not under `time`), the wall seconds from its launch to the first
   token on its stdout, and its CPU seconds then: when the prompt is answered, before the process
   ends (its whole time above also holds its exit). Their `load_s`: in such a process, once

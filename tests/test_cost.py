@@ -40,7 +40,7 @@ def replies(
     while sum(r.stats.tokens for r in runs) < tokens:
         prompt = PROMPTS[seed % len(PROMPTS)]
         seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        ids = pair.tokenizer(prompt).input_ids
+        ids = pair.tokenizer.encode(prompt)
         runs.append(collect(decoder.generate(ids, max_new_tokens=160, sampling=seeded), ids))
         seed += 1
     return runs
@@ -135,7 +135,7 @@ def test_mean_cost_is_the_kl_of_the_decoders_law(pair: ModelPair) -> None:
     replies_count, threshold = 2_000, 0.08
     sampling = SamplingConfig(temperature=1.0)
     vocab, eos = pair.vocab_size, pair.tokenizer.eos_token_id
-    prompt_ids = pair.tokenizer("The little dog").input_ids
+    prompt_ids = pair.tokenizer.encode("The little dog")
 
     def laws(model, ids: torch.Tensor) -> torch.Tensor:
         return probabilities(model(ids).logits[:, -1, :vocab], sampling)

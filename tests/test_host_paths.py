@@ -129,7 +129,7 @@ def test_replies_are_the_device_paths(
             timings=pair.forward_timings,
         )
 
-    prompt = pair.tokenizer("Tom had a red ball. Tom had a red ball. Tom had a").input_ids
+    prompt = pair.tokenizer.encode("Tom had a red ball. Tom had a red ball. Tom had a")
     on_host, on_device = both_paths(monkeypatch, make, prompt, sampling, 48)
     assert on_host == on_device
     assert sum(len(step.tokens) for step in on_host) >= 10

@@ -70,13 +70,13 @@ def test_the_transformers_engine_imports_no_llama_cpp(target_dir) -> None:  # ty
 
 
 UNUSED_ON_LLAMA_CPP = (
-    "transformers.modeling_utils",  # PreTrainedModel
-    "transformers.generation.utils",  # GenerationMixin
+    "transformers",  # any of it: llama.cpp's tokenizer, our chat template render, our generation defaults
     "torch._dynamo",
     "torch._inductor",
     "sympy",  # torch's symbolic shapes: the compiler's, or a transformers model module's
 )
-"""What a process on the llama.cpp engine does not use: 90 MB and seconds of imports (docs/engines.md)."""
+"""What a process on the llama.cpp engine does not use: transformers (0.9 s of imports a start, and
+24 MB), torch's compiler (docs/engines.md)."""
 UNUSED_BY_GENERATE = ("fsd_chat.conversation.store", "fsd_chat.conversation.transcript")
 """The saved sessions' modules, which `generate` does not use (`fsd_chat.cli.chat`)."""
 
@@ -97,45 +97,64 @@ def generated_on_llama_cpp(target: Path, draft: str, cache: Path) -> list[str]:
     return loaded(code, modules, {**os.environ, ENV_CACHE_DIR: str(cache)})
 
 
-def test_the_llama_cpp_engine_imports_no_transformers_modeling(
+def test_the_llama_cpp_engine_imports_no_transformers(
     stories_gguf_files: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """`generate` on llama.cpp, with prompt lookup or a GGUF draft, on a file's first start (its
-    tokenizer read from the file) and its next (read from the cache), imports none of transformers'
-    modeling or torch's compiler: only the tokenizer of transformers, and torch's tensors."""
+    """`generate` on llama.cpp, with prompt lookup or a GGUF draft, on a file's first start and its
+    next, imports no transformers module at all, nor torch's compiler: only torch's tensors; and
+    writes nothing into the user's cache (no tokenizer is built from the file)."""
     pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
     target, draft = stories_gguf_files
     for start in ("first", "second"):
         assert generated_on_llama_cpp(target, "lookup", tmp_path / "cache") == ["llama_cpp"], start
     assert generated_on_llama_cpp(target, str(draft), tmp_path / "cache") == ["llama_cpp"]
+    assert not (tmp_path / "cache").exists()
 
 
-def test_a_converted_copys_tokenizer_loads_no_model_module(
+def test_a_chat_on_llama_cpp_imports_no_transformers_through_its_first_reply(
     stories_gguf_files: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Where the transformers engine converted the file first, llama.cpp reads the tokenizer from
-    that copy, without the copy's model config (whose model module imports sympy)."""
+    """The real chat app over a GGUF file with a chat template (rendered by us) on llama.cpp,
+    driven by Pilot through a first reply, imports no transformers module."""
     pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
-    target, _ = stories_gguf_files
-    cache = tmp_path / "cache"
-    argv = ["generate", "--target", str(target), "--engine", "transformers", "--max-new-tokens", "1", "Once"]
-    code = f"from fsd_chat.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as exc:\n    assert not exc.code"
-    assert loaded(code, ("transformers.modeling_utils",), {**os.environ, ENV_CACHE_DIR: str(cache)}) == [
-        "transformers.modeling_utils"
-    ]  # converted: the transformers engine's model
-    assert not (cache / "gguf-tokenizers").exists()  # so llama.cpp reads the converted copy's tokenizer
-    assert generated_on_llama_cpp(target, "lookup", cache) == ["llama_cpp"]
-    assert not (cache / "gguf-tokenizers").exists()
+    code = f"""
+import asyncio
+from pathlib import Path
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+from fsd_chat.tui.screens.chat import ChatScreen
+from tests.tui.helpers import SIZE, make_app, wait_for, wait_for_chat
+
+async def chat() -> None:
+    pair = load_pair(
+        ModelSpec({str(stories_gguf_files[0])!r}), ModelSpec("lookup"),
+        LoadOptions(device="cpu", engine="llama.cpp", threads=1),
+    )
+    assert pair.tokenizer.chat_template
+    app = make_app(pair, Path({str(tmp_path)!r}), max_new_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_chat(pilot)
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        await pilot.press(*"Hi <|im_end|> there", "enter")
+        await wait_for(pilot, lambda: len(screen.session.turns) == 2 and screen.streaming is None, 60)
+        assert screen.session.turns[-1].content
+
+asyncio.run(chat())
+"""
+    env = {**os.environ, ENV_CACHE_DIR: str(tmp_path / "cache")}
+    assert loaded(code, ("llama_cpp", *UNUSED_ON_LLAMA_CPP), env) == ["llama_cpp"]
 
 
-def test_the_commands_modules_import_no_transformers_modeling() -> None:
-    """What chat, serve and bench import before they choose an engine: none of it (the transformers
-    engine's loading, its baselines and torch.compile's counters are imported where they run)."""
+def test_the_commands_modules_import_no_transformers() -> None:
+    """What chat, serve and bench import before they choose an engine: no transformers (the
+    transformers engine's loading, its baselines and torch.compile's counters are imported where
+    they run)."""
     modules = ("fsd_chat.tui.app", "fsd_chat.server.run", "fsd_chat.bench.pipeline", "fsd_chat.cli.bench")
     assert loaded("\n".join(f"import {m}" for m in modules), UNUSED_ON_LLAMA_CPP) == []
 
 
-def test_a_bench_on_llama_cpp_imports_no_transformers_modeling(
+def test_a_bench_on_llama_cpp_imports_no_transformers(
     stories_gguf_files: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """A real sweep on llama.cpp, with llama.cpp's own baselines, imports none of it either."""

@@ -49,7 +49,7 @@ def test_settings_retuned_while_the_decoder_runs_apply_whole_from_the_next_step(
 
     def decode() -> None:
         for step in decoder.generate(
-            pair.tokenizer("Once upon a time").input_ids,
+            pair.tokenizer.encode("Once upon a time"),
             max_new_tokens=500,
             sampling=SamplingConfig(1.0, seed=0),
         ):
@@ -100,7 +100,7 @@ def test_stop_from_another_thread_keeps_the_partial_reply(engine_pair: ModelPair
     stopped = threading.Event()
 
     def consume() -> None:
-        for step in decoder.generate(pair.tokenizer("Once upon a time").input_ids, max_new_tokens=400):
+        for step in decoder.generate(pair.tokenizer.encode("Once upon a time"), max_new_tokens=400):
             received.append(step)
             if len(received) == 1:
                 first_step_seen.set()
@@ -118,5 +118,5 @@ def test_stop_from_another_thread_keeps_the_partial_reply(engine_pair: ModelPair
     assert received[-1].stop_reason == StopReason.STOPPED
     assert sum(len(s.tokens) for s in received) >= 2
     # A new generation starts afresh.
-    again = list(decoder.generate(pair.tokenizer("Once").input_ids, max_new_tokens=5))
+    again = list(decoder.generate(pair.tokenizer.encode("Once"), max_new_tokens=5))
     assert again[-1].stop_reason == StopReason.MAX_NEW_TOKENS

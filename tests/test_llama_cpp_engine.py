@@ -28,10 +28,12 @@ from fsd_chat.bench.llama_baselines import baseline_llama
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.settings import SamplingRequest
 from fsd_chat.engines import llama_cpp as engine
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import resolve_target
 from fsd_chat.models.engine_choice import choose_engine
+from fsd_chat.models.generation import FileGeneration, file_generation
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -62,7 +64,7 @@ def test_logits_are_the_transformers_models_at_the_positions_asked_for(
     the last `keep` positions of a feed, and the next feed continues the sequence."""
     runner = llama_pair.target
     assert isinstance(runner, engine.LlamaCppModel)
-    ids = pair.tokenizer(PROMPT + " girl who liked to play").input_ids
+    ids = pair.tokenizer.encode(PROMPT + " girl who liked to play")
     with torch.inference_mode():
         reference = pair.target(ids_tensor(ids)).logits[0, :, :512]
     runner.reset()
@@ -80,7 +82,7 @@ def test_a_feed_longer_than_a_batch_is_read_in_chunks(
     so that the 5 positions asked for... at most a batch: here 4 lie in the last chunk)."""
     monkeypatch.setattr(engine, "BATCH", 4)
     runner = engine.LlamaCppModel(llama_pair.target.llama, 512)  # type: ignore[union-attr]
-    ids = pair.tokenizer(PROMPT + " girl").input_ids[:11]
+    ids = pair.tokenizer.encode(PROMPT + " girl")[:11]
     assert len(ids) == 11
     with torch.inference_mode():
         reference = pair.target(ids_tensor(ids)).logits[0, :, :512]
@@ -106,7 +108,7 @@ def test_logits_are_a_view_of_llama_cpps_buffer(llama_pair: ModelPair) -> None:
 def test_rollback_and_prefix_reuse_give_a_fresh_feeds_logits(llama_pair: ModelPair) -> None:
     runner = llama_pair.target
     assert isinstance(runner, engine.LlamaCppModel)
-    ids = llama_pair.tokenizer(PROMPT).input_ids
+    ids = llama_pair.tokenizer.encode(PROMPT)
     other = [*ids[:5], 77, 78, 79]
     runner.reset()
     fresh = runner.forward(ids_tensor(other), len(other), keep=3).clone()
@@ -250,7 +252,7 @@ def test_a_verify_is_priced_at_the_batch_threads(default_pair: ModelPair) -> Non
 
 
 def test_a_gguf_drafts_exact_greedy_decoding_is_target_only_decoding(llama_pair: ModelPair) -> None:
-    prompt = llama_pair.tokenizer(PROMPT).input_ids
+    prompt = llama_pair.tokenizer.encode(PROMPT)
     target_only = decoded(llama_pair.autoregressive(Controls()), prompt, 40)
     decoder = llama_pair.speculative(Controls(DecodingSettings(rule="exact", draft_tokens=4)))
     steps = list(decoder.generate(prompt, max_new_tokens=40, sampling=SamplingConfig()))
@@ -262,9 +264,9 @@ def test_a_gguf_drafts_exact_greedy_decoding_is_target_only_decoding(llama_pair:
 def test_prefix_reuse_across_turns_reads_only_the_new_tokens(llama_pair: ModelPair) -> None:
     controls = Controls()
     decoder = llama_pair.speculative(controls)
-    first = llama_pair.tokenizer(PROMPT).input_ids
+    first = llama_pair.tokenizer.encode(PROMPT)
     reply = decoded(decoder, first, 10)
-    second = [*first, *reply, *llama_pair.tokenizer(" The end.").input_ids[1:]]
+    second = [*first, *reply, *llama_pair.tokenizer.encode(" The end.")[1:]]
     decoded(decoder, second, 5)
     # Everything the first turn fed is kept: its prompt and its reply but the last token.
     assert controls.cached_prompt_tokens >= len(first) + len(reply) - 1
@@ -355,18 +357,38 @@ def test_a_lookup_decoder_on_a_runner_needs_its_engines_timings(llama_pair: Mode
         SpeculativeDecoder(llama_pair.target, PromptLookup(3), llama_pair.tokenizer)  # type: ignore[arg-type]
 
 
-def test_the_tokenizer_read_from_the_gguf_file_is_the_models_own(
-    llama_pair: ModelPair, pair: ModelPair
-) -> None:
-    """Read from the file's metadata (`gguf_tokenizer`), the tokenizer encodes and decodes text as
-    the folder's tokenizer.json does (a special token typed in the text spaces differently once
+def test_llama_cpps_tokenizer_is_the_models_own(llama_pair: ModelPair, pair: ModelPair) -> None:
+    """llama.cpp's own tokenizer of the file (`LlamaCppTokenizer`) encodes and decodes text as the
+    folder's tokenizer.json does (a special token typed in the text spaces differently once
     transformers converts a GGUF vocabulary, as for the transformers engine: not a case here)."""
     text = "Once upon a time, Lily said: hi. Ünïcödé 東京 42!"
     assert llama_pair.tokenizer.get_vocab() == pair.tokenizer.get_vocab()
-    assert llama_pair.tokenizer(text).input_ids == pair.tokenizer(text).input_ids
-    ids = pair.tokenizer(text).input_ids
+    assert llama_pair.tokenizer.encode(text) == pair.tokenizer.encode(text)
+    ids = pair.tokenizer.encode(text)
     assert llama_pair.tokenizer.decode(ids) == pair.tokenizer.decode(ids)
     assert (llama_pair.tokenizer.bos_token_id, llama_pair.tokenizer.eos_token_id) == (1, 2)
+
+
+def test_the_files_generation_defaults_are_read_without_transformers(tmp_path: Path) -> None:
+    """The file's sampling keys (written as temp 0.7, top-k 40) and llama.cpp's end-of-generation
+    ids, as our `FileGeneration`, resolve as the transformers engine's converted config does; a
+    temperature <= 0 is greedy, as llama.cpp samples it."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    from tests.gguf_models import write_gguf
+
+    path = write_gguf(TARGET_DIR, tmp_path / "stories.gguf", sampling={"temp": 0.7, "top_k": 40})
+    pair = load_pair(
+        ModelSpec(str(path)), ModelSpec("lookup"), LoadOptions(device="cpu", engine="llama.cpp", threads=1)
+    )
+    generation = pair.generation_config
+    assert isinstance(generation, FileGeneration)  # not transformers' GenerationConfig
+    resolved = SamplingRequest().resolve(generation, "stories.gguf")
+    assert resolved.source == "stories.gguf's generation_config: temperature 0.7, top-k 40"
+    assert generation.eos_token_id == 2 and sorted(pair.target.eos_token_ids) == [2]
+    greedy = file_generation(
+        {"general.sampling.temp": 0.0, "general.sampling.top_k": 40}, bos=1, eos=[3, 2], pad=None
+    )
+    assert not greedy.do_sample and greedy.top_k is None and greedy.eos_token_id == [2, 3]
 
 
 def test_a_gguf_draft_of_another_vocabulary_is_mapped_on_llama_cpp(
@@ -385,7 +407,7 @@ def test_a_gguf_draft_of_another_vocabulary_is_mapped_on_llama_cpp(
     options = LoadOptions(device="cpu", engine="llama.cpp", threads=1)
     mapped = load_pair(ModelSpec(str(stories_gguf_files[0])), ModelSpec(str(draft)), options)
     assert mapped.draft_kind == "mapped" and mapped.coverage is not None and mapped.coverage > 0.9
-    prompt = mapped.tokenizer(PROMPT).input_ids
+    prompt = mapped.tokenizer.encode(PROMPT)
     decoder = mapped.speculative(
         Controls(DecodingSettings(rule="exact", draft_tokens=3, draft_policy="fixed"))
     )

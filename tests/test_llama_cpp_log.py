@@ -166,14 +166,13 @@ def test_generate_on_llama_cpp_prints_its_own_lines_and_nothing_else(
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    """The real command, the file descriptors read: stderr holds fsd-chat's own lines (the first
-    start's tokenizer, the engine), stdout the reply."""
+    """The real command, the file descriptors read: stderr holds fsd-chat's own line (the engine;
+    a first start reads nothing more than later ones: llama.cpp's tokenizer is the file's), stdout
+    the reply; and nothing is written into the user's cache."""
     monkeypatch.setenv("FSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
     args = ["generate", "--target", str(stories_gguf_files[0]), "--engine", "llama.cpp", "--threads", "1"]
     main([*args, "--max-new-tokens", "8", "Once upon a time"])
     out, err = capfd.readouterr()
-    assert err.splitlines() == [
-        "fsd-chat: reading the tokenizer of stories.gguf (first start only)",
-        "fsd-chat: engine llama.cpp (--engine llama.cpp)",
-    ]
+    assert err.splitlines() == ["fsd-chat: engine llama.cpp (--engine llama.cpp)"]
     assert len(out.splitlines()) == 1 and out.strip()
+    assert not (tmp_path / "cache").exists()

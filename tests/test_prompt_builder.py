@@ -15,8 +15,8 @@ from fsd_chat.models.chat_template import (
     PromptBuilder,
     RenderLimits,
     TemplateLimitError,
-    check_template,
     prompt_ids,
+    render_ids,
 )
 from fsd_chat.models.pair import ModelPair
 
@@ -28,19 +28,16 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting the texts it tokenises and the conversations it renders."""
+    """The real tokenizer, counting the texts it encodes (a conversation's render encodes two: a
+    newline, then the rendered text)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.calls = 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        return self.inner(*args, **kwargs)
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.inner.apply_chat_template(*args, **kwargs)
+        return self.inner.encode(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -137,10 +134,12 @@ def test_a_render_is_cancelled_and_a_good_template_renders_as_transformers_does(
         return polls > 1000
 
     with pytest.raises(TemplateLimitError, match="stopped while the chat template was rendering"):
-        check_template(tokenizer, HELLO, RenderLimits(seconds=60, cancelled=cancelled))
+        render_ids(
+            tokenizer, HELLO, generation_prompt=True, limits=RenderLimits(seconds=60, cancelled=cancelled)
+        )
     tokenizer.chat_template = "{{ raise_exception('no system role') }}"
     with pytest.raises(jinja2.TemplateError, match="no system role"):
-        check_template(tokenizer, HELLO, RenderLimits())
+        render_ids(tokenizer, HELLO, generation_prompt=True, limits=RenderLimits())
     tokenizer.chat_template = TEMPLATE + "{% generation %}{{ messages|tojson }}{% endgeneration %}"
     messages = [Message("user", "a </s> b")]
     assert prompt_ids(tokenizer, messages, limits=RenderLimits()) == prompt_ids(tokenizer, messages)

@@ -162,7 +162,7 @@ def assert_first_two_tokens_follow_the_target(
     power, against the draft's (rejected at p < POWER)."""
     tokenizer, vocab = pair.tokenizer, pair.vocab_size
     eos = tokenizer.eos_token_id
-    prompt_ids = tokenizer(PROMPT).input_ids
+    prompt_ids = tokenizer.encode(PROMPT)
     p1, p2_given = next_token_laws(pair.target, prompt_ids, vocab)
     q1, q2_given = next_token_laws(pair.draft, prompt_ids, vocab)
 
@@ -219,7 +219,7 @@ def test_replies_through_the_decoder_follow_the_target(engine_pair: ModelPair) -
     pair = engine_pair
     tokenizer, vocab = pair.tokenizer, pair.vocab_size
     eos = tokenizer.eos_token_id
-    prompt_ids = tokenizer(PROMPT).input_ids
+    prompt_ids = tokenizer.encode(PROMPT)
     settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.0, draft_tokens=2)
     decoder = pair.speculative(Controls(settings))
     firsts = torch.zeros(vocab + 1, dtype=torch.long)

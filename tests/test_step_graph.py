@@ -30,8 +30,9 @@ from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.draft_policy import FixedPolicy
 from fsd_chat.decoding.events import StopReason
-from fsd_chat.decoding.kv_cache import CachedModel, PositionedLayer, StaticModel, compiled_capacity
+from fsd_chat.decoding.kv_cache import CachedModel, StaticModel, compiled_capacity
 from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.positioned_cache import PositionedLayer
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig

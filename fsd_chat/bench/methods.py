@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from fsd_chat.bench.llama_baselines import baseline_llama, llama_generate
 from fsd_chat.bench.meter import ForwardMeter, RunnerMeter
@@ -99,16 +98,18 @@ class Deadline:
         return time.monotonic() >= self.at
 
 
-class _DeadlineCriteria(StoppingCriteria):
-    """transformers' stopping criterion for a `Deadline`: every sequence is done once it passed."""
+def _deadline_criteria(deadline: Deadline) -> Any:
+    """transformers' stopping criteria for a `Deadline`: every sequence is done once it passed
+    (transformers imported here: the bench on llama.cpp runs without it)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
-    def __init__(self, deadline: Deadline) -> None:
-        self.deadline = deadline
+    class DeadlineCriteria(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return torch.full(
+                (input_ids.shape[0],), deadline.passed(), dtype=torch.bool, device=input_ids.device
+            )
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return torch.full(
-            (input_ids.shape[0],), self.deadline.passed(), dtype=torch.bool, device=input_ids.device
-        )
+    return StoppingCriteriaList([DeadlineCriteria()])
 
 
 @contextmanager
@@ -455,7 +456,7 @@ class PairRunner:
         if stop_strings:
             options |= {"stop_strings": list(stop_strings), "tokenizer": pair.tokenizer}
         if deadline is not None:
-            options["stopping_criteria"] = StoppingCriteriaList([_DeadlineCriteria(deadline)])
+            options["stopping_criteria"] = _deadline_criteria(deadline)
         if pair.vocab_map is not None and "assistant_model" in drafting:
             if pair.vocab_map.draft_vocab == pair.vocab_size:
                 # transformers takes a draft whose vocabulary has the target's size for one that

@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from transformers import PreTrainedTokenizerBase
-
 from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step
@@ -25,6 +23,7 @@ from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
 from fsd_chat.decoding.reply import begin, eos_token_ids, read_ahead, target_step
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import SamplingConfig, StepRule
+from fsd_chat.decoding.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
@@ -56,7 +55,7 @@ class AutoregressiveDecoder:
     def __init__(
         self,
         target: PreTrainedModel | ModelRunner,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         *,
         controls: Controls | None = None,
         vocab_size: int | None = None,

@@ -22,11 +22,11 @@ import json
 import os
 import platform
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import transformers
 
 from fsd_chat.support.config import cache_dir
 
@@ -53,7 +53,7 @@ def artifact_key(models: Sequence[PreTrainedModel], device: torch.device, kind: 
         "kind": kind,
         "models": [{"config": model.config.to_dict(), "dtype": str(model.dtype)} for model in models],
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": version("transformers"),
         "device": device_identity(device),
     }
     text = json.dumps(identity, sort_keys=True, default=str)

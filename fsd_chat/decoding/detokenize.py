@@ -10,9 +10,7 @@ it ends in U+FFFD (an incomplete UTF-8 sequence).
 
 from __future__ import annotations
 
-from typing import cast
-
-from transformers import PreTrainedTokenizerBase
+from fsd_chat.decoding.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
 
@@ -25,7 +23,7 @@ class IncrementalDetokenizer:
     `tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)`.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self.ids: list[int] = []
@@ -34,8 +32,7 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
 
     def _decode(self, ids: list[int]) -> str:
-        # A list only for batched input; this runs every step, so the type is cast, not checked.
-        return cast(str, self._tokenizer.decode(ids, skip_special_tokens=self._skip))
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it adds."""

@@ -25,8 +25,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from fsd_chat.decoding.packed_linear import unpack_linear_layers
 from fsd_chat.decoding.runner import ModelRunner, id_set
@@ -35,6 +33,9 @@ from fsd_chat.support.errors import UnsupportedCacheError
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+    from fsd_chat.decoding.positioned_cache import PositionedCache
 
 DRAFT_WIDTHS = (1, 2)
 """The forward passes a compiled draft runs compiled, in tokens: one per draft step, two for a
@@ -111,6 +112,8 @@ class CachedModel:
         return id_set(getattr(self.model.generation_config, "eos_token_id", None))
 
     def _new_cache(self) -> Cache:
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
         cache = DynamicCache(config=self.model.config)
         # Whole KV for sliding-window (and chunked) layers: the mask applies the window (module docstring).
         cache.layers = [
@@ -126,6 +129,8 @@ class CachedModel:
     def _prefix_reusable(self) -> bool:
         # A layer that trims what it holds cannot go back to an arbitrary earlier prefix. Exactly
         # DynamicLayer: the trimming layers subclass it.
+        from transformers.cache_utils import DynamicLayer
+
         return all(type(layer) is DynamicLayer for layer in self.cache.layers)
 
     def keep_prefix(self, seq: torch.Tensor, length: int) -> int:
@@ -207,66 +212,6 @@ class CachedModel:
             )
 
 
-class PositionedLayer(StaticLayer):
-    """A full-attention static cache layer that writes a forward pass's keys and values at the
-    positions its cache holds for that pass (`PositionedCache.positions`, a device tensor), and
-    keeps no write position of its own.
-
-    transformers' `StaticLayer.update` writes at its `cumulative_length` (a device counter: an
-    `arange`, an `add` and an `add_` a layer besides the two `index_copy_`), which rolling back
-    must then set in every layer; here the step's positions are given once a pass, so a layer
-    costs its two `index_copy_` (2 operators, 2 kernels on a GPU), and rolling back is nothing:
-    the next pass writes over the rejected slots. What lies beyond the sequence is hidden by the
-    attention mask (`PositionedCache.mask`).
-    """
-
-    def __init__(self, max_cache_len: int, cache: PositionedCache) -> None:
-        super().__init__(max_cache_len=max_cache_len)
-        self.cache = cache
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write keys and values [1, kv heads, w, head dim] at the pass's w positions; the
-        buffers back, [1, kv heads, capacity, head dim], or their first `PositionedCache.window`
-        slots (views)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        keys, values, positions = self.keys, self.values, self.cache.positions
-        assert keys is not None and values is not None  # allocated above
-        keys.index_copy_(2, positions, key_states)
-        values.index_copy_(2, positions, value_states)
-        window = self.cache.window
-        if window is None:
-            return keys, values
-        return keys[:, :, :window], values[:, :, :window]
-
-
-class PositionedCache(StaticCache):
-    """transformers' `StaticCache` with its full-attention layers `PositionedLayer`s (other layers
-    are kept as they are, for `StaticModel` to refuse), written at `positions`.
-
-    Attributes:
-        positions: [w] int64 on the model's device, the positions of the next forward pass's
-            tokens (set before each pass).
-        window: The slots the next passes attend over, the first `window` (None: the whole
-            capacity; `StaticModel.attending`).
-        unmasked: The next passes are one query at the window's last slot, which attends to
-            every slot of it: their attention takes no mask (`StaticModel.attending`).
-    """
-
-    positions: torch.Tensor
-    window: int | None = None
-    unmasked: bool = False
-
-    def __init__(self, config: Any, max_cache_len: int) -> None:
-        super().__init__(config=config, max_cache_len=max_cache_len)
-        self.layers = [
-            PositionedLayer(max_cache_len, self) if type(layer) is StaticLayer else layer
-            for layer in self.layers
-        ]
-
-
 class StaticModel(CachedModel):
     """A model over a static KV cache written at given positions (`PositionedCache`), every
     forward pass eager.
@@ -329,6 +274,8 @@ class StaticModel(CachedModel):
         self.fed = None
 
     def _new_cache(self) -> PositionedCache:
+        from fsd_chat.decoding.positioned_cache import PositionedCache
+
         cache = PositionedCache(self.model.config, self.capacity)
         # The slots' indices, which `attention_mask` compares with the positions of a pass.
         self._slots = torch.arange(self.capacity, device=self.device)
@@ -436,6 +383,8 @@ class StaticModel(CachedModel):
 
     @torch.inference_mode()
     def _check_rollback(self) -> None:
+        from fsd_chat.decoding.positioned_cache import PositionedLayer
+
         # Exactly ours: the sliding-window static layers subclass StaticLayer, and are left as they are.
         self.layers = [layer for layer in self.cache.layers if type(layer) is PositionedLayer]
         if len(self.layers) < len(self.cache.layers):
@@ -575,6 +524,8 @@ def compile_refusal(model: PreTrainedModel, flag: str = "--compile") -> str | No
     devices = set(getattr(model, "hf_device_map", {}).values())
     if "disk" in devices or ("cpu" in devices and len(devices) > 1):
         return f"{name} has layers offloaded to the CPU or the disk, which cannot be compiled"
+    from transformers.cache_utils import StaticCache, StaticLayer
+
     try:
         layers = StaticCache(config=model.config, max_cache_len=1).layers
     except Exception as exc:  # a model whose config a static cache cannot read

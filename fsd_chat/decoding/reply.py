@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.detokenize import IncrementalDetokenizer
@@ -27,6 +26,7 @@ from fsd_chat.decoding.sampling import (
 )
 from fsd_chat.decoding.settings import DecodingSettings, SamplingConfig, StepRule
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.support.errors import ContextLengthError, SettingsError
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
@@ -58,7 +58,7 @@ class Reply:
         self,
         prompt_ids: list[int],
         *,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         device: torch.device,
         max_new_tokens: int,
         context: int | None,
@@ -220,7 +220,7 @@ def begin(
     models: Sequence[ModelRunner],
     prompt_ids: list[int],
     *,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     controls: Controls,
     sampling: SamplingConfig,
     max_new_tokens: int,
@@ -346,9 +346,7 @@ def read_ahead(
     read_prompt(models, seq, len(prompt_ids), controls, reuse_prefix=True, deferred=deferred)
 
 
-def eos_token_ids(
-    tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel | ModelRunner
-) -> frozenset[int]:
+def eos_token_ids(tokenizer: Tokenizer, *models: PreTrainedModel | ModelRunner) -> frozenset[int]:
     """Token ids that end a reply: the tokenizer's EOS and each model's own (a transformers model's
     generation-config EOS, a runner's `ModelRunner.eos_token_ids`)."""
     ids = set(id_set(tokenizer.eos_token_id))

@@ -29,7 +29,6 @@ from functools import cache, partial
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
@@ -60,6 +59,7 @@ from fsd_chat.decoding.settings import (
     SamplingConfig,
 )
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.support.errors import NonFiniteError
 
@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         self,
         target: PreTrainedModel | ModelRunner,
         draft: PreTrainedModel | ModelRunner | Proposer,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         *,
         controls: Controls | None = None,
         vocab_size: int | None = None,

@@ -2,8 +2,9 @@
 "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for Heterogeneous
 Vocabularies" (ICML 2025, §3.3, "TLI"), as transformers' `AssistantToTargetTranslator` builds it.
 
-Two tokens correspond when they stand for the same bytes of text. Each tokenizer spells bytes its
-own way, read from its `tokenizers` decoder: SentencePiece writes a space as `▁` and a byte it has
+Two tokens correspond when they stand for the same bytes of text. llama.cpp's tokenizer says which
+bytes each token stands for (`TokenPieces`). transformers' tokenizers spell bytes their own way,
+read from their `tokenizers` decoder: SentencePiece writes a space as `▁` and a byte it has
 no piece for as a byte-fallback token `<0xNN>`; byte-level BPE (GPT-2, Llama 3, Qwen) writes every
 byte as one printable character (`Ġ` for a space). A SentencePiece vocabulary holds some bytes
 twice (`A` and `<0x41>`): text tokens pair with text tokens and byte tokens with byte tokens, and
@@ -21,14 +22,13 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-from transformers import PreTrainedTokenizerBase
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
@@ -86,6 +86,9 @@ class Spelling:
 
 @cache
 def _byte_encoder() -> dict[int, str]:
+    # Only a transformers tokenizer is byte-level spelled (llama.cpp's says its bytes itself).
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     return bytes_to_unicode()
 
 
@@ -94,7 +97,17 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in _byte_encoder().items()}
 
 
-def spelling(tokenizer: PreTrainedTokenizerBase) -> Spelling | None:
+@runtime_checkable
+class TokenPieces(Protocol):
+    """A tokenizer that says which bytes each of its tokens stands for (llama.cpp's:
+    `fsd_chat.engines.llama_cpp_tokenizer.LlamaCppTokenizer.token_pieces`)."""
+
+    def token_pieces(self) -> list[tuple[bytes, bool]]:
+        """By id: the bytes the token stands for, and whether it is a byte token."""
+        ...
+
+
+def spelling(tokenizer: Tokenizer) -> Spelling | None:
     """The tokenizer's `Spelling`, from its `tokenizers` decoder (None: it has no `tokenizers`
     backend, so its token strings cannot be read as bytes)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -123,10 +136,25 @@ def _decoder_steps(decoder: dict[str, Any]) -> list[dict[str, Any]]:
 
 class _Vocabulary:
     """One tokenizer's ids below `size`, keyed by the bytes they stand for (a text slot and a
-    byte-token slot per byte string) and, for special tokens, by their text."""
+    byte-token slot per byte string) and, for special tokens, by their text; and how it encodes the
+    bytes of a text it has no token for (`spell`).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: int, how: Spelling) -> None:
+    Raises:
+        ValueError: the tokenizer neither says its tokens' bytes nor has a `tokenizers` backend.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, size: int) -> None:
         special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        if isinstance(tokenizer, TokenPieces):
+            pieces = tokenizer.token_pieces()
+            self._spelling = None
+            self._tokenizer = tokenizer
+        else:
+            how = spelling(tokenizer)
+            if how is None:
+                raise ValueError("a tokenizer without a `tokenizers` backend cannot be mapped")
+            self._spelling = how
+            self._model = tokenizer.backend_tokenizer.model  # type: ignore[attr-defined]
         self.by_bytes: dict[bytes, list[int | None]] = {}
         self.specials: dict[str, int] = {}
         for token, token_id in tokenizer.get_vocab().items():
@@ -135,9 +163,24 @@ class _Vocabulary:
             if token_id in special:
                 self.specials[token] = token_id
                 continue
-            text, is_byte = how.to_bytes(token)
+            text, is_byte = pieces[token_id] if self._spelling is None else self._spelling.to_bytes(token)
             self.by_bytes.setdefault(text, [None, None])[is_byte] = token_id
         self.roles = {role: getattr(tokenizer, role, None) for role in _ROLES}
+
+    def spell(self, text: bytes) -> tuple[int, ...] | None:
+        """This tokenizer's ids for `text` (None: not valid UTF-8, and not byte-level spelled, so only
+        byte tokens can spell it)."""
+        if self._spelling is not None:
+            spelled = self._spelling.to_token_text(text)
+            return None if spelled is None else tuple(token.id for token in self._model.tokenize(spelled))
+        try:
+            decoded = text.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        # After a newline, then without it: llama.cpp adds SentencePiece's prefix space at a text's start.
+        newline = self._tokenizer.encode("\n", add_special_tokens=False, split_special_tokens=True)
+        ids = self._tokenizer.encode("\n" + decoded, add_special_tokens=False, split_special_tokens=True)
+        return tuple(ids[len(newline) :] if ids[: len(newline)] == newline else ids)
 
 
 def _pair(target: _Vocabulary, draft: _Vocabulary) -> dict[int, int]:
@@ -181,22 +224,20 @@ class VocabularyMap:
         draft_vocab: The draft's vocabulary size.
 
     Raises:
-        ValueError: a tokenizer has no `tokenizers` backend, so its strings cannot be compared.
+        ValueError: a tokenizer neither says its tokens' bytes nor has a `tokenizers` backend, so
+            its strings cannot be compared.
     """
 
     def __init__(
         self,
-        target_tokenizer: PreTrainedTokenizerBase,
-        draft_tokenizer: PreTrainedTokenizerBase,
+        target_tokenizer: Tokenizer,
+        draft_tokenizer: Tokenizer,
         target_vocab: int,
         draft_vocab: int,
     ) -> None:
-        target_spelling, draft_spelling = spelling(target_tokenizer), spelling(draft_tokenizer)
-        if target_spelling is None or draft_spelling is None:
-            raise ValueError("a tokenizer without a `tokenizers` backend cannot be mapped")
         self.target_vocab, self.draft_vocab = target_vocab, draft_vocab
-        target = _Vocabulary(target_tokenizer, target_vocab, target_spelling)
-        draft = _Vocabulary(draft_tokenizer, draft_vocab, draft_spelling)
+        target = _Vocabulary(target_tokenizer, target_vocab)
+        draft = _Vocabulary(draft_tokenizer, draft_vocab)
         self._pairs = _pair(target, draft)
         self.shared_text = sum(1 for t in self._pairs if t not in target.specials.values())
         """Paired tokens that stand for text (special tokens left out)."""
@@ -210,8 +251,7 @@ class VocabularyMap:
         self._draft_by_bytes = {
             text: next(i for i in slots if i is not None) for text, slots in draft.by_bytes.items()
         }
-        self._draft_spelling = draft_spelling
-        self._draft_model = draft_tokenizer.backend_tokenizer.model
+        self._draft = draft
         self._translations: dict[int, tuple[int, ...]] = {}
 
     @property
@@ -239,15 +279,15 @@ class VocabularyMap:
             return ()
         if text in self._draft_by_bytes:
             return (self._draft_by_bytes[text],)
-        spelled = self._draft_spelling.to_token_text(text)
+        spelled = self._draft.spell(text)
         if spelled is None:  # part of a UTF-8 character: the draft's byte tokens, where it has them
             return tuple(self._draft_by_bytes[bytes([b])] for b in text if bytes([b]) in self._draft_by_bytes)
-        return tuple(token.id for token in self._draft_model.tokenize(spelled))
+        return spelled
 
 
 def map_vocabularies(
-    target_tokenizer: PreTrainedTokenizerBase,
-    draft_tokenizer: PreTrainedTokenizerBase,
+    target_tokenizer: Tokenizer,
+    draft_tokenizer: Tokenizer,
     target_vocab: int,
     draft_vocab: int,
 ) -> VocabularyMap | None:
@@ -261,9 +301,7 @@ def map_vocabularies(
 
 
 @torch.inference_mode()
-def coverage(
-    model: PreTrainedModel | ModelRunner, tokenizer: PreTrainedTokenizerBase, mapping: VocabularyMap
-) -> float:
+def coverage(model: PreTrainedModel | ModelRunner, tokenizer: Tokenizer, mapping: VocabularyMap) -> float:
     """The share of the target's probability mass on paired tokens, averaged over the positions
     of `CALIBRATION_TEXT` (temperature 1): an upper bound on the exact rule's acceptance rate,
     since Σ min(p, q) ≤ Σ_{paired} p when q lives on the paired tokens. One forward pass (a
@@ -272,13 +310,14 @@ def coverage(
     Returns:
         The share in [0, 1].
     """
+    ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT)])
     if isinstance(model, ModelRunner):
-        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(model.device)
+        ids = ids.to(model.device)
         model.reset()
         logits = model.forward(ids, ids.shape[1], keep=ids.shape[1])[:, : mapping.target_vocab].clone()
         model.reset()
     else:
-        ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids.to(input_device(model))
+        ids = ids.to(input_device(model))
         logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
     probs = logits.softmax(-1)
     return float(probs[:, mapping.target_ids.to(probs.device)].sum(-1).mean())

@@ -1,34 +1,43 @@
 """Conversations -> prompt token ids.
 
-Chat models get the conversation through the tokenizer's own chat template (transformers
-`apply_chat_template`). Base models (no template, like stories260K) and raw mode get the turns as
+Chat models get the conversation through the tokenizer's own chat template, rendered here as
+transformers' `apply_chat_template(..., sanitize_control_tokens=True)` renders it (`render_ids`), on
+either engine: transformers is not needed for it. Base models (no template, like stories260K) and raw mode get the turns as
 plain text, one after another: a base model simply continues the text.
 
 A chat template is code from outside. In the chat it is first rendered under limits (`RenderLimits`:
 time, size, a cancel flag) by a sandboxed Jinja environment that checks them at every call,
-attribute access, `range` step, arithmetic operator and output chunk; only a template that
-finishes within them is handed to transformers, which renders it again for real.
+attribute access, `range` step, arithmetic operator and output chunk. That render is the only one.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+from jinja2 import TemplateError, nodes
+from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.utils import Namespace
 
 from fsd_chat.support.errors import ContextLengthError, FsdChatError
 from fsd_chat.support.text import require_utf8
 
 if TYPE_CHECKING:
     from jinja2 import Template
-    from transformers import PreTrainedTokenizerBase
+    from jinja2.parser import Parser
+
+    from fsd_chat.decoding.tokenizer import Tokenizer
 
 Role = Literal["system", "user", "assistant"]
 TEMPLATE_SECONDS = 10.0
@@ -141,50 +150,221 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return result
 
 
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's text with it, for
+    training masks): renders what it holds."""
+
+    tags = {"generation"}  # noqa: RUF012 (Jinja's own class attribute)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _Namespace(Namespace):
+    """`namespace()` refusing underscore-prefixed attributes (transformers' `TemplateNamespace`: no
+    way into CPython's internals through one)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a chat template cannot set the underscore-prefixed attribute {name!r}")
+
+
+class _Dict:
+    """`dict()` in a template, without the type itself (no attribute access to it)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters; a prompt wants the JSON as it is.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> _BoundedEnvironment:
+    """What transformers 5.24 gives a chat template (`chat_template_utils._compile_jinja_template`):
+    trim_blocks, lstrip_blocks, loop controls, `{% generation %}`, the `tojson` filter and
+    `raise_exception`, `strftime_now`, `dict` and `namespace`; and our budget (`range` checked)."""
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_Dict(),
+        namespace=_Namespace,
+        range=_CheckedRange,
+    )
+    return env
+
+
 @lru_cache(maxsize=4)
 def _bounded_template(source: str) -> Template:
-    # transformers' own environment (compiled from an empty template: compiling the real one would
-    # fold its constant expressions, e.g. 'A' * 10**9, before any limit applies) gives the globals,
-    # filters and extensions (raise_exception, tojson, {% generation %}, ...) a template may use.
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    base = _compile_jinja_template("").environment
-    env = _BoundedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[type(e) for e in base.extensions.values()]
-    )
-    env.filters.update(base.filters)
-    env.globals.update(base.globals)
-    env.globals["range"] = _CheckedRange
-    return env.from_string(source)
+    # Compiled by the bounded environment itself, whose intercepted operators are not folded into
+    # constants (a constant 'A' * 10**9 would be built before any limit applies).
+    return _environment().from_string(source)
 
 
-def check_template(
-    tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, str]], limits: RenderLimits
-) -> None:
-    """Render the tokenizer's chat template over `conversation` under `limits`, and drop the text.
+CONTROL_START = "\U000f0000"
+CONTROL_END = "\U000f0001"
+"""Private-use characters put around a control token typed in message text before the render
+(transformers' markers), so that the encoder tells it from the template's own control tokens."""
+
+
+@lru_cache(maxsize=4)
+def _literal_text(source: str) -> str:
+    """The template's literal strings (its text and string constants), joined by NULs: an added token
+    found in them is a control token (transformers' `_get_template_literal_text`)."""
+    ast = _environment().parse(source)
+    literals = {node.data for node in ast.find_all(nodes.TemplateData)}
+    literals |= {node.value for node in ast.find_all(nodes.Const) if isinstance(node.value, str)}
+    return "\0".join(literals)
+
+
+def control_tokens(tokenizer: Tokenizer, source: str) -> tuple[str, ...]:
+    """The tokens that typed in message text are encoded as text (transformers'
+    `_get_control_tokens`): the special added tokens, the tokenizer's `chat_control_tokens` if it
+    lists them, else the added tokens the template `source` writes (whitespace ones aside)."""
+    added = tokenizer.added_tokens_decoder.values()
+    listed = getattr(tokenizer, "chat_control_tokens", None)
+    if listed is not None:
+        return tuple(t.content for t in added if t.special or t.content in set(listed))
+    literal = _literal_text(source)
+    return tuple(t.content for t in added if t.special or (t.content in literal and not t.content.isspace()))
+
+
+@lru_cache(maxsize=8)
+def _control_patterns(tokens: tuple[str, ...]) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """A pattern of any of `tokens` (the longest first), and one of a marked token or a lone marker."""
+    longest_first = sorted(tokens, key=len, reverse=True)
+    any_token = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+    marked = re.compile(f"{CONTROL_START}({any_token.pattern}){CONTROL_END}|[{CONTROL_START}{CONTROL_END}]")
+    return any_token, marked
+
+
+def _mark(text: str, any_token: re.Pattern[str]) -> str:
+    # Markers already in the text go first: they cannot forge a marked token.
+    text = text.replace(CONTROL_START, "").replace(CONTROL_END, "")
+    return any_token.sub(f"{CONTROL_START}\\g<0>{CONTROL_END}", text)
+
+
+def _encode_marked(tokenizer: Tokenizer, text: str, marked: re.Pattern[str]) -> list[int]:
+    """The ids of a rendered prompt (transformers' `encode_marked_chat`): a marked control token as
+    the characters it is made of, the rest (the template's own control tokens) as it is. A lone
+    marker (a template's `split()` cut one off) is dropped but still breaks the text."""
+    pieces: list[str | None] = marked.split(text)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    ids = tokenizer.encode(pieces[0] or "", add_special_tokens=False)
+    for i, piece in enumerate(pieces[1:], start=1):
+        if not piece:
+            continue
+        as_text = i % 2 == 1  # the odd pieces are the marked tokens
+        # After a newline, then without it: SentencePiece adds no prefix space there.
+        piece_ids = tokenizer.encode("\n" + piece, add_special_tokens=False, split_special_tokens=as_text)
+        if piece_ids[: len(newline)] == newline:
+            piece_ids = piece_ids[len(newline) :]
+        else:
+            piece_ids = tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=as_text)
+        if as_text and tokenizer.get_vocab().get(piece) in piece_ids:
+            raise ValueError(f"cannot keep {piece!r} as text: the tokenizer makes the token of it from text")
+        ids += piece_ids
+    return ids
+
+
+def template_source(tokenizer: Tokenizer) -> str | None:
+    """The tokenizer's chat template (a folder's several named ones: its "default"); None: none."""
+    template: str | dict[str, str] | None = tokenizer.chat_template
+    if isinstance(template, dict):
+        return template.get("default")
+    return template or None
+
+
+def render_ids(
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, str]],
+    *,
+    generation_prompt: bool,
+    limits: RenderLimits | None,
+) -> list[int]:
+    """The tokenizer's chat template rendered over `conversation` by our sandboxed environment, then
+    encoded: the one render of a template, on either engine, as transformers'
+    `apply_chat_template(..., sanitize_control_tokens=True)` renders and encodes it (the same ids:
+    `tests/test_chat_template_render.py`). A control token typed in a turn's text is encoded as its
+    characters, never as the token.
+
+    Args:
+        tokenizer: The tokenizer whose template and vocabulary are used.
+        conversation: {"role", "content"} turns.
+        generation_prompt: End with the template's opening of an assistant turn.
+        limits: Bounds of the render (None: none).
 
     Raises:
         TemplateLimitError: a limit was passed, or the render was cancelled.
-        jinja2.TemplateError: the template itself failed (e.g. `raise_exception`).
+        jinja2.TemplateError: the template itself failed (e.g. `raise_exception`, the sandbox).
+        ValueError: a typed control token cannot be kept as text.
     """
-    budget = _Budget(limits)
+    source = template_source(tokenizer)
+    assert source is not None
+    any_token, marked = _control_patterns(control_tokens(tokenizer, source))
+    messages = [{key: _mark(value, any_token) for key, value in turn.items()} for turn in conversation]
+    budget = _Budget(limits) if limits is not None else None
     token = _BUDGET.set(budget)
     try:
-        template = _bounded_template(tokenizer.get_chat_template())
+        chunks: list[str] = []
         rendered = 0
-        for chunk in template.generate(
-            messages=conversation,
+        for chunk in _bounded_template(source).generate(
+            messages=messages,
             tools=None,
             documents=None,
-            add_generation_prompt=True,
+            add_generation_prompt=generation_prompt,
             **tokenizer.special_tokens_map,
         ):
-            rendered += len(chunk)
-            budget.check()
-            if rendered > limits.size:
-                raise TemplateLimitError(f"the chat template wrote over {limits.size:,} characters")
+            chunks.append(chunk)
+            if budget is not None:
+                rendered += len(chunk)
+                budget.check()
+                if rendered > budget.limits.size:
+                    raise TemplateLimitError(
+                        f"the chat template wrote over {budget.limits.size:,} characters"
+                    )
     finally:
         _BUDGET.reset(token)
+    return _encode_marked(tokenizer, "".join(chunks), marked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,24 +385,26 @@ class UnknownTokenError(FsdChatError):
     larger than the models' vocabulary)."""
 
 
-def template_file(tokenizer: PreTrainedTokenizerBase) -> str:
+def template_file(tokenizer: Tokenizer) -> str:
     """Where the tokenizer's chat template comes from, for messages: `chat_template.jinja` in the
     model folder when it has one (transformers prefers it), else its `tokenizer_config.json` (or
-    the Hub id)."""
+    the Hub id); a GGUF file's `tokenizer.chat_template` key."""
     folder = Path(tokenizer.name_or_path)
+    if folder.is_file():  # a GGUF file: its metadata holds the template
+        return f"{folder} (tokenizer.chat_template)"
     if not folder.is_dir():
         return f"{tokenizer.name_or_path} (tokenizer_config.json)"
     jinja = folder / "chat_template.jinja"
     return str(jinja if jinja.is_file() else folder / "tokenizer_config.json")
 
 
-def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+def has_chat_template(tokenizer: Tokenizer) -> bool:
     """Whether the tokenizer carries a chat template (an instruction-tuned model)."""
-    return bool(getattr(tokenizer, "chat_template", None))
+    return template_source(tokenizer) is not None
 
 
 def prompt_ids(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: list[Message],
     *,
     raw: bool = False,
@@ -241,7 +423,7 @@ def prompt_ids(
         raw: Ignore any chat template and join the turns as plain text.
         vocab_size: The models' shared vocabulary (`ModelPair.vocab_size`): a prompt holding a
             token id at or beyond it is refused (an embedding lookup would fail mid-reply).
-        limits: Render the chat template under these limits first (see `check_template`).
+        limits: Render the chat template under these limits (see `RenderLimits`; None: none).
         generation_prompt: End with the template's opening of an assistant turn; False: the
             conversation alone (what the prompt after the next user turn starts with).
 
@@ -249,24 +431,14 @@ def prompt_ids(
         TextError: a turn holds text that is not valid UTF-8.
         ChatTemplateError: the chat template failed (one line naming its file).
         UnknownTokenError: a token id of the prompt is not below `vocab_size`.
-        TemplateLimitError: see `check_template`.
+        TemplateLimitError: see `render_ids`.
     """
     for m in messages:
         require_utf8(m.content, f"the {m.role} message")
     if has_chat_template(tokenizer) and not raw:
-        from jinja2 import TemplateError
-
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            if limits is not None:
-                check_template(tokenizer, conversation, limits)
-            rendered = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                sanitize_control_tokens=True,
-            )
+            ids = render_ids(tokenizer, conversation, generation_prompt=generation_prompt, limits=limits)
         # A template is a program from the model folder: besides Jinja's own errors (its
         # raise_exception, syntax, the sandbox's SecurityError), its expressions raise what Python
         # raises (a recursive macro, range() over the sandbox's limit, 1 / 0, a missing key).
@@ -276,19 +448,18 @@ def prompt_ids(
                 f"the chat template in {template_file(tokenizer)} failed: {type(exc).__name__}"
                 f"{': ' + reason if reason else ''} (fix the template, or pass --raw to do without it)"
             ) from None
-        ids = cast("list[int]", list(rendered))  # tokenize=True, return_dict=False: the ids
     else:
         text = "\n".join(m.content for m in messages if m.content)
-        ids = list(tokenizer(text, split_special_tokens=True).input_ids)
+        ids = tokenizer.encode(text, split_special_tokens=True)
     if vocab_size is not None:
         _check_vocabulary(tokenizer, ids, vocab_size)
     return ids
 
 
-def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, ids: list[int], vocab_size: int) -> None:
+def _check_vocabulary(tokenizer: Tokenizer, ids: list[int], vocab_size: int) -> None:
     unknown = sorted({i for i in ids if i >= vocab_size})
     if unknown:
-        names = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} (id {i})" for i in unknown[:3])
+        names = ", ".join(f"{tokenizer.decode([i])!r} (id {i})" for i in unknown[:3])
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         raise UnknownTokenError(
             f"the prompt holds the token {names}{more}, which the tokenizer has but the models do not "
@@ -297,7 +468,7 @@ def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, ids: list[int], vocab_
 
 
 def fit_to_context(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: list[Message],
     *,
     context: int | None,
@@ -332,7 +503,7 @@ def fit_to_context(
 
 
 def _too_long(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     kept: list[Message],
     ids: list[int],
     context: int,
@@ -380,7 +551,7 @@ class PromptBuilder:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         *,
         raw: bool,
         vocab_size: int | None = None,
@@ -401,7 +572,7 @@ class PromptBuilder:
     def _count(self, text: str) -> int:
         count = self._counts.get(text)
         if count is None:
-            ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+            ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
             count = self._counts[text] = max(len(ids) - 1, 0)
         return count
 

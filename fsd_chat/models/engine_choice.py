@@ -17,11 +17,12 @@ import torch
 
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.engines.llama_cpp import CONTEXT, LlamaCppModel, gpu_offload, open_gguf, unavailable
+from fsd_chat.engines.llama_cpp_tokenizer import LlamaCppTokenizer
 from fsd_chat.models.default_model import resolve_target
+from fsd_chat.models.generation import file_generation
 from fsd_chat.models.gguf_sources import (
     Progress,
     gguf_file,
-    gguf_tokenizer,
     on_stderr,
     readable_table,
     trained_context,
@@ -153,16 +154,15 @@ def load_llama_cpp_pair(
     draft: ModelSpec,
     options: LoadOptions,
     progress: Progress | None,
-    announce: Progress,
 ) -> ModelPair:
     """The pair on llama.cpp: the GGUF files loaded as they are (no conversion, no float32 copy),
-    the tokenizers read from them (`gguf_tokenizer`, cached after the first start), on
-    `options.threads` (None: torch's thread count), torch then on one (`ModelPair.use_threads`
-    says why; a command sets both there after loading). `progress`
-    is told each phase (None: nothing shown); `announce` the first start's reading of a tokenizer.
+    with llama.cpp's own tokenizers (`LlamaCppTokenizer`) and the target file's generation defaults
+    (`file_generation`), on `options.threads` (None: torch's thread count), torch then on one
+    (`ModelPair.use_threads` says why; a command sets both there after loading). `progress` is told
+    each phase (None: nothing shown).
 
     Raises:
-        ModelLoadError: llama.cpp cannot load a file, or a tokenizer cannot be read.
+        ModelLoadError: llama.cpp cannot load a file.
         IncompatibleModelsError: the draft's vocabulary cannot be mapped onto the target's.
         UnsupportedCacheError: a model keeps recurrent state.
     """
@@ -171,19 +171,26 @@ def load_llama_cpp_pair(
     gpu = _wants_gpu(options)
     threads = options.threads or torch.get_num_threads()
     torch.set_num_threads(1)  # see `ModelPair.use_threads`
-    report(f"loading the tokenizer of {target.name}")
     target_table = readable_table(choice.target_file, dequantized=False)  # read once: 0.1 s
-    tokenizer, generation = gguf_tokenizer(target_table, announce)
     where = "GPU" if gpu else f"CPU, {threads} thread{'s' * (threads > 1)}"
     report(f"loading target model {target.name} on llama.cpp ({where})")
-    target_model = LlamaCppModel(_open(target_table, threads, gpu), len(tokenizer))
+    target_llama = _open(target_table, threads, gpu)
+    tokenizer = LlamaCppTokenizer(target_llama)
+    target_model = LlamaCppModel(target_llama, len(tokenizer))
+    generation = file_generation(
+        target_table.metadata,
+        bos=tokenizer.bos_token_id,
+        eos=target_model.eos_token_ids,  # llama.cpp's end-of-generation ids
+        pad=tokenizer.pad_token_id,
+    )
     vocab_size = target_model.vocab_size
     draft_model = vocab_map = share = draft_tokenizer = None
     if choice.draft_file is not None:
         draft_table = readable_table(choice.draft_file, dequantized=False)
-        draft_tokenizer, _ = gguf_tokenizer(draft_table, announce)
         report(f"loading draft model {draft.name} on llama.cpp")
-        draft_model = LlamaCppModel(_open(draft_table, threads, gpu), len(draft_tokenizer))
+        draft_llama = _open(draft_table, threads, gpu)
+        draft_tokenizer = LlamaCppTokenizer(draft_llama)
+        draft_model = LlamaCppModel(draft_llama, len(draft_tokenizer))
         vocab_size, vocab_map = draft_vocabulary(
             tokenizer, draft_tokenizer, target_model.vocab_size, draft_model.vocab_size
         )

@@ -34,11 +34,11 @@ from transformers.integrations.gguf import GGUF_ARCHS, is_gguf_arch_supported
 from transformers.integrations.gguf.dequant import GGML_BLOCK
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
+from fsd_chat.models.generation import end_of_turn_ids, file_generation
 from fsd_chat.models.gguf_rope import scaled_rope_parameters
 from fsd_chat.models.gguf_sources import (
     Progress,
     converted_dir,
-    file_generation_config,
     gguf_file,
     on_stderr,
     readable_table,
@@ -102,7 +102,7 @@ def _convert_into(path: Path, table: TensorTable, folder: Path, progress: Progre
             _save(
                 model,
                 tokenizer,
-                file_generation_config(model.generation_config, table.metadata, tokenizer),
+                _generation_config(model.generation_config, table, tokenizer),
                 path,
                 staging,
             )
@@ -181,6 +181,16 @@ def _convert(
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
     return model, tokenizer
+
+
+def _generation_config(
+    base: GenerationConfig, table: TensorTable, tokenizer: PreTrainedTokenizerBase
+) -> GenerationConfig:
+    """`base` (transformers' from the converted model's config) with the file's generation defaults
+    (`file_generation`): transformers' type made of them, here alone."""
+    ends = end_of_turn_ids(base.eos_token_id, table.metadata, tokenizer.get_vocab())
+    defaults = file_generation(table.metadata, bos=base.bos_token_id, eos=ends, pad=base.pad_token_id)
+    return GenerationConfig.from_dict({**base.to_dict(), **defaults.as_dict()})
 
 
 def _save(

@@ -16,6 +16,7 @@ from fsd_chat.models.gguf_sources import on_stderr
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support import start_gc
+from fsd_chat.support.log import quiet_transformers
 
 
 def load_pair(
@@ -52,12 +53,13 @@ def load_pair(
         progress(choice.describe())
     if choice.engine == TRANSFORMERS:
         # Imported here: transformers' modeling stack, which the llama.cpp engine does not use.
+        quiet_transformers()
         from fsd_chat.models.transformers_loading import load_transformers_pair
 
         start_gc.resume()  # a conversion or a download takes long: it collects as it goes
         pair = load_transformers_pair(target, draft, options, progress)
     else:
-        pair = load_llama_cpp_pair(choice, target, draft, options, progress, announce)
+        pair = load_llama_cpp_pair(choice, target, draft, options, progress)
         start_gc.resume()
     if progress is None and choice.target_is_gguf:
         on_stderr(choice.describe())

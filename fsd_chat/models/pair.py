@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
@@ -19,14 +18,16 @@ from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
+from fsd_chat.models.generation import FileGeneration
 from fsd_chat.models.options import ModelSpec, quantization_note
 from fsd_chat.support.threads import apply_threads, choose_thread_counts
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
-    from transformers import PreTrainedModel
+    from transformers import GenerationConfig, PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -48,13 +49,13 @@ class ModelPair:
             hold (`fsd_chat.decoding.vocab_map.coverage`).
         draft_tokenizer: With a vocab_map, the draft's own tokenizer.
         engine: "transformers" or "llama.cpp".
-        generation: On llama.cpp, the target's generation config as read from its GGUF file
+        generation: On llama.cpp, the target's generation defaults as read from its GGUF file
             (transformers models carry their own); see `generation_config`.
     """
 
     target: PreTrainedModel | LlamaCppModel
     draft: PreTrainedModel | LlamaCppModel | None
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     vocab_size: int
     target_spec: ModelSpec
     draft_spec: ModelSpec
@@ -63,13 +64,15 @@ class ModelPair:
     timings: ForwardTimings | None = None
     vocab_map: VocabularyMap | None = None
     coverage: float | None = None
-    draft_tokenizer: PreTrainedTokenizerBase | None = None
+    draft_tokenizer: Tokenizer | None = None
     engine: str = "transformers"
-    generation: GenerationConfig | None = None
+    generation: FileGeneration | None = None
 
     @property
-    def generation_config(self) -> GenerationConfig | None:
-        """The target's generation config (its sampling defaults and end-of-sequence ids)."""
+    def generation_config(self) -> GenerationConfig | FileGeneration | None:
+        """The target's generation config (its sampling defaults and end-of-sequence ids): a
+        transformers model's own, or on llama.cpp the GGUF file's (`FileGeneration`, under the same
+        field names)."""
         if isinstance(self.target, LlamaCppModel):
             return self.generation
         return self.target.generation_config

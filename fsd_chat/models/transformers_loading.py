@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -22,13 +22,13 @@ from transformers import (
     BitsAndBytesConfig,
     PretrainedConfig,
     PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from fsd_chat.decoding.fused_linear import fuse_projections
 from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.models.devices import resolve_device, resolve_dtype, target_device_map
 from fsd_chat.models.gguf_files import local_model
 from fsd_chat.models.gguf_sources import Progress
@@ -170,9 +170,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.
 BPE, tiktoken) has none: said so, rather than transformers' list of what it tried."""
 
 
-def _load_tokenizer(spec: ModelSpec, source: str, options: LoadOptions) -> PreTrainedTokenizerBase:
+def _load_tokenizer(spec: ModelSpec, source: str, options: LoadOptions) -> Tokenizer:
+    """The model's tokenizer: transformers' own, which meets `Tokenizer` as it is (cast: its
+    annotations are wider, e.g. `decode` of a batch gives `list[str]`)."""
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+        loaded = AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+        return cast("Tokenizer", loaded)
     except (OSError, ValueError, TypeError) as exc:
         folder = Path(source)
         if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-
 from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import IncompatibleModelsError
@@ -26,8 +25,8 @@ tokenizer"; `scripts/bench_mapped.py`)."""
 
 
 def check_compatible(
-    target_tokenizer: PreTrainedTokenizerBase,
-    draft_tokenizer: PreTrainedTokenizerBase,
+    target_tokenizer: Tokenizer,
+    draft_tokenizer: Tokenizer,
     target_vocab: int,
     draft_vocab: int,
 ) -> int:
@@ -53,8 +52,8 @@ def check_compatible(
 
 
 def draft_vocabulary(
-    target_tokenizer: PreTrainedTokenizerBase,
-    draft_tokenizer: PreTrainedTokenizerBase,
+    target_tokenizer: Tokenizer,
+    draft_tokenizer: Tokenizer,
     target_vocab: int,
     draft_vocab: int,
 ) -> tuple[int, VocabularyMap | None]:
@@ -92,7 +91,7 @@ def check_coverage(share: float, draft: ModelSpec) -> None:
 
 def checked_coverage(
     target: PreTrainedModel | ModelRunner,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     mapping: VocabularyMap,
     draft: ModelSpec,
     report: Callable[[str], object],

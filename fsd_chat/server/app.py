@@ -254,7 +254,7 @@ def create_app(pair: ModelPair, engine: Engine, options: ServeOptions) -> FastAP
                 if end < len(text) and (space := text.rfind(" ", start + PIECE_CHARS // 2, end)) > 0:
                     end = space
                 with tokenizer_lock:
-                    counted += len(pair.tokenizer(text[start:end], add_special_tokens=False).input_ids)
+                    counted += len(pair.tokenizer.encode(text[start:end], add_special_tokens=False))
                 start, cuts = end, cuts + 1
                 if counted - PIECE_SLACK * cuts > limit:
                     return True

@@ -19,12 +19,9 @@ like transformers' and bitsandbytes', after the library that writes them."""
 
 
 def quiet_libraries() -> None:
-    """Silence transformers' progress bars and the advisory logs of transformers and bitsandbytes
-    (bitsandbytes' 8-bit matmul logs a warning on every call on the CPU)."""
-    from transformers.utils import logging as hf_logging  # heavy: imported when a command runs
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    """Silence the advisory logs of bitsandbytes (its 8-bit matmul logs a warning on every call on
+    the CPU), and keep llama.cpp's log off the terminal; transformers is quietened where the
+    transformers engine loads (`quiet_transformers`): a process on llama.cpp never imports it."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # llama.cpp's warnings and errors (a model it cannot load, a context longer than the model was
     # trained on) are worth keeping, never on the terminal, which the chat draws on; its info and
@@ -32,6 +29,15 @@ def quiet_libraries() -> None:
     llama_cpp = logging.getLogger(LLAMA_CPP_LOG)
     llama_cpp.setLevel(logging.WARNING)
     llama_cpp.addHandler(_ERROR_LOG)  # once: a handler already there is not added again
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and advisory logs (called as the transformers engine
+    loads, which imports transformers)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def log_path() -> Path:
