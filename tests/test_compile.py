@@ -176,8 +176,10 @@ def test_sampling_stays_lossless(pair: ModelPair) -> None:
     firsts = torch.zeros(vocab + 1, dtype=torch.long)
     for seed in range(replies):
         seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        ids = collect(compiled.generate(prompt_ids, max_new_tokens=2, sampling=seeded)).ids
-        firsts[ids[0] if ids else vocab] += 1
+        # The first step holds the first token (none: the reply ended at EOS), the law tested: the
+        # reply is stopped there (300 replies: 1.9 s -> 1.5 s, the same first tokens seed by seed).
+        first = next(iter(compiled.generate(prompt_ids, max_new_tokens=2, sampling=seeded)))
+        firsts[first.tokens[0].id if first.tokens else vocab] += 1
     assert chi_square_p_value(firsts, exact_first_two(pair.target, prompt_ids, vocab, eos)[0]) > ALPHA
     assert chi_square_p_value(firsts, exact_first_two(pair.draft, prompt_ids, vocab, eos)[0]) < 1e-6
 

@@ -39,6 +39,8 @@ SAMPLES = 20_000
 (measured on draws from the target's exact distribution), far below the 1e-6 the power check asks."""
 END_TO_END = 1_000
 """Replies through the decoder for the plumbing check (its power is not claimed: the law's is above)."""
+JUDGED_ROWS = 500
+"""Rows `emitted` judges at a time: [500, vocab] float32 laws, 1 MB at the offline pair's 512."""
 ALPHA = 1e-3
 POWER = 1e-6
 SAMPLING = SamplingConfig(temperature=0.9, top_p=0.95)
@@ -134,19 +136,28 @@ def emitted(
     sampling: SamplingConfig = SAMPLING,
 ) -> torch.Tensor:
     """One token per row [n] int64: a draft x̃ ~ q[i], judged by `rule` against p[i] (rows [n, vocab]
-    of laws under `sampling`, js divergence), kept when accepted, else the target's correction."""
+    of laws under `sampling`, js divergence), kept when accepted, else the target's correction.
+
+    `judge` decides each row on its own (a row is a draft position; the caller, not `judge`, cuts a
+    block at its first rejection), so the rows are judged JUDGED_ROWS at a time: the same law, and
+    each block's tensors fit in a CPU's cache (20,000 rows at once: 3.4 times the time on the
+    device-selected rules' path, whose mixture weight takes 14 passes over every row)."""
     draft = torch.multinomial(q, 1, generator=generator)[:, 0]
-    judged = judge(
-        torch.cat([p, p[-1:]]),  # the last row stands for the bonus position (unused here)
-        q,
-        draft,
-        rule=rule,
-        divergence_name="js",
-        threshold=threshold,
-        sampling=sampling,
-        generator=generator,
-    )
-    return torch.where(judged.accept, draft, judged.candidates[:-1])
+    tokens = []
+    for start in range(0, len(draft), JUDGED_ROWS):
+        rows = slice(start, start + JUDGED_ROWS)
+        judged = judge(
+            torch.cat([p[rows], p[rows][-1:]]),  # the last row stands for the bonus position (unused)
+            q[rows],
+            draft[rows],
+            rule=rule,
+            divergence_name="js",
+            threshold=threshold,
+            sampling=sampling,
+            generator=generator,
+        )
+        tokens.append(torch.where(judged.accept, draft[rows], judged.candidates[:-1]))
+    return torch.cat(tokens)
 
 
 def categories(tokens: torch.Tensor, eos: int, vocab: int) -> torch.Tensor:

@@ -158,23 +158,38 @@ def ids_of(decoder: Decoder, pair: ModelPair, prompt: str, tokens: int = 80, **k
     return collect(decoder.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=tokens, **kwargs)).ids
 
 
+@pytest.fixture(scope="module")
+def targets_text(pair: ModelPair) -> dict[str, list[int]]:
+    """The target's greedy reply (80 tokens) to each of PROMPTS, by target-only decoding: the same
+    for every rule and k below, so decoded once."""
+    target_only = pair.autoregressive(Controls())
+    return {prompt: ids_of(target_only, pair, prompt) for prompt in PROMPTS}
+
+
+def test_a_whole_step_target_only_decoder_gives_the_targets_greedy_text(
+    pair: ModelPair, targets_text: dict[str, list[int]]
+) -> None:
+    whole_target = pair.autoregressive(Controls(), whole_step=True)
+    for prompt in PROMPTS:
+        assert ids_of(whole_target, pair, prompt) == targets_text[prompt]
+
+
 @pytest.mark.parametrize(
     ("rule", "k"), [("exact", 1), ("exact", 5), ("fuzzy", 3), ("mixture", 9), ("pure", 4)]
 )
-def test_greedy_whole_steps_at_t0_are_the_targets_text(pair: ModelPair, rule: Rule, k: int) -> None:
+def test_greedy_whole_steps_at_t0_are_the_targets_text(
+    pair: ModelPair, targets_text: dict[str, list[int]], rule: Rule, k: int
+) -> None:
     """Greedy identity through the whole step: at T = 0 every rule is the target's greedy text, that
-    of target-only decoding, whole-step or not (rollbacks included: the story draft is rejected
-    at these k), and a whole-step target-only decoder gives it too."""
-    settings = DecodingSettings(rule=rule, threshold=0.0, draft_tokens=k, draft_policy="fixed")
-    speculative = whole(pair, settings)
-    target_only = pair.autoregressive(Controls())
-    whole_target = pair.autoregressive(Controls(), whole_step=True)
+    of target-only decoding (rollbacks included: the story draft is rejected at these k); the
+    whole-step target-only decoder's is the test above."""
+    speculative = whole(
+        pair, DecodingSettings(rule=rule, threshold=0.0, draft_tokens=k, draft_policy="fixed")
+    )
     for prompt in PROMPTS:
-        want = ids_of(target_only, pair, prompt)
         run = collect(speculative.generate(pair.tokenizer(prompt).input_ids, max_new_tokens=80))
-        assert run.ids == want
+        assert run.ids == targets_text[prompt]
         assert run.stats.drafted > run.stats.accepted_exact > 0  # drafts were accepted and rejected
-        assert ids_of(whole_target, pair, prompt) == want
 
 
 @pytest.mark.parametrize(("rule", "threshold"), [("fuzzy", 0.1), ("mixture", 0.05), ("pure", 0.3)])

@@ -2,7 +2,9 @@
 
 Loads the offline pair, sends one message and lets the reply stream; the decoder is paced at
 `STEP_SECONDS` a step (as a larger model would be) so that the test can kill the process mid-reply.
-Usage: python -m tests.tui.chat_process (the data folder comes from $FSD_CHAT_DATA_DIR).
+Usage: python -m tests.tui.chat_process TARGET DRAFT (the data folder comes from $FSD_CHAT_DATA_DIR).
+The pair's folders come as arguments, not from tests.conftest, whose imports (pytest, the mapped
+pairs' modeling) the chat does not need.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.config import sessions_path
 from fsd_chat.tui.app import FsdChatApp
-from tests.conftest import DRAFT_DIR, TARGET_DIR
 from tests.tui.helpers import SIZE, WrappedDecoder, wait_for_chat
 
 PROMPT = "Once upon a time"
@@ -42,8 +43,9 @@ class PacedDecoder(WrappedDecoder):
 
 def main() -> None:
     """Run the chat until a signal (or a test's kill) ends it; exit with the app's return code."""
+    target, draft = sys.argv[1:3]
     pair: ModelPair = load_pair(
-        ModelSpec(str(TARGET_DIR)), ModelSpec(str(DRAFT_DIR)), LoadOptions(device="cpu", dtype="float32")
+        ModelSpec(target), ModelSpec(draft), LoadOptions(device="cpu", dtype="float32")
     )
     options = ChatOptions(
         target=pair.target_spec,
