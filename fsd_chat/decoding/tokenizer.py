@@ -103,3 +103,15 @@ class Tokenizer(Protocol):
         """Token string -> id for the whole vocabulary (the tokenizer's own spelling of each token:
         SentencePiece's `▁` for a space, byte-level BPE's `Ġ`)."""
         ...
+
+
+def encode_within(tokenizer: Tokenizer, text: str, *, split_special_tokens: bool = False) -> list[int]:
+    """The ids of `text` as a longer text holds it, not at its start: encoded after a newline whose
+    ids are then cut off, since a SentencePiece tokenizer (llama.cpp's and transformers' alike) adds
+    a prefix space at a text's start but not after a newline. Where the newline merges with what
+    follows it, `text` encoded on its own. No special tokens are added around it."""
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    ids = tokenizer.encode("\n" + text, add_special_tokens=False, split_special_tokens=split_special_tokens)
+    if ids[: len(newline)] == newline:
+        return ids[len(newline) :]
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split_special_tokens)

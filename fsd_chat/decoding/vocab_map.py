@@ -28,7 +28,7 @@ import torch
 
 from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
-from fsd_chat.decoding.tokenizer import Tokenizer
+from fsd_chat.decoding.tokenizer import Tokenizer, encode_within
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
@@ -177,10 +177,7 @@ class _Vocabulary:
             decoded = text.decode("utf-8")
         except UnicodeDecodeError:
             return None
-        # After a newline, then without it: llama.cpp adds SentencePiece's prefix space at a text's start.
-        newline = self._tokenizer.encode("\n", add_special_tokens=False, split_special_tokens=True)
-        ids = self._tokenizer.encode("\n" + decoded, add_special_tokens=False, split_special_tokens=True)
-        return tuple(ids[len(newline) :] if ids[: len(newline)] == newline else ids)
+        return tuple(encode_within(self._tokenizer, decoded, split_special_tokens=True))
 
 
 def _pair(target: _Vocabulary, draft: _Vocabulary) -> dict[int, int]:

@@ -59,10 +59,10 @@ class LlamaCppTokenizer:
     def _text(self, token_id: int) -> str:
         return bytes(self._lib.llama_vocab_get_text(self._vocab, token_id)).decode("utf-8", errors="replace")
 
-    @property
+    @cached_property
     def special_tokens_map(self) -> dict[str, str]:
         """See `Tokenizer.special_tokens_map`: bos_token, eos_token, unk_token, pad_token, where the
-        vocabulary has them."""
+        vocabulary has them (read once: every render of the chat template passes them)."""
         named = {
             "bos_token": self.bos_token_id,
             "eos_token": self.eos_token_id,

@@ -30,6 +30,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.utils import Namespace
 
+from fsd_chat.decoding.tokenizer import encode_within
 from fsd_chat.support.errors import ContextLengthError, FsdChatError
 from fsd_chat.support.text import require_utf8
 
@@ -288,19 +289,15 @@ def _encode_marked(tokenizer: Tokenizer, text: str, marked: re.Pattern[str]) -> 
     the characters it is made of, the rest (the template's own control tokens) as it is. A lone
     marker (a template's `split()` cut one off) is dropped but still breaks the text."""
     pieces: list[str | None] = marked.split(text)
-    newline = tokenizer.encode("\n", add_special_tokens=False)
     ids = tokenizer.encode(pieces[0] or "", add_special_tokens=False)
+    # Read once, and only where a token was marked (a copy of the whole vocabulary).
+    vocabulary = tokenizer.get_vocab() if len(pieces) > 1 else {}
     for i, piece in enumerate(pieces[1:], start=1):
         if not piece:
             continue
         as_text = i % 2 == 1  # the odd pieces are the marked tokens
-        # After a newline, then without it: SentencePiece adds no prefix space there.
-        piece_ids = tokenizer.encode("\n" + piece, add_special_tokens=False, split_special_tokens=as_text)
-        if piece_ids[: len(newline)] == newline:
-            piece_ids = piece_ids[len(newline) :]
-        else:
-            piece_ids = tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=as_text)
-        if as_text and tokenizer.get_vocab().get(piece) in piece_ids:
+        piece_ids = encode_within(tokenizer, piece, split_special_tokens=as_text)
+        if as_text and vocabulary.get(piece) in piece_ids:
             raise ValueError(f"cannot keep {piece!r} as text: the tokenizer makes the token of it from text")
         ids += piece_ids
     return ids
