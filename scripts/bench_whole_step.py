@@ -1,13 +1,15 @@
 """The whole step (`fsd_chat.decoding.step_graph`, `whole_step=True`) against today's steps, in
-tokens/s, interleaved: each round runs every decoder once over the same prompts, in an order that
-rotates from round to round, so that a machine's drifting load falls on all of them alike.
+tokens/s, paired step by step: each prompt's two replies (today's, the whole step's) run side by
+side, one step of one and then one of the other, the order alternating at each step, so that a
+drifting machine (other tenants of a shared CPU swing one reply's rate by ±25% from round to round)
+falls on both alike within milliseconds rather than seconds.
 
     python scripts/bench_whole_step.py [--device cpu] [--rounds 5] [--tokens 64] [--clock process]
         [--target default --draft lookup] [--decoders target-only "exact k4"]
 
-Prints, per decoder pair (today's / whole step), the ratio of tokens/s per prompt and round
-(each prompt's reply timed on its own, the pair's two replies in the same round), its median and
-the median's distribution-free 95% interval (`bench.stats.median_ci95`); `--output` writes them
+Prints, per decoder pair (today's / whole step), the ratio of tokens/s per prompt and round (each
+reply's tokens over the sum of its own steps' times, the first step's prefill included), its median
+and the median's distribution-free 95% interval (`bench.stats.median_ci95`); `--output` writes them
 as JSON. Greedy decoding of the offline story pair (../shared/models) unless
 `--target` and `--draft` name another (`default`: the default chat model, on the transformers
 engine; `lookup`: prompt lookup), one torch thread on the CPU; on CUDA the whole step is captured
@@ -86,25 +88,37 @@ def main() -> None:
 
     clock = time.perf_counter if args.clock == "wall" else time.process_time
 
-    def rates(decoder: Decoder) -> list[float]:
-        """Tokens/s of each prompt's reply."""
-        out = []
-        for prompt in ids:
-            tokens, start = 0, clock()
-            for step in decoder.generate(prompt, max_new_tokens=args.tokens, sampling=sampling):
-                tokens += len(step.tokens)
-            out.append(tokens / (clock() - start))
-        return out
+    def paired(today: Decoder, whole: Decoder, prompt: list[int]) -> tuple[float, float]:
+        """Tokens/s of the two decoders' replies to `prompt`, their steps alternated."""
+        replies = [
+            today.generate(prompt, max_new_tokens=args.tokens, sampling=sampling),
+            whole.generate(prompt, max_new_tokens=args.tokens, sampling=sampling),
+        ]
+        tokens, seconds, done = [0, 0], [0.0, 0.0], [False, False]
+        turn = 0
+        while not all(done):
+            turn += 1
+            for side in (0, 1) if turn % 2 else (1, 0):
+                if done[side]:
+                    continue
+                start = clock()
+                step = next(replies[side])
+                seconds[side] += clock() - start
+                tokens[side] += len(step.tokens)
+                done[side] = step.stop_reason is not None
+        return tokens[0] / seconds[0], tokens[1] / seconds[1]
 
-    for decoder in decoders.values():
-        rates(decoder)  # warm-up (first replies, the policies' measurements)
+    for name in args.decoders:  # warm-up (first replies, the policies' measurements)
+        for prompt in ids:
+            paired(decoders[(name, False)], decoders[(name, True)], prompt)
     measured: dict[tuple[str, bool], list[float]] = {key: [] for key in decoders}
-    keys = list(decoders)
     loads = [os.getloadavg()[0]]
-    for round_ in range(args.rounds):
-        shift = round_ % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            measured[key].extend(rates(decoders[key]))
+    for _ in range(args.rounds):
+        for name in args.decoders:
+            for prompt in ids:
+                today, whole = paired(decoders[(name, False)], decoders[(name, True)], prompt)
+                measured[(name, False)].append(today)
+                measured[(name, True)].append(whole)
         loads.append(os.getloadavg()[0])
     print(
         f"{args.clock} clock, device {args.device}, {args.rounds} rounds, {len(PROMPTS)} prompts × {args.tokens} tokens,"

@@ -41,11 +41,13 @@ COMPILED_LAUNCHES_A_LAYER = 10
 rotary embedding and cache write; residual and norm; SiLU gate; residual). 11 when transformers'
 `StaticLayer` kept a write position a layer, which the step set with one multi-tensor copy (a
 kernel a layer in inductor's CPU code); `kv_cache.PositionedLayer` keeps none."""
-REPLY_OPS_A_TOKEN = {"target-only": 189.0, "exact k4": 136.3, "fuzzy js 0.1 k4": 138.4}
+REPLY_OPS_A_TOKEN = {"target-only": 186.0, "exact k4": 130.8, "fuzzy js 0.1 k4": 132.9}
 """The whole step's operators a token over a 48-token greedy story reply (`reply_ops`). Today's
-per-forward steps (a transformers `DynamicCache`, a forward pass a call) ran 189, 139 and 141 at
-the commit that set these; the whole step ran 211, 155 and 157 over transformers' `StaticCache`
-(issue 45, item 5: the whole step may replace those steps only where it is no dearer)."""
+per-forward steps (a transformers `DynamicCache`, a forward pass a call) ran 183, 136.2 and 138.3 at
+the commit that set these (the target-only step's 3 more: the token's read at its position, its
+check's `gather`, its cast for the block; the cache's two writes a layer are `index_copy_` where the
+dynamic cache's are `cat`); the whole step ran 211, 155 and 157 over transformers' `StaticCache`, and 189 target-only
+while it built an unmasked pass's all-zero mask (issue 45, item 5: the whole step may replace those steps only where it is no dearer)."""
 
 
 def _eager(target_dir: Path, layers: int, **kwargs: object) -> int:

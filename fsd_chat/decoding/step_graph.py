@@ -75,7 +75,6 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -560,12 +559,12 @@ class EagerSteps:
         capacity would be up to twice the reply and more early in it. A compiled or captured
         step attends over the whole capacity (its shapes are fixed)."""
         window = None if self._reply is None else self._reply.length + k
-        with contextlib.ExitStack() as stack:
-            for model in (self.target, self.draft):
-                if model is not None:
-                    # A target-only step feeds position length − 1 alone: no mask to apply.
-                    stack.enter_context(model.attending(window, last=which == 1))
-            return EAGER_FUNCTIONS[which](*args)
+        # A target-only step feeds position length − 1 alone: no mask to apply.
+        with self.target.attending(window, last=which == 1):
+            if self.draft is None:  # no ExitStack a step where one model attends (~10 µs)
+                return EAGER_FUNCTIONS[which](*args)
+            with self.draft.attending(window, last=which == 1):
+                return EAGER_FUNCTIONS[which](*args)
 
     def _out(self, block: torch.Tensor) -> torch.Tensor:
         if not self._emulate:
