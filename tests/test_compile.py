@@ -22,6 +22,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, StaticModel, bind
 from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect, count_fed
 from tests.test_cli_generate import pair_args, run_cli
@@ -200,6 +203,23 @@ def test_a_sliding_window_model_runs_eagerly_with_a_reason(tmp_path: Path, targe
     )
     # Asked for on the CPU by default: not compiled, and nothing to say.
     assert bind(model, 512, compiled=None, capacity=64).compile_error is None
+
+
+def test_whole_steps_are_the_cpus_default_where_they_run(
+    pair: ModelPair, llama_pair: ModelPair, tmp_path: Path, target_dir: Path
+) -> None:
+    """`ModelPair.whole_step`: as asked where asked; by default (None) on the CPU for transformers
+    models of full-attention layers, not on llama.cpp (its runner has its own steps), and not for
+    a sliding-window model, which then decodes per-forward with nothing to say. (CUDA's default,
+    off, needs a GPU to see.)"""
+    assert pair.whole_step(None) is True and pair.whole_step(False) is False
+    assert type(pair.speculative(Controls(), whole_step=None).cached_models[0]) is StaticModel
+    assert llama_pair.whole_step(None) is False
+    path = save_tiny_model(tmp_path / "gemma2", "gemma2", seed=0, tokenizer_dir=target_dir)
+    sliding = load_pair(ModelSpec(str(path)), ModelSpec(LOOKUP), LoadOptions(device="cpu"))
+    assert sliding.whole_step(None) is False and sliding.whole_step(True) is True
+    decoder = sliding.speculative(Controls(), whole_step=None)
+    assert type(decoder.cached_models[0]) is CachedModel and decoder.compile_error is None
 
 
 def untraceable(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -160,14 +160,15 @@ def run_bench(
     threads_batch: int | None = None,
     budget: TimeBudget | None = None,
     cut_after: float | None = None,
-    whole_step: bool = False,
+    whole_step: bool | None = None,
     profile: bool = False,
     engine: Engine = "auto",
 ) -> int:
     """Run the benchmark; returns the exit status: 0, or 130 (Ctrl-C) or 143 (SIGTERM) when a signal
     cut the sweep short (what was measured is reported all the same). `cut_after`: each
     configuration's time budget for its measured replies (None: `cut_budget`'s). `whole_step`:
-    every fsd-chat row decodes whole steps (`--whole-step`; transformers' rows are unchanged),
+    every fsd-chat row decodes whole steps (`--whole-step`; None: `ModelPair.whole_step`'s default;
+    transformers' rows are unchanged),
     said in the report's title and its sweep record. `profile`: one more reply of each fsd-chat row
     under torch.profiler, against the device's copy bandwidth measured here (`bench.profile`).
     `engine`: what runs fsd-chat's rows (`--engine`); transformers' rows run on transformers
@@ -250,6 +251,7 @@ def run_bench(
 
     # Up front, what the sweep will take; under a budget, cut to keep it.
     scorer = by_setup[setups[0]]
+    whole_step = scorer.whole_step(whole_step)
     # Timed as whole steps unless a row decodes compiled steps (which then reuse the compilation):
     # compiling steps no row decodes could take longer than the sweep (target-only's compiled steps
     # warmed up in 27 s on the 1.5B real-cost pair, H200), and a bench of transformers' rows alone

@@ -85,7 +85,7 @@ def run_generate(
     threads_batch: int | None = None,
     compiled: bool | None = None,
     threshold_given: bool = True,
-    whole_step: bool = False,
+    whole_step: bool | None = None,
 ) -> int:
     """Load the pair, decode one reply to `prompt` and write it out; returns the exit status: 0, or
     130 (Ctrl-C) or 143 (SIGTERM) when a signal ended the reply early, which is then written out as
@@ -187,7 +187,7 @@ def run_generate(
         )
     if decoder.compile_error:
         sys.stderr.write(
-            f"fsd-chat: {'--whole-step' if whole_step else '--compile'} fell back to eager forward passes: "
+            f"fsd-chat: {'--whole-step' if pair.whole_step(whole_step) else '--compile'} fell back to eager forward passes: "
             f"{visible(decoder.compile_error)}\n"
         )
     return status

@@ -230,12 +230,14 @@ WHOLE_STEP = Option(
     "whole_step",
     ("--whole-step/--no-whole-step",),
     bool,
-    False,
+    None,
     "Run each decoding step, speculative or target-only, as one function over static buffers: one "
     "captured CUDA graph a step on CUDA (captured while the models load), eager on the CPU. For a "
     "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps). Its "
     "step functions are compiled before the capture (each decoder layer compiled once) unless "
-    "--no-compile is given. Off by default until measured on a GPU.",
+    "--no-compile is given. Default: on the CPU for transformers models of full-attention layers "
+    "(no slower than per-forward steps there, faster when drafting); off on CUDA until measured on "
+    "a GPU. llama.cpp runs its own steps.",
     DECODING,
 )
 AUTOREGRESSIVE = Option(

@@ -83,7 +83,8 @@ class ChatOptions:
         threads: CPU threads for torch (None: the thread policy's choice, see `fsd_chat.support.threads`).
         threads_batch: llama.cpp's threads for forwards of several tokens (None: the policy's).
         compiled: Compile the models' decoding steps (`--compile`; None: on a CUDA device only).
-        whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`).
+        whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`;
+            None: `ModelPair.whole_step`'s default).
     """
 
     target: ModelSpec
@@ -105,7 +106,7 @@ class ChatOptions:
     threads: int | None = None
     threads_batch: int | None = None
     compiled: bool | None = None
-    whole_step: bool = False
+    whole_step: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

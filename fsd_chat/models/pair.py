@@ -13,6 +13,7 @@ import torch
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import ForwardTimings, modelled_timings
+from fsd_chat.decoding.kv_cache import compile_refusal
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
@@ -124,7 +125,7 @@ class ModelPair:
         autoregressive: bool = False,
         time_phases: bool = False,
         compiled: bool | None = None,
-        whole_step: bool = False,
+        whole_step: bool | None = False,
         capture_progress: Callable[[int, int], None] | None = None,
     ) -> Decoder:
         """The decoder a command asked for over this pair, driven by `controls`.
@@ -138,7 +139,8 @@ class ModelPair:
             compiled: Compile the models' steps over static KV caches (see
                 `SpeculativeDecoder`): True, False, or None for on a CUDA device only.
             whole_step: Each step as one function over static buffers, captured as CUDA graphs
-                on CUDA (see `SpeculativeDecoder`; off by default until measured on a GPU).
+                on CUDA (see `SpeculativeDecoder`): True, False, or None for where it is the
+                default (`whole_step`).
             capture_progress: Called with (graphs captured, graphs in all) while they are
                 captured (see `SpeculativeDecoder`).
 
@@ -154,18 +156,33 @@ class ModelPair:
             capture_progress=capture_progress,
         )
 
+    def whole_step(self, asked: bool | None) -> bool:
+        """Whether this pair's decoders run whole steps (`fsd_chat.decoding.step_graph`): as
+        `asked` (`--whole-step`, `--no-whole-step`), or by default (None) on the CPU for
+        transformers models whose caches a whole step can hold (`compile_refusal` admits them),
+        where it is no slower than the per-forward steps and faster when drafting (issue 45,
+        item 5: 0.98-1.00× target-only, 1.00-1.08× speculative on the story pair and the default
+        model; docs/benchmarks.md), and not on CUDA until measured on a GPU nor on llama.cpp,
+        whose runner has its own steps."""
+        if asked is not None:
+            return asked
+        if self.engine != "transformers" or self.device.type != "cpu":
+            return False
+        models = [m for m in (self.target, self.draft) if m is not None]
+        return all(compile_refusal(m, "--whole-step") is None for m in models)  # type: ignore[arg-type]
+
     def speculative(
         self,
         controls: Controls,
         *,
         time_phases: bool = False,
         compiled: bool | None = None,
-        whole_step: bool = False,
+        whole_step: bool | None = False,
         capture_progress: Callable[[int, int], None] | None = None,
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compiled`, `whole_step`, `capture_progress`: see `SpeculativeDecoder`); without a draft model, over prompt
-        lookup."""
+        `compiled`, `whole_step`, `capture_progress`: see `SpeculativeDecoder`; `whole_step` None:
+        `whole_step`'s default); without a draft model, over prompt lookup."""
         return SpeculativeDecoder(
             self.target,
             PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
@@ -176,7 +193,7 @@ class ModelPair:
             compiled=compiled,
             timings=self.forward_timings,
             vocab_map=self.vocab_map,
-            whole_step=whole_step,
+            whole_step=self.whole_step(whole_step),
             capture_progress=capture_progress,
         )
 
@@ -226,11 +243,11 @@ class ModelPair:
         *,
         time_phases: bool = False,
         compiled: bool | None = None,
-        whole_step: bool = False,
+        whole_step: bool | None = False,
         capture_progress: Callable[[int, int], None] | None = None,
     ) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target (`compiled`, `whole_step`,
-        `capture_progress`: see `AutoregressiveDecoder`)."""
+        `capture_progress`: see `AutoregressiveDecoder`; `whole_step` None: `whole_step`'s default)."""
         return AutoregressiveDecoder(
             self.target,
             self.tokenizer,
@@ -238,6 +255,6 @@ class ModelPair:
             vocab_size=self.vocab_size,
             time_phases=time_phases,
             compiled=compiled,
-            whole_step=whole_step,
+            whole_step=self.whole_step(whole_step),
             capture_progress=capture_progress,
         )

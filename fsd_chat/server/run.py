@@ -216,7 +216,7 @@ def run_server(
     autoregressive: bool,
     compiled: bool | None,
     announce: Callable[[str], None],
-    whole_step: bool = False,
+    whole_step: bool | None = None,
 ) -> None:
     """Serve the pair until interrupted (Ctrl+C, SIGTERM).
 
@@ -230,7 +230,7 @@ def run_server(
         autoregressive: Target-only decoding (`fsd` objects are then checked, and change nothing).
         compiled: Compile the models' decoding steps (None: on a CUDA device only).
         whole_step: Each step as one captured graph on CUDA, eager on the CPU (`--whole-step`;
-            its capture is announced on standard error).
+            its capture is announced on standard error; None: `ModelPair.whole_step`'s default).
         announce: Gets one line once the server listens.
 
     Raises:

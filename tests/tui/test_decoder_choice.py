@@ -1,5 +1,6 @@
-"""The chat decodes as its options ask: target-only with `autoregressive`, else speculatively, with
-the models compiled under `compiled` (the app's own decoder factory, `ModelPair.decoder`)."""
+"""The chat decodes as its options ask: target-only with `autoregressive`, else speculatively, in
+whole steps by default on the CPU (`whole_step`), the models or the steps compiled under `compiled`
+(the app's own decoder factory, `ModelPair.decoder`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
-from fsd_chat.decoding.kv_cache import CompiledModel
+from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, StaticModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models.loading import load_pair
@@ -25,11 +26,12 @@ from tests.tui.helpers import SIZE, wait_for, wait_for_chat
 
 
 @pytest.mark.parametrize(
-    ("autoregressive", "compile", "decoder_type", "compiled"),
+    ("autoregressive", "compile", "whole_step", "decoder_type", "runner_type"),
     [
-        (True, True, AutoregressiveDecoder, True),  # the target compiled
-        (False, False, SpeculativeDecoder, False),
-        (False, True, SpeculativeDecoder, True),
+        (True, True, False, AutoregressiveDecoder, CompiledModel),  # per-forward steps, compiled
+        (False, False, False, SpeculativeDecoder, CachedModel),  # per-forward steps, eager
+        (False, False, None, SpeculativeDecoder, StaticModel),  # the CPU's default: whole steps
+        (False, True, None, SpeculativeDecoder, StaticModel),  # whole steps, their functions compiled
     ],
 )
 @pytest.mark.slow
@@ -38,8 +40,9 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
     tmp_path: Path,
     autoregressive: bool,
     compile: bool,
+    whole_step: bool | None,
     decoder_type: type,
-    compiled: bool,
+    runner_type: type,
 ) -> None:
     options = ChatOptions(
         target=pair.target_spec,
@@ -47,6 +50,7 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
         store=SessionStore(tmp_path / "sessions.sqlite3"),
         autoregressive=autoregressive,
         compiled=compile,
+        whole_step=whole_step,
     )
     app = FsdChatApp(options, loader=lambda progress: pair)
     async with app.run_test(size=SIZE) as pilot:
@@ -55,7 +59,7 @@ async def test_the_chat_builds_the_decoder_its_options_ask_for(
         decoder = app.screen.chat.decoder
         assert type(decoder) is decoder_type
         assert decoder.controls is app.controls  # type: ignore[attr-defined]
-        assert isinstance(decoder.cached_models[-1], CompiledModel) == compiled  # type: ignore[attr-defined]
+        assert type(decoder.cached_models[-1]) is runner_type  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
