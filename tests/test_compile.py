@@ -19,7 +19,7 @@ import torch
 import torch._dynamo
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, regions
 from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, StaticModel, bind
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import LOOKUP
@@ -254,16 +254,32 @@ def test_falls_back_to_eager_when_a_layer_cannot_be_traced(
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        ([], "UncapturedHigherOrderOpError"),  # the CPU's default: the whole step's functions compiled
+        (["--no-whole-step"], "Unsupported"),  # per-forward steps compiled (CUDA's default)
+    ],
+)
 def test_generate_says_when_compile_falls_back(
-    target_dir: Path, draft_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    target_dir: Path,
+    draft_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    error: str,
 ) -> None:
     monkeypatch.setattr(LlamaDecoderLayer, "forward", untraceable(LlamaDecoderLayer.forward))
+    # The layer regions made of the broken forward stay in a dict of their own (`regions._REGIONS`
+    # keeps one a class for the process).
+    monkeypatch.setattr(regions, "_REGIONS", {})
     torch._dynamo.reset()
     try:
         args = [
             "generate",
             *pair_args(target_dir, draft_dir),
             "--compile",
+            *flags,
             "-T",
             "0",
             "--max-new-tokens",
@@ -275,5 +291,5 @@ def test_generate_says_when_compile_falls_back(
         torch._dynamo.reset()
     assert code == 0 and out.strip()
     assert err.count("\n") == 1 and err.startswith(
-        "fsd-chat: --compile fell back to eager forward passes: Unsupported"
+        f"fsd-chat: --compile fell back to eager forward passes: {error}"
     )

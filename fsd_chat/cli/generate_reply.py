@@ -187,7 +187,7 @@ def run_generate(
         )
     if decoder.compile_error:
         sys.stderr.write(
-            f"fsd-chat: {'--whole-step' if pair.whole_step(whole_step) else '--compile'} fell back to eager forward passes: "
+            f"fsd-chat: {'--whole-step' if whole_step else '--compile'} fell back to eager forward passes: "
             f"{visible(decoder.compile_error)}\n"
         )
     return status
