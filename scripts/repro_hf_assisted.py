@@ -13,8 +13,8 @@ target that assisted generation then uses.
 
 Each variant runs in a fresh process under a hard cap; a variant still running 5 s before its cap
 dumps every thread's stack (faulthandler), so a stall shows where it sits. Per variant: the
-warm-up's seconds (8 tokens), tok/s of a 64-token reply, and torch._dynamo's counters (graphs
-compiled, frames it intercepted) during assisted generation alone:
+warm-up's seconds (8 tokens), tok/s of a 64-token reply (`--max-new-tokens`), and torch._dynamo's
+counters (graphs compiled, frames it intercepted) during assisted generation alone:
 
 - `alone`: assisted generation in a fresh process;
 - `after-static`: after hf-static's generate on the same target;
@@ -26,6 +26,7 @@ compiled, frames it intercepted) during assisted generation alone:
 
 Usage (only torch and transformers; no fsd-chat):
     python scripts/repro_hf_assisted.py TARGET DRAFT [--device cuda] [--dtype bfloat16] [--cap 120]
+        [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ PROMPT = [1, 403, 1683, 263, 931, 29892]  # "Once upon a time," in a Llama-style
 
 
 def child(
-    target_dir: str, draft_dir: str, device: str, dtype: str, variant: str, cap: float
+    target_dir: str, draft_dir: str, device: str, dtype: str, variant: str, cap: float, max_new_tokens: int
 ) -> dict[str, object]:
     """One variant in this process (see the module docstring)."""
     import faulthandler
@@ -82,7 +83,7 @@ def child(
         target.generate(ids, assistant_model=draft, max_new_tokens=8, do_sample=False)
         warmup = time.perf_counter() - start
         start = time.perf_counter()
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=64, do_sample=False)
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False)
         seconds = time.perf_counter() - start
     faulthandler.cancel_dump_traceback_later()
     tokens = out.shape[1] - ids.shape[1]
@@ -105,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds a variant may take")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens of the timed reply")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.target, args.draft, args.device, args.dtype, args.child, args.cap)))
+        result = child(
+            args.target, args.draft, args.device, args.dtype, args.child, args.cap, args.max_new_tokens
+        )
+        print(json.dumps(result))
         return 0
     for variant in args.variants.split(","):
         command = [sys.executable, __file__, args.target, args.draft, "--device", args.device]
         command += ["--dtype", args.dtype, "--cap", str(args.cap), "--child", variant]
+        command += ["--max-new-tokens", str(args.max_new_tokens)]
         start = time.perf_counter()
         # A session of its own: past the cap the whole group goes, inductor's compile workers too.
         process = subprocess.Popen(

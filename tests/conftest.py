@@ -42,13 +42,21 @@ def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `--dist loadgroup` (the Makefile's) tests are spread over the workers one by one, so that
     no big file holds a worker while the other idles; but the tests of a module with a module-scoped
-    fixture (a bench sweep, a converted model) stay on one worker, where the fixture runs once."""
+    fixture (a bench sweep, a converted model) stay on one worker, where the fixture runs once. A
+    module that names its own group (`COMPILED_FORWARDS`) keeps it."""
     for item in items:
         definitions = getattr(item, "_fixtureinfo", None)
-        if definitions is None:
+        if definitions is None or item.get_closest_marker("xdist_group") is not None:
             continue
         if any(d.scope == "module" for defs in definitions.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+COMPILED_FORWARDS = pytest.mark.xdist_group("compiled-forwards")
+"""The group of the modules that compile the session pair's forwards (`--compile`): torch.compile
+builds them once a process (`kv_cache.compiled_forward`), seconds a graph, so these modules share a
+worker rather than each worker compiling them again (test_prefix_reuse's compiled conversation:
+32 s compiling, 3 s after test_compile's replies)."""
 
 
 @pytest.fixture(scope="session")

@@ -26,13 +26,14 @@ from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
+from tests.conftest import COMPILED_FORWARDS
 from tests.decoding_helpers import collect, count_fed
 from tests.test_cli_generate import pair_args, run_cli
 from tests.test_host_syncs import host_reads  # noqa: F401 (a fixture)
 from tests.test_sampling_lossless import ALPHA, chi_square_p_value, exact_first_two
 from tests.tiny_models import save_tiny_model
 
-pytestmark = pytest.mark.slow  # torch.compile builds C++ kernels
+pytestmark = [pytest.mark.slow, COMPILED_FORWARDS]  # torch.compile builds C++ kernels
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the park"]
 
@@ -187,6 +188,14 @@ def test_sampling_stays_lossless(pair: ModelPair) -> None:
     assert chi_square_p_value(firsts, exact_first_two(pair.draft, prompt_ids, vocab, eos)[0]) < 1e-6
 
 
+APART = pytest.mark.xdist_group("compile-apart")
+"""Out of `COMPILED_FORWARDS`: tests after which the group's later tests would compile the forwards
+again: those that reset torch._dynamo (a layer made untraceable), and a Gemma 2 model bound (the
+compiled forwards' guards fail after it: test_prefix_reuse's compiled conversation 3.4 s before it,
+11.3 s after)."""
+
+
+@APART
 def test_a_sliding_window_model_runs_eagerly_with_a_reason(tmp_path: Path, target_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -205,6 +214,7 @@ def test_a_sliding_window_model_runs_eagerly_with_a_reason(tmp_path: Path, targe
     assert bind(model, 512, compiled=None, capacity=64).compile_error is None
 
 
+@APART  # binds a Gemma 2 model
 def test_whole_steps_are_the_cpus_default_where_they_run(
     pair: ModelPair, llama_pair: ModelPair, tmp_path: Path, target_dir: Path
 ) -> None:
@@ -233,6 +243,7 @@ def untraceable(forward: Callable[..., Any]) -> Callable[..., Any]:
     return broken
 
 
+@APART
 def test_falls_back_to_eager_when_a_layer_cannot_be_traced(
     pair: ModelPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -254,6 +265,7 @@ def test_falls_back_to_eager_when_a_layer_cannot_be_traced(
         torch._dynamo.reset()
 
 
+@APART
 @pytest.mark.parametrize(
     ("flags", "error"),
     [

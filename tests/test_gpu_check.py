@@ -39,6 +39,18 @@ def test_a_bad_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--limit" in capsys.readouterr().err
 
 
+STALL_CAP = 5.0
+"""Seconds the stalled configuration is given: enough for its Python to start (faulthandler on) on
+a loaded machine and sit in its sleep, where the cut finds it."""
+
+
+class Stalled(gpu_check.Bench):
+    """A bench that stalls, capped at `STALL_CAP` whatever the check's load and configuration caps."""
+
+    def cap(self, args: argparse.Namespace) -> float:
+        return STALL_CAP
+
+
 def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -46,8 +58,13 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
     shapes by the shared builder: every phase prints; each bench's report has its rows, the
     whole-step rows their profile (kernel counts 0 on the CPU, and the table says so); and a
     configuration that stalls (hf-assisted replaced by a process that sleeps: the GPU's hang cannot
-    run here) is killed at its cap, shown as cut, and the check goes on."""
+    run here) is killed at its cap, shown as cut, and the check goes on.
+
+    The sleeper's cap is its own, `STALL_CAP`, below the least a real bench is started with
+    (`MIN_CAP`, lowered to it here): the same cut as at the 20 s the benches' load cap would give
+    it, without 15 s more of waiting."""
     real_row = gpu_check.transformers_row
+    monkeypatch.setattr(gpu_check, "MIN_CAP", STALL_CAP)
 
     def stalled(
         args: argparse.Namespace, target: str, draft: str, output: Path, method: str
@@ -59,7 +76,7 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
             "-c",
             "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)",
         ]
-        return gpu_check.Bench("transformers' hf-assisted k 4", sleeper, 0, output)
+        return Stalled("transformers' hf-assisted k 4", sleeper, 0, output)
 
     monkeypatch.setattr(gpu_check, "transformers_row", stalled)
     out = tmp_path / "reports"
@@ -77,7 +94,7 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
     assert code == 1  # a configuration was cut
     for number in range(1, 7):
         assert f"gpu-check {number}/6: " in printed and f"gpu-check {number}/6: done in " in printed
-    assert "gpu-check: cut: transformers' hf-assisted k 4 ran past its cap of 20 s and was killed" in printed
+    assert "gpu-check: cut: transformers' hf-assisted k 4 ran past its cap of 5 s and was killed" in printed
     assert "Fatal Python error: Aborted" in errors  # its stacks, where it sat, before the kill
     assert printed.index("hf-assisted k 4 ran past") < printed.index(
         "whole steps (--whole-step) vs today's steps"
@@ -245,6 +262,7 @@ def test_the_hf_assisted_reproduction_runs_its_variants_in_processes_of_their_ow
         [
             *(sys.executable, "scripts/repro_hf_assisted.py", str(TARGET_DIR), str(DRAFT_DIR)),
             *("--device", "cpu", "--dtype", "float32", "--variants", "alone,after-static", "--cap", "300"),
+            *("--max-new-tokens", "16"),  # tokens produced eagerly: 16 show it as well as 64
         ],
         capture_output=True,
         text=True,

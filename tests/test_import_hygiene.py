@@ -25,40 +25,80 @@ pytestmark = pytest.mark.slow  # each test starts Python subprocesses
 
 def loaded(code: str, watched: tuple[str, ...], env: dict[str, str] | None = None) -> list[str]:
     """The `watched` modules that running `code` in a fresh interpreter (in `env`) imports."""
-    probe = f"{code}\nimport sys\nprint('\\n' + ','.join(m for m in {watched!r} if m in sys.modules))"
+    return loaded_after(("code", code), watched=watched, env=env)["code"]
+
+
+MARK = "loaded after "
+"""The start of the line that names a flow's loaded modules."""
+
+
+def loaded_after(
+    *flows: tuple[str, str], watched: tuple[str, ...], env: dict[str, str] | None = None
+) -> dict[str, list[str]]:
+    """The `watched` modules loaded after each of `flows` ((name, code), run in order in one fresh
+    interpreter, in `env`), by name. A module stays loaded once imported, so one absent after a flow
+    was imported neither by it nor by any before it: each flow's claim is that of a fresh
+    interpreter, for one Python start and the imports the flows share (one present may have come
+    from an earlier flow: the first flow whose test fails is the one that imported it)."""
+    probe = ["import sys"]
+    for name, code in flows:
+        probe.append(f"exec(compile({code!r}, {name!r}, 'exec'), {{'__name__': '__flow__'}})")
+        # A line of its own: what the flow printed (a command's help) comes before.
+        probe.append(f"print('\\n{MARK}{name}=' + ','.join(m for m in {watched!r} if m in sys.modules))")
     result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", "\n".join(probe)], capture_output=True, text=True, timeout=120, env=env
     )
     assert result.returncode == 0, result.stderr
-    # The last line: what `code` printed (a command's help) comes before.
-    return [name for name in result.stdout.split("\n")[-2].split(",") if name]
+    lines = result.stdout.splitlines()
+    found = dict(line.removeprefix(MARK).split("=", 1) for line in lines if line.startswith(MARK))
+    return {name: [m for m in found[name].split(",") if m] for name, _ in flows}
 
 
 HEAVY = ("torch", "transformers", "textual")
+HELPS = ["", "generate", "chat", "bench"]
 
 
-def test_importing_the_command_line_loads_no_heavy_module() -> None:
-    assert loaded("import fsd_chat.cli", HEAVY) == []
-
-
-@pytest.mark.parametrize("command", ["", "generate", "chat", "bench"])
-def test_help_loads_no_heavy_module(command: str) -> None:
+def help_code(command: str) -> str:
+    """`fsd-chat [command] -h` (which exits)."""
     argv = [command, "-h"] if command else ["-h"]
-    code = f"from fsd_chat.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
-    assert loaded(code, HEAVY) == []
+    return f"from fsd_chat.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
 
 
-def test_the_engine_loads_no_renderer() -> None:
+@pytest.fixture(scope="module")
+def without_an_engine() -> dict[str, list[str]]:
+    """What the command line loads before an engine is chosen, in one interpreter: importing it,
+    each command's help, then the modules of chat, serve and bench (these last: they import
+    textual, one of `HEAVY`, and their own claim is no transformers)."""
+    commands = ("fsd_chat.tui.app", "fsd_chat.server.run", "fsd_chat.bench.pipeline", "fsd_chat.cli.bench")
+    return loaded_after(
+        ("import", "import fsd_chat.cli"),
+        *((f"help {command}", help_code(command)) for command in HELPS),
+        ("commands", "\n".join(f"import {m}" for m in commands)),
+        watched=(*HEAVY, *UNUSED_ON_LLAMA_CPP),
+    )
+
+
+def heavy(found: list[str]) -> list[str]:
+    """The `HEAVY` modules among `found`."""
+    return [m for m in found if m in HEAVY]
+
+
+def test_importing_the_command_line_loads_no_heavy_module(without_an_engine: dict[str, list[str]]) -> None:
+    assert heavy(without_an_engine["import"]) == []
+
+
+@pytest.mark.parametrize("command", HELPS)
+def test_help_loads_no_heavy_module(without_an_engine: dict[str, list[str]], command: str) -> None:
+    assert heavy(without_an_engine[f"help {command}"]) == []
+
+
+@pytest.fixture(scope="module")
+def on_transformers(target_dir: Path) -> dict[str, list[str]]:
+    """In one interpreter: every module of the decoding package imported, then a model folder
+    loaded and decoded on the transformers engine (with prompt lookup)."""
     modules = [f"fsd_chat.decoding.{m.name}" for m in pkgutil.iter_modules(fsd_chat.decoding.__path__)]
     assert len(modules) > 5  # the package's modules were found
-    imports = "\n".join(f"import {module}" for module in ["fsd_chat.decoding", *modules])
-    assert loaded(imports, ("textual", "rich")) == []
-
-
-def test_the_transformers_engine_imports_no_llama_cpp(target_dir) -> None:  # type: ignore[no-untyped-def]
-    """llama-cpp-python is imported only when the llama.cpp engine is chosen: a model folder loads
-    and decodes without it (the GPU image has none)."""
-    code = (
+    decode = (
         "from fsd_chat.models.loading import load_pair\n"
         "from fsd_chat.models.options import LoadOptions, ModelSpec\n"
         "from fsd_chat.decoding import Controls\n"
@@ -66,7 +106,21 @@ def test_the_transformers_engine_imports_no_llama_cpp(target_dir) -> None:  # ty
         "ids = pair.tokenizer('Once upon a time').input_ids\n"
         "list(pair.speculative(Controls()).generate(ids, max_new_tokens=4))"
     )
-    assert loaded(code, ("llama_cpp",)) == []
+    return loaded_after(
+        ("decoding", "\n".join(f"import {module}" for module in ["fsd_chat.decoding", *modules])),
+        ("transformers engine", decode),
+        watched=("textual", "rich", "llama_cpp"),
+    )
+
+
+def test_the_engine_loads_no_renderer(on_transformers: dict[str, list[str]]) -> None:
+    assert on_transformers["decoding"] == []  # neither textual nor rich (nor llama_cpp)
+
+
+def test_the_transformers_engine_imports_no_llama_cpp(on_transformers: dict[str, list[str]]) -> None:
+    """llama-cpp-python is imported only when the llama.cpp engine is chosen: a model folder loads
+    and decodes without it (the GPU image has none)."""
+    assert "llama_cpp" not in on_transformers["transformers engine"]
 
 
 UNUSED_ON_LLAMA_CPP = (
@@ -146,12 +200,11 @@ asyncio.run(chat())
     assert loaded(code, ("llama_cpp", *UNUSED_ON_LLAMA_CPP), env) == ["llama_cpp"]
 
 
-def test_the_commands_modules_import_no_transformers() -> None:
+def test_the_commands_modules_import_no_transformers(without_an_engine: dict[str, list[str]]) -> None:
     """What chat, serve and bench import before they choose an engine: no transformers (the
     transformers engine's loading, its baselines and torch.compile's counters are imported where
     they run)."""
-    modules = ("fsd_chat.tui.app", "fsd_chat.server.run", "fsd_chat.bench.pipeline", "fsd_chat.cli.bench")
-    assert loaded("\n".join(f"import {m}" for m in modules), UNUSED_ON_LLAMA_CPP) == []
+    assert [m for m in without_an_engine["commands"] if m in UNUSED_ON_LLAMA_CPP] == []
 
 
 def test_a_bench_on_llama_cpp_imports_no_transformers(

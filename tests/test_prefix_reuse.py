@@ -18,6 +18,7 @@ from fsd_chat.models.chat_template import Message, PromptBuilder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
+from tests.conftest import COMPILED_FORWARDS
 from tests.decoding_helpers import collect, count_fed
 from tests.tiny_models import GEMMA3_WINDOW, save_gemma3
 
@@ -32,6 +33,7 @@ QUESTIONS = [
     "They all went home and had a nap.",
 ]
 MAX_NEW_TOKENS = 60
+pytestmark = COMPILED_FORWARDS  # its compiled conversation reuses test_compile's graphs
 
 
 def decoders(pair: ModelPair, kind: str) -> tuple[Decoder, Decoder]:
