@@ -48,9 +48,11 @@ def test_a_start_that_fails_or_loads_nothing_collects_again_and_freezes_nothing(
     before = gc.get_freeze_count()
     with pytest.raises(ValueError), start_gc.paused():
         raise ValueError("a command that failed before loading")
-    assert gc.isenabled() and gc.get_freeze_count() == before
+    # At most `before`: frozen objects still die (an earlier test's threads ending lowered the count
+    # by 2 once), while a freeze would add every tracked object (hundreds of thousands).
+    assert gc.isenabled() and gc.get_freeze_count() <= before
     start_gc.resume()  # outside a paused start: nothing
-    assert gc.get_freeze_count() == before
+    assert gc.get_freeze_count() <= before
 
 
 def test_a_collector_paused_by_the_caller_is_left_to_it(collecting: None) -> None:
