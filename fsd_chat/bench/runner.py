@@ -117,7 +117,7 @@ def run_sweep(
     hf_pairs: dict[Setup, ModelPair] | None = None,
     cut_after: float | None = None,
     warmup_cut_after: float | None = None,
-    whole_step: bool = False,
+    whole_step: bool | None = False,
     profile: bool = False,
     bandwidth: float | None = None,
 ) -> SweepResult:
@@ -134,7 +134,8 @@ def run_sweep(
         cut_after: Each configuration's time budget in seconds for its measured replies together
             (None: none; see the module docstring).
         warmup_cut_after: The same for its warm-up reply, which compiles (None: `cut_after`).
-        whole_step: fsd-chat's decoders run whole steps (see `PairRunner`).
+        whole_step: fsd-chat's decoders run whole steps (see `PairRunner`; None: each pair's
+            default, `ModelPair.whole_step`).
         profile: After the measured replies, one more reply of each fsd-chat configuration not cut
             (the first prompt) under torch.profiler (`bench.profile`), into its record.
         bandwidth: The device's copy bandwidth, bytes/s, for the profiles' bandwidth use.
@@ -143,7 +144,8 @@ def run_sweep(
     scorer = next(iter(pairs.values()))
     hf = hf_pairs or {}
     runners = {
-        setup: PairRunner(pair, hf=hf.get(setup), whole_step=whole_step) for setup, pair in pairs.items()
+        setup: PairRunner(pair, hf=hf.get(setup), whole_step=pair.whole_step(whole_step))
+        for setup, pair in pairs.items()
     }
     ids = [prompt_ids(scorer.tokenizer, [Message("user", item.text)]) for item in prompt_set.items]
     runs: list[Measurement] = []
