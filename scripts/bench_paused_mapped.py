@@ -22,8 +22,8 @@ import fsd_chat.models.vocabulary
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
-from fsd_chat.decoding.draft_policy import ForwardTimings
 from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path

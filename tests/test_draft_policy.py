@@ -20,24 +20,26 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.draft_policy import (
-    ATTENTION_SECONDS,
-    MEASURE_CONTEXT,
-    MEASURED_WIDTHS,
     MIN_CEILING,
     PROBE_BUDGET,
     PROBE_FIRST,
     PROBE_MOST,
     FixedPolicy,
-    ForwardTimings,
     GoodputPolicy,
     LatencyPolicy,
     MatchedGoodput,
     Next,
     make_policy,
+)
+from fsd_chat.decoding.events import StepStats
+from fsd_chat.decoding.forward_timings import (
+    ATTENTION_SECONDS,
+    MEASURE_CONTEXT,
+    MEASURED_WIDTHS,
+    ForwardTimings,
     modelled_timings,
     time_forwards,
 )
-from fsd_chat.decoding.events import StepStats
 from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder

@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding import sampling as sampling_module
 from fsd_chat.decoding.acceptance import verify
-from fsd_chat.decoding.draft_policy import ForwardTimings
 from fsd_chat.decoding.events import Step
+from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import draw, probabilities

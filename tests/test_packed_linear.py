@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
-from fsd_chat.decoding.draft_policy import model_forward_seconds
+from fsd_chat.decoding.forward_timings import model_forward_seconds
 from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.packed_linear import (
     PACK_MIN_WEIGHTS,

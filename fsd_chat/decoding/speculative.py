@@ -33,8 +33,9 @@ import torch
 from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import DraftPolicy, ForwardTimings, make_policy, modelled_timings
+from fsd_chat.decoding.draft_policy import DraftPolicy, make_policy
 from fsd_chat.decoding.events import Step, StepStats
+from fsd_chat.decoding.forward_timings import ForwardTimings, modelled_timings
 from fsd_chat.decoding.kv_cache import (
     COMPILED_CONTEXT,
     DRAFT_WIDTHS,

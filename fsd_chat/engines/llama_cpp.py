@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from gguf import LlamaFileType
 
-from fsd_chat.decoding.draft_policy import ForwardTimings, timings_of
+from fsd_chat.decoding.forward_timings import ForwardTimings, timings_of
 from fsd_chat.support.errors import ContextLengthError, ModelLoadError, UnsupportedCacheError
 from fsd_chat.support.log import LLAMA_CPP_LOG
 
@@ -445,7 +445,7 @@ measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000); divided among the t
 def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
     """The draft and verify forward times of models on llama.cpp at their thread counts
     (`LlamaCppModel.threads` for one token, `batch_threads` for several), from their sizes alone (as
-    `fsd_chat.decoding.draft_policy.modelled_timings` does for transformers models): no clock, so a
+    `fsd_chat.decoding.forward_timings.modelled_timings` does for transformers models): no clock, so a
     seed gives the same reply under any load. A forward of w tokens costs a part per layer, the read
     of its weights (`llama_model_size`) and a part per token and parameter, the last two divided
     among the threads (`forward_seconds`); prompt lookup's positions cost nothing."""
@@ -465,7 +465,7 @@ def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> Forw
 
 def forward_seconds(model: LlamaCppModel, width: int) -> float:
     """The modelled seconds of a forward of `width` tokens on llama.cpp over
-    `fsd_chat.decoding.draft_policy.MEASURE_CONTEXT` tokens of context, at the model's threads for
+    `fsd_chat.decoding.forward_timings.MEASURE_CONTEXT` tokens of context, at the model's threads for
     its width (`modelled_timings`; the constants say how they were fitted)."""
     lib = model._llama_cpp
     layers = int(lib.llama_model_n_layer(model.llama.model))

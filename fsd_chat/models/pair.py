@@ -12,7 +12,7 @@ import torch
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.draft_policy import ForwardTimings, modelled_timings
+from fsd_chat.decoding.forward_timings import ForwardTimings, modelled_timings
 from fsd_chat.decoding.kv_cache import compile_refusal
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
