@@ -1,8 +1,9 @@
-"""The whole step compiled by inductor on the CPU (`step_graph.compiled_step_functions`: each
-decoder layer one nested compile region) decides as the eager step does: for every rule, greedy and
-sampled, the same tokens and the same origins on the story pair, the rule given as device values
-(one compiled graph per draft length and kind serves every rule, as on CUDA). Draft length 1,
-which the reply's end never cuts: two compilations in all (minutes on a loaded 2-core machine)."""
+"""The whole step compiled by inductor on the CPU (`step_graph.compiled_step_functions`: a
+speculative step in its parts, a target-only step whole, each decoder layer one nested compile
+region) decides as the eager step does: for every rule, greedy and sampled, the same tokens and the
+same origins on the story pair, the rule given as device values (the compiled functions of a draft
+length and kind serve every rule, as on CUDA). Draft length 1, which the reply's end never cuts:
+two kinds compiled in all (a minute or more on a loaded 2-core machine)."""
 
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -258,6 +259,7 @@ def speculative_step(
     k: int,
     greedy: bool,
     draws: Draws | None,
+    parts: StepParts | None = None,
 ) -> torch.Tensor:
     """One speculative step on the device (module docstring): a draft model of the target's
     vocabulary proposes, or, with no draft, prompt lookup's copy of seq[0, source : source + k]
@@ -276,40 +278,76 @@ def speculative_step(
         k: Draft length, ≥ 1 (one graph each).
         greedy: Argmax draws and tests (one graph each); else `draws` are used.
         draws: The step's random numbers (None when greedy).
+        parts: The functions the step is made of, compiled (`compiled_step_functions`) or not
+            (None: `EAGER_PARTS`).
 
     Returns:
         `acceptance.decide`'s block, shape [6k + 3] float64 ([5k + 3] for a copy).
     """
-    seq, position, device = inputs.seq[0], inputs.position, inputs.seq.device
-    untruncated = inputs.sampling.untruncated() if inputs.truncates else None
-    # Every position the step feeds or writes, computed once: the draft's first pass at span[0:2]
-    # (position − 1 and position; at position 0, position twice: the same token written twice at
-    # one slot), its i-th at span[i + 1], the target's verify at span[1 : k + 2], and the target's
-    # token at span[2:][n] (position + 1 + n). A copy feeds no position before `position`.
-    span = position + torch.arange(-1, k + 2, device=device)
-    verified = span[1 : k + 2]
+    parts = parts or EAGER_PARTS
+    seq = inputs.seq[0]
+    span, mask = parts.start(target, inputs, k, draft is None)
     q_rows: list[torch.Tensor] = []
     q_full_rows: list[torch.Tensor] = []
-    if draft is None:
-        mask = target.attention_mask(verified)
-        # The copy seq[source : source + k]: a row of seq's windows of k tokens.
-        seq.index_copy_(0, verified[1:], seq.unfold(0, k, 1).index_select(0, inputs.source).view(k))
-    else:
-        span = span.clamp_min(0)
-        verified = span[1 : k + 2]
-        # One attention mask for every pass of the step: its rows are the passes' positions.
-        mask = target.attention_mask(span[: k + 2])
+    if draft is not None:
         shared = draft.capacity == target.capacity and draft.dtype == target.dtype
-        _draft_positions(
-            draft, inputs, k, draws, untruncated, span, mask if shared else None, q_rows, q_full_rows
-        )
+        _draft_positions(draft, inputs, k, draws, span, mask if shared else None, q_rows, q_full_rows, parts)
         mask = mask[:, :, 1:]
+    verified = span[1 : k + 2]
     fed = seq.index_select(0, verified)
-    logits = static_forward(target, fed.view(1, k + 1), verified, mask)
-    p = probabilities(logits, inputs.sampling)
-    block, next_token = decide(
-        p,
+    logits = parts.forward(target, fed.view(1, k + 1), verified, mask)
+    return parts.verdict(
+        logits,
         torch.cat(q_rows) if q_rows else None,
+        torch.cat(q_full_rows) if q_full_rows else None,
+        fed,
+        span,
+        inputs,
+        k,
+        greedy,
+        draws,
+    )
+
+
+def _start(target: StaticModel, inputs: StepInputs, k: int, copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position a speculative step feeds or writes, computed once, and one attention mask
+    for all its passes: (span [k + 3] int64, mask [1, 1, rows, capacity]). The draft's first pass
+    is at span[0:2] (position − 1 and position; at position 0, position twice: the same token
+    written twice at one slot), its i-th at span[i + 1], the target's verify at span[1 : k + 2],
+    and the target's token at span[2:][n] (position + 1 + n). A copy (`copy`) feeds no position
+    before `position`: its mask's rows are the verify's, and its tokens, seq[source : source + k]
+    (a row of seq's windows of k tokens), are written after position here."""
+    seq, position = inputs.seq[0], inputs.position
+    span = position + torch.arange(-1, k + 2, device=position.device)
+    if copy:
+        verified = span[1 : k + 2]
+        seq.index_copy_(0, verified[1:], seq.unfold(0, k, 1).index_select(0, inputs.source).view(k))
+        return span, target.attention_mask(verified)
+    span = span.clamp_min(0)
+    return span, target.attention_mask(span[: k + 2])
+
+
+def _verdict(
+    logits: torch.Tensor,
+    q: torch.Tensor | None,
+    q_full: torch.Tensor | None,
+    fed: torch.Tensor,
+    span: torch.Tensor,
+    inputs: StepInputs,
+    k: int,
+    greedy: bool,
+    draws: Draws | None,
+) -> torch.Tensor:
+    """The verify's laws, the rule (`acceptance.decide`) and its outcome written: the target's
+    token after the n accepted draft tokens, the position moved on by n + 1. `logits`: the
+    target's over the k + 1 tokens `fed` ([k + 1] int64: the last emitted token and the k draft
+    tokens), [k + 1, vocab]; `q`, `q_full`: the draft's laws, [k, vocab] (None for a copy);
+    returns `decide`'s block."""
+    seq, position = inputs.seq[0], inputs.position
+    untruncated = inputs.sampling.untruncated() if inputs.truncates else None
+    block, next_token = decide(
+        probabilities(logits, inputs.sampling),
+        q,
         fed[1:],
         None if draws is None else draws.uniforms,
         None if draws is None else draws.noise,
@@ -318,10 +356,10 @@ def speculative_step(
         threshold=inputs.threshold,
         greedy=greedy,
         p_full=None if untruncated is None else probabilities(logits[:k], untruncated),
-        q_full=torch.cat(q_full_rows) if q_full_rows else None,
+        q_full=q_full,
     )
     # n follows the flags: of p's k + 1 rows, and of q's k rows for a draft model.
-    after = span[2:].index_select(0, block.narrow(0, verdict_flags(k, draft is None), 1).long())
+    after = span[2:].index_select(0, block.narrow(0, verdict_flags(k, q is None), 1).long())
     seq.index_copy_(0, after, next_token)
     position.copy_(after)
     return block
@@ -337,32 +375,44 @@ def _draft_positions(
     inputs: StepInputs,
     k: int,
     draws: Draws | None,
-    untruncated: SamplingConfig | SamplingTensors | None,
     span: torch.Tensor,
     mask: torch.Tensor | None,
     q_rows: list[torch.Tensor],
     q_full_rows: list[torch.Tensor],
+    parts: StepParts,
 ) -> None:
     """The draft model's k positions: x̃_i ~ q_i written at seq[span[i + 2]] (position + 1 + i),
-    q_i (and the untruncated law, when asked) appended to the lists. `mask`: the step's mask over
-    `span`, when the draft's cache has the target's shape (else each pass builds its own)."""
+    q_i (and the untruncated law, when the step truncates) appended to the lists. `mask`: the
+    step's mask over `span`, when the draft's cache has the target's shape (else each pass builds
+    its own)."""
     seq = inputs.seq[0]
     # The draft's first pass: two tokens, so that its width does not depend on the last step's n;
     # its second row is the position's (`span`).
     first = span[:2]
     ids = seq.index_select(0, first).view(1, 2)
-    row = static_forward(draft, ids, first, None if mask is None else mask[:, :, :2])[1:]
+    row = parts.forward(draft, ids, first, None if mask is None else mask[:, :, :2])[1:]
     for i in range(k):
         if i:
             at = span[i + 1 : i + 2]
-            row = static_forward(draft, ids, at, None if mask is None else mask[:, :, i + 1 : i + 2])
-        q = probabilities(row, inputs.sampling)
+            row = parts.forward(draft, ids, at, None if mask is None else mask[:, :, i + 1 : i + 2])
+        q, q_full, token = parts.draft_token(row, inputs, None if draws is None else draws.draft[i])
         q_rows.append(q)
-        if untruncated is not None:
-            q_full_rows.append(probabilities(row, untruncated))
-        token = q.argmax(-1) if draws is None else (q / draws.draft[i]).argmax(-1)
+        if q_full is not None:
+            q_full_rows.append(q_full)
         seq.index_copy_(0, span[i + 2 : i + 3], token)
         ids = token.view(1, 1)
+
+
+def _draft_token(
+    row: torch.Tensor, inputs: StepInputs, noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A draft position's law q ([1, vocab]), its untruncated law when the step truncates (else
+    None), and its token, [1] int64: q's argmax, or the race against `noise` ([vocab] Exp(1)
+    draws) when sampled."""
+    q = probabilities(row, inputs.sampling)
+    q_full = probabilities(row, inputs.sampling.untruncated()) if inputs.truncates else None
+    token = q.argmax(-1) if noise is None else (q / noise).argmax(-1)
+    return q, q_full, token
 
 
 def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Draws | None) -> torch.Tensor:
@@ -398,6 +448,26 @@ _GREEDY, _SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
 step (the temperature is already applied)."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """The functions a speculative step is made of (`speculative_step`), each compiled on its own
+    (`compiled_step_functions`) or not (`EAGER_PARTS`).
+
+    Attributes:
+        start: The step's positions and mask, and a copy's tokens (`_start`).
+        forward: One forward pass of either model (`static_forward`).
+        draft_token: A draft position's laws and token (`_draft_token`).
+        verdict: The verify's laws, the rule and its outcome (`_verdict`).
+    """
+
+    start: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    forward: Callable[..., torch.Tensor]
+    draft_token: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    verdict: Callable[..., torch.Tensor]
+
+
+EAGER_PARTS = StepParts(_start, static_forward, _draft_token, _verdict)
+
 StepFunctions = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
 """(speculative_step, target_step), or their compiled forms."""
 
@@ -405,21 +475,32 @@ EAGER_FUNCTIONS: StepFunctions = (speculative_step, target_step)
 
 
 def compiled_step_functions(target: StaticModel, draft: StaticModel | None) -> StepFunctions:
-    """`speculative_step` and `target_step` compiled by inductor: whole (`fullgraph`), static
-    shapes (one graph per k and kind; a captured graph fixes the shapes anyway), no CUDA graphs of
-    their own (`CapturedSteps` captures the step), and each decoder layer of both models one nested
-    compile region (`regions`), so that compile time does not grow with the number of layers.
+    """`speculative_step` and `target_step` compiled by inductor, static shapes (a captured graph
+    fixes the shapes anyway), no CUDA graphs of their own (`CapturedSteps` captures the step), and
+    each decoder layer of both models one nested compile region (`regions`): a layer is compiled
+    once whatever the depth.
+
+    A target-only step is compiled whole (`fullgraph`). A speculative step is compiled in its parts
+    (`StepParts`), each whole, joined by a few eager operators (the verify's and each draft
+    position's gathers and writes) that a CUDA graph captures with the rest: a model's forward pass
+    is compiled once a width (the draft's 1 and 2 tokens, the target's verify of k + 1) and serves
+    every draft length and every kind of step (greedy, sampled), where a whole step compiled
+    per (k, kind) traced its k draft passes and its verify again in each of those graphs. On this
+    CPU the story pair's greedy graphs (target-only and k 1, 2, 4, 6) compile in 93 s from an empty
+    cache instead of 146 s (docs/benchmarks.md, "Compile seconds against k").
 
     Compiled lazily: the first call of each shape compiles."""
     for model in (target, draft):
         if model is not None:
             mark_layer_regions(model.model)
-    # One graph per (k, kind): more than dynamo's default limit of 8 per function.
+    # One graph per model and width, per (k, kind): more than dynamo's default limit of 8 a function.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return (
-        torch.compile(speculative_step, fullgraph=True, dynamic=False),
-        torch.compile(target_step, fullgraph=True, dynamic=False),
-    )
+
+    def whole(function: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(function, fullgraph=True, dynamic=False)
+
+    parts = StepParts(whole(_start), whole(static_forward), whole(_draft_token), whole(_verdict))
+    return functools.partial(speculative_step, parts=parts), whole(target_step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,10 +673,10 @@ class CapturedSteps(EagerSteps):
     first (`ahead`; module docstring, "One step in flight"), except with prompt lookup.
 
     With `compile` the step functions are compiled first (`compiled_step_functions`: inductor,
-    whole, static shapes, each decoder layer a nested compile region compiled once; no CUDA graphs
-    of its own: the capture here is the graph), fusing each layer's elementwise work and the
-    rule's small operators; a failed compilation captures the eager functions and `compile_error`
-    says why.
+    static shapes, a target-only step whole and a speculative step in its parts, each decoder
+    layer a nested compile region compiled once; no CUDA graphs of their own: the capture here is
+    the graph), fusing each layer's elementwise work and the rule's small operators; a failed
+    compilation captures the eager functions and `compile_error` says why.
     torch's compile artifacts are loaded from the user's cache before and kept there after
     (`compile_cache`, keyed by the models, the versions and the device), so that a second start
     of the same pair compiles as little as torch allows.
