@@ -8,6 +8,7 @@ two kinds compiled in all (a minute or more on a loaded 2-core machine)."""
 from __future__ import annotations
 
 import pytest
+from torch._dynamo.utils import counters
 
 from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding.settings import RULES, SamplingConfig
@@ -41,3 +42,29 @@ def test_compiled_steps_decide_as_eager_ones(pair: ModelPair, sampling: Sampling
             want = collect(eager.generate(ids, max_new_tokens=30, sampling=sampling))
             assert (got.ids, got.origins) == (want.ids, want.origins), rule
     assert compiled._steps.compile_error is None
+
+
+@pytest.mark.slow
+def test_a_new_draft_length_compiles_no_draft_forward(pair: ModelPair) -> None:
+    """The step is compiled in its parts (`step_graph.StepParts`): once a reply at k 2 has compiled
+    the draft's forwards (over 2 tokens, the first pass, and 1) and its positions' laws, a reply at
+    k 4 compiles, for each draft length it reaches that the first did not, its start, the target's
+    verify over k + 1 tokens and its verdict (3 graphs), and nothing of the draft; where the whole
+    step compiled at k 4 traced the draft's four passes again. (A reply's last steps may draft
+    fewer tokens than k, to stay within its token limit: those lengths count as reached.)"""
+    decoder = pair.speculative(
+        Controls(DecodingSettings(draft_tokens=2, draft_policy="fixed")), whole_step=True
+    )
+    steps = decoder._steps
+    assert isinstance(steps, EagerSteps)
+    decoder._steps = EagerSteps(steps.target, steps.draft, device_inputs=True, compile=True)
+    ids = pair.tokenizer(PROMPTS[0]).input_ids
+    first = collect(decoder.generate(ids, max_new_tokens=16))
+    graphs = counters["stats"]["unique_graphs"]
+    decoder.controls.update(draft_tokens=4)
+    second = collect(decoder.generate(ids, max_new_tokens=16))
+    reached = {s.stats.drafted for s in second.steps} - {s.stats.drafted for s in first.steps}
+    assert 4 in reached
+    new = 3 * len(reached - {0}) + (0 in reached)  # a target-only step is one graph
+    assert counters["stats"]["unique_graphs"] - graphs == new
+    assert decoder._steps.compile_error is None

@@ -290,7 +290,7 @@ def speculative_step(
     q_rows: list[torch.Tensor] = []
     q_full_rows: list[torch.Tensor] = []
     if draft is not None:
-        shared = draft.capacity == target.capacity and draft.dtype == target.dtype
+        shared = parts.share_mask and draft.capacity == target.capacity and draft.dtype == target.dtype
         _draft_positions(draft, inputs, k, draws, span, mask if shared else None, q_rows, q_full_rows, parts)
         mask = mask[:, :, 1:]
     verified = span[1 : k + 2]
@@ -458,15 +458,20 @@ class StepParts:
         forward: One forward pass of either model (`static_forward`).
         draft_token: A draft position's laws and token (`_draft_token`).
         verdict: The verify's laws, the rule and its outcome (`_verdict`).
+        share_mask: Whether the draft's passes take their rows of the step's mask (eager: two
+            operators a pass fewer) rather than build their own in their forward (compiled: a
+            row of the step's mask has strides that follow k, and the draft's forward would be
+            compiled again for every k).
     """
 
     start: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     forward: Callable[..., torch.Tensor]
     draft_token: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
     verdict: Callable[..., torch.Tensor]
+    share_mask: bool
 
 
-EAGER_PARTS = StepParts(_start, static_forward, _draft_token, _verdict)
+EAGER_PARTS = StepParts(_start, static_forward, _draft_token, _verdict, share_mask=True)
 
 StepFunctions = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
 """(speculative_step, target_step), or their compiled forms."""
@@ -500,7 +505,9 @@ def compiled_step_functions(target: StaticModel, draft: StaticModel | None) -> S
     def whole(function: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(function, fullgraph=True, dynamic=False)
 
-    parts = StepParts(whole(_start), whole(static_forward), whole(_draft_token), whole(_verdict))
+    parts = StepParts(
+        whole(_start), whole(static_forward), whole(_draft_token), whole(_verdict), share_mask=False
+    )
     return functools.partial(speculative_step, parts=parts), whole(target_step)
 
 
