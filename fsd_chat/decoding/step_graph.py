@@ -286,12 +286,16 @@ def speculative_step(
     """
     parts = parts or EAGER_PARTS
     seq = inputs.seq[0]
+    # The laws the divergences compare, made once a step for every position's.
+    untruncated = inputs.sampling.untruncated() if inputs.truncates else None
     span, mask = parts.start(target, inputs, k, draft is None)
     q_rows: list[torch.Tensor] = []
     q_full_rows: list[torch.Tensor] = []
     if draft is not None:
         shared = parts.share_mask and draft.capacity == target.capacity and draft.dtype == target.dtype
-        _draft_positions(draft, inputs, k, draws, span, mask if shared else None, q_rows, q_full_rows, parts)
+        _draft_positions(
+            draft, inputs, k, draws, untruncated, span, mask if shared else None, q_rows, q_full_rows, parts
+        )
         mask = mask[:, :, 1:]
     verified = span[1 : k + 2]
     fed = seq.index_select(0, verified)
@@ -303,6 +307,7 @@ def speculative_step(
         fed,
         span,
         inputs,
+        untruncated,
         k,
         greedy,
         draws,
@@ -334,6 +339,7 @@ def _verdict(
     fed: torch.Tensor,
     span: torch.Tensor,
     inputs: StepInputs,
+    untruncated: SamplingConfig | SamplingTensors | None,
     k: int,
     greedy: bool,
     draws: Draws | None,
@@ -342,9 +348,9 @@ def _verdict(
     token after the n accepted draft tokens, the position moved on by n + 1. `logits`: the
     target's over the k + 1 tokens `fed` ([k + 1] int64: the last emitted token and the k draft
     tokens), [k + 1, vocab]; `q`, `q_full`: the draft's laws, [k, vocab] (None for a copy);
+    `untruncated`: the sampling of the laws the divergences compare, when the step truncates;
     returns `decide`'s block."""
     seq, position = inputs.seq[0], inputs.position
-    untruncated = inputs.sampling.untruncated() if inputs.truncates else None
     block, next_token = decide(
         probabilities(logits, inputs.sampling),
         q,
@@ -375,6 +381,7 @@ def _draft_positions(
     inputs: StepInputs,
     k: int,
     draws: Draws | None,
+    untruncated: SamplingConfig | SamplingTensors | None,
     span: torch.Tensor,
     mask: torch.Tensor | None,
     q_rows: list[torch.Tensor],
@@ -395,7 +402,9 @@ def _draft_positions(
         if i:
             at = span[i + 1 : i + 2]
             row = parts.forward(draft, ids, at, None if mask is None else mask[:, :, i + 1 : i + 2])
-        q, q_full, token = parts.draft_token(row, inputs, None if draws is None else draws.draft[i])
+        q, q_full, token = parts.draft_token(
+            row, inputs, untruncated, None if draws is None else draws.draft[i]
+        )
         q_rows.append(q)
         if q_full is not None:
             q_full_rows.append(q_full)
@@ -404,13 +413,16 @@ def _draft_positions(
 
 
 def _draft_token(
-    row: torch.Tensor, inputs: StepInputs, noise: torch.Tensor | None
+    row: torch.Tensor,
+    inputs: StepInputs,
+    untruncated: SamplingConfig | SamplingTensors | None,
+    noise: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """A draft position's law q ([1, vocab]), its untruncated law when the step truncates (else
-    None), and its token, [1] int64: q's argmax, or the race against `noise` ([vocab] Exp(1)
+    """A draft position's law q ([1, vocab]), its law under `untruncated` when the step truncates
+    (else None), and its token, [1] int64: q's argmax, or the race against `noise` ([vocab] Exp(1)
     draws) when sampled."""
     q = probabilities(row, inputs.sampling)
-    q_full = probabilities(row, inputs.sampling.untruncated()) if inputs.truncates else None
+    q_full = None if untruncated is None else probabilities(row, untruncated)
     token = q.argmax(-1) if noise is None else (q / noise).argmax(-1)
     return q, q_full, token
 
@@ -491,9 +503,9 @@ def compiled_step_functions(target: StaticModel, draft: StaticModel | None) -> S
     is compiled once a width (the draft's 1 and 2 tokens, the target's verify of k + 1) and serves
     every draft length and every kind of step (greedy, sampled), where a whole step compiled
     per (k, kind) traced its k draft passes and its verify again in each of those graphs. On this
-    CPU the story pair's greedy and sampled graphs (target-only and k 1, 2, 4, 6) compile in 317
-    CPU seconds from an empty cache instead of 492, in 36 instead of 85 over a filled one, and a
-    k costs the same as the next (docs/benchmarks.md, "Compile seconds against k").
+    CPU the story pair's greedy and sampled graphs (target-only and k 1, 2, 4, 6) compile in 286
+    CPU seconds from an empty cache instead of 492, in 34 instead of 85 over a filled one, and a
+    k costs about the same as the next (docs/benchmarks.md, "Compile seconds against k").
 
     Compiled lazily: the first call of each shape compiles."""
     for model in (target, draft):
