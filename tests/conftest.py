@@ -50,21 +50,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         if any(d.scope == "module" for defs in definitions.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    slow_first(items)
-
-
-def slow_first(items: list[pytest.Item]) -> None:
-    """The work units (an xdist group, or a test alone) that hold a test marked slow go first, in
-    their order: xdist hands the units out in the order collected (bigger groups first), so a slow
-    test collected last made the suite's tail, one worker running it while the other idled. The
-    sort is stable and a group's tests share their key, so a group's tests keep their order."""
-
-    def unit(item: pytest.Item) -> str:
-        group = item.get_closest_marker("xdist_group")
-        return str(group.args[0]) if group is not None else item.nodeid
-
-    slow = {unit(item) for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: unit(item) not in slow)
 
 
 COMPILED_FORWARDS = pytest.mark.xdist_group("compiled-forwards")
