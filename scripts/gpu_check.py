@@ -2,8 +2,10 @@
 
 Its phases, in the order of what they are worth, each printed as soon as it is known:
 1. the imports and versions (python, torch and its CUDA, transformers, bitsandbytes, gguf, the GPU);
-2. a pair with real models' costs, as whole steps (`--whole-step`, one captured CUDA graph a step):
-   target-only, exact at k 2, 4 and 6 under fixed k and the chat's default draft policy, then fuzzy
+2. a pair with real models' costs: first its start timed (`generate --whole-step`, compiled and
+   captured, from launch to exit: once over an empty compile cache, once over the cache the first
+   left: issue 45's first and second start), then as whole steps (`--whole-step`, one captured CUDA
+   graph a step): target-only, exact at k 2, 4 and 6 under fixed k and the chat's default draft policy, then fuzzy
    and mixture at 0.02, each with its profile (`bench --profile`: where a step's time goes, and
    bandwidth use against a device copy measured in the same run). The pair is built by the shared
    builder in the background from the start: a target at SmolLM2-1.7B's shape (hidden 2048,
@@ -39,6 +41,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +49,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +318,61 @@ class Bench:
         return self.output / "report.json"
 
 
+START_PROMPT = "Once upon a time"
+START_TOKENS = 8
+"""The start's reply: a few tokens, so that its seconds are the start's (load, compile, capture)."""
+
+
+START_GOALS = (60.0, 10.0)
+"""Issue 45's goals for the real-cost pair's start, compilation and capture included: seconds of
+the first start and of a second one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """One timed start of `generate`: its outcome ("ok", "failed", "cut") and wall seconds from
+    launch to exit."""
+
+    outcome: str
+    seconds: float
+
+
+def start_command(args: argparse.Namespace, target: str, draft: str) -> list[str]:
+    """`fsd-chat generate` over the pair as the chat starts it on a GPU with `--whole-step`: its
+    graphs compiled and captured while the models load, then `START_TOKENS` greedy tokens."""
+    return [
+        *(sys.executable, "-m", "fsd_chat", "generate", "--target", target, "--draft", draft),
+        *("--device", args.device, "--dtype", args.dtype, "--whole-step", "--temperature", "0"),
+        *("--max-new-tokens", str(START_TOKENS), "--raw", START_PROMPT),
+    ]
+
+
+def time_starts(console: Console, command: list[str], cache: Path, caps: tuple[float, float]) -> list[Start]:
+    """Time `command` twice (issue 45's first and second start), each under its cap: first over
+    an empty compile cache (fsd-chat's artifacts, `FSD_CHAT_CACHE_DIR`, and torch's own inductor
+    and Triton caches, `TORCHINDUCTOR_CACHE_DIR`, both under `cache`, emptied first), then over what
+    the first left there. The second is not run when the first did not end well."""
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {"FSD_CHAT_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    starts: list[Start] = []
+    for which, cap in zip(("first start", "second start"), caps, strict=True):
+        began = time.monotonic()
+        outcome = run_capped(console, command, cap, f"the {which}", **env)
+        starts.append(Start(outcome, time.monotonic() - began))
+        if outcome != "ok":
+            break
+    return starts
+
+
+def starts_line(starts: list[Start]) -> str:
+    """The starts in one line, beside issue 45's goals."""
+    parts = []
+    for which, start, goal in zip(("first start", "second start"), starts, START_GOALS, strict=False):
+        outcome = "" if start.outcome == "ok" else f", {start.outcome}"
+        parts.append(f"{which} {start.seconds:.1f} s (goal ≤ {goal:g} s{outcome})")
+    return "gpu-check: the real-cost pair's " + ", ".join(parts)
+
+
 def exact_rows(args: argparse.Namespace, target: str, draft: str, output: Path, *, whole: bool) -> Bench:
     """Target-only and exact at k 2, 4, 6 under fixed k and the chat's default policy."""
     command = [
@@ -478,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
         default=300.0,
         help="seconds the whole check may take: a bench gets at most what is left of it (pytest's cap kept)",
     )
+    parser.add_argument(
+        "--start-cap",
+        type=float,
+        default=240.0,
+        help="seconds the real-cost pair's first start (generate: load, compile, capture) may take; the second gets a third",
+    )
     parser.add_argument("--build-cap", type=float, default=240.0, help="seconds a pair's build may take")
     parser.add_argument(
         "--big-pair",
@@ -519,11 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     tests_pending = on_cuda
 
+    def left() -> float:
+        # The check's budget, less what pytest (last) may take: a bench that would run past it gets
+        # what is left, and none when too little is.
+        return args.budget - (time.monotonic() - started) - (args.tests_cap if tests_pending else 0)
+
     def bench(run: Bench, *, budgeted: bool = True) -> None:
-        # Within the check's budget, less what pytest (last) may take: a bench that would run past
-        # it gets what is left, and none when too little is.
-        left = args.budget - (time.monotonic() - started) - (args.tests_cap if tests_pending else 0)
-        cap = min(run.cap(args), left) if budgeted else run.cap(args)
+        cap = min(run.cap(args), left()) if budgeted else run.cap(args)
         if cap < MIN_CAP:
             console.print(
                 Text(
@@ -548,6 +614,25 @@ def main(argv: list[str] | None = None) -> int:
         for line in versions_lines(device):
             console.print(Text(line))
 
+    def time_the_starts() -> None:
+        first_cap = min(args.start_cap, left())
+        if first_cap < MIN_CAP:
+            console.print(
+                Text(
+                    f"gpu-check: cut: the starts not run: the check's {args.budget:.0f} s are spent",
+                    style="yellow",
+                )
+            )
+            outcomes.append("cut")
+            return
+        command = start_command(args, pair[0], pair[1])
+        starts = time_starts(console, command, out / "start-cache", (first_cap, first_cap / 3))
+        console.print(Text(starts_line(starts), style="bold"))
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"command": command, "starts": [asdict(s) for s in starts], "goals_seconds": START_GOALS}
+        (out / "start.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        outcomes.extend(start.outcome for start in starts)
+
     def whole_steps() -> None:
         try:
             pair.extend(str(build.wait(args.build_cap)) for build in builds)
@@ -560,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             outcomes.append("failed")
             return
+        time_the_starts()
         bench(exact_rows(args, pair[0], pair[1], out / "real-whole", whole=True))
         bench(lossy_rows(args, pair[0], pair[1], out / "real-lossy"))
 

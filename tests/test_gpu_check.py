@@ -106,6 +106,13 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
         assert report["sweep"]["max_new_tokens"] == 8 and report["sweep"]["prompt_count"] == 1
         return {(c["method"], c["draft_tokens"], c["draft_policy"]): c for c in report["configs"]}
 
+    # The real-cost pair's starts: the first over an empty compile cache, the second over what it
+    # left (on the CPU the whole step runs eagerly: nothing is compiled, but the flow is the GPU's).
+    starts = json.loads((out / "start.json").read_text())
+    assert [s["outcome"] for s in starts["starts"]] == ["ok", "ok"]
+    assert all(s["seconds"] > 0 for s in starts["starts"]) and "--whole-step" in starts["command"]
+    assert "gpu-check: the real-cost pair's first start " in printed and "(goal ≤ 10 s)" in printed
+
     whole = rows("real-whole")
     exact = {("exact", k, p) for k in (2, 4, 6) for p in ("fixed", DEFAULT_DRAFT_POLICY)}
     assert whole.keys() == {("autoregressive", None, "fixed"), *exact}
@@ -152,7 +159,9 @@ def test_past_the_checks_budget_every_phase_still_prints(
     for number in range(1, 7):
         assert f"gpu-check {number}/6: done in " in printed
     not_run = [line for line in printed.splitlines() if "not run: the check's 1 s are spent" in line]
-    assert len(not_run) == 6  # phase 2's two benches, today's, hf-static, hf-assisted, the scaled pair's
+    assert (
+        len(not_run) == 7
+    )  # phase 2's starts and two benches, today's, hf-static, hf-assisted, the scaled pair's
     assert not list(tmp_path.iterdir())  # no bench ran
 
 
