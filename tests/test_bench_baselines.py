@@ -94,7 +94,12 @@ def test_transformers_runs_on_its_own_models(pair: ModelPair, hf: ModelPair, con
 def test_hf_static_compiles_in_its_warm_up_only(pair: ModelPair) -> None:
     """transformers sizes hf-static's static cache to the longest reply asked for so far, and
     compiles its step for that size: warmed up on the longest prompt to the token cap, its measured
-    replies compile nothing, and the counter sees a reply that outgrows the cache compile again."""
+    replies compile nothing, and the counter sees a reply that outgrows the cache compile again.
+
+    torch's compiled code is the process's: a test before this one on the same worker that had
+    compiled transformers' step for these cache sizes would leave nothing to compile (seen in a
+    fresh clone's suite), so it starts from none (`torch.compiler.reset`)."""
+    torch.compiler.reset()
     hf = _load()
     config = CompileConfig(backend="eager", mode=None, fullgraph=False)
     config._compile_all_devices = True  # transformers compiles on CUDA only, unless told otherwise
