@@ -13,8 +13,8 @@ Its phases, in the order of what they are worth, each printed as soon as it is k
    intermediate 1536, 30 layers) over the story pair's weights, so that acceptance is the story
    pair's and the costs those of a 1.7B/135M pair;
 3. the same with a 4-bit target (bitsandbytes NF4), target-only and the best exact k of phase 2;
-4. transformers' hf-static, today's steps on phase 2's exact rows, then hf-assisted, each in a
-   process of its own, and one table of whole steps against today's steps and hf-static;
+4. transformers' hf-static, per-forward steps on phase 2's exact rows, then hf-assisted, each in a
+   process of its own, and one table of whole steps against per-forward steps and hf-static;
 5. the scaled story pair (79M, head_dim 64) as whole steps, target-only and exact k 4;
 6. `pytest -m cuda tests/test_cuda.py`, and its tables.
 
@@ -102,7 +102,7 @@ def _cuda_device() -> str | None:
 
 def _rate_table(junit: Path) -> Table | None:
     """The tok/s the CUDA tests recorded (JUnit properties "<decoder> graphs" and "<decoder>
-    compiled", `test_whole_step_graphs_speed`): whole-step graphs beside today's compiled steps, one
+    compiled", `test_whole_step_graphs_speed`): whole-step graphs beside the per-forward compiled steps, one
     row a decoder (None when no test recorded any)."""
     rates: dict[str, dict[str, float]] = {}
     for prop in ET.parse(junit).getroot().iter("property"):
@@ -128,24 +128,24 @@ def _configs(paths: list[Path]) -> list[dict[str, Any]]:
     ]
 
 
-def whole_step_table(today: list[Path], whole: list[Path]) -> Table:
-    """The real-cost pair's rows, today's steps (`today`'s reports, transformers' rows among them)
+def whole_step_table(per_forward: list[Path], whole: list[Path]) -> Table:
+    """The real-cost pair's rows, per-forward steps (`per_forward`'s reports, transformers' rows among them)
     beside whole steps (`whole`'s), with hf-static's tok/s: each row's tok/s (mean over its
     replies), the ratio of the two, and the whole step's tok/s over hf-static's (issue 36's goals:
     target-only ≥ 1.2× hf-static, exact at its best k ≥ 1.8× target-only, the default policy ≥ its
     best fixed k, fuzzy or mixture ≥ 1.15× exact). A row missing (cut, or not run) shows "-"."""
-    reports = [{"configs": _configs(today)}, {"configs": _configs(whole)}]
+    reports = [{"configs": _configs(per_forward)}, {"configs": _configs(whole)}]
     rates = [
         {c["label"]: c["tokens_per_second"] for c in r["configs"] if c["status"] == "ok"} for r in reports
     ]
     static = rates[0].get("hf-static")
     table = Table(
         "configuration",
-        "today tok/s",
+        "per-forward tok/s",
         "whole step tok/s",
-        "whole / today",
+        "whole / per-forward",
         "whole / hf-static",
-        title="the real-cost pair: whole steps (--whole-step) vs today's steps",
+        title="the real-cost pair: whole steps (--whole-step) vs per-forward steps",
     )
     labels = [c["label"] for c in reports[1]["configs"]] + [c["label"] for c in reports[0]["configs"]]
 
@@ -380,10 +380,10 @@ def exact_rows(args: argparse.Namespace, target: str, draft: str, output: Path, 
         *("--baselines", "autoregressive,exact", "--rules", "none", "--draft-tokens", WHOLE_KS),
         *("--draft-policies", f"fixed,{DEFAULT_DRAFT_POLICY}"),
     ]
-    if whole:
-        command += ["--whole-step", "--profile"]
+    # The per-forward compiled steps: the whole step replaced them as CUDA's default.
+    command += ["--whole-step", "--profile"] if whole else ["--no-whole-step"]
     what = "target-only, exact k 2/4/6 (fixed, default policy)" + (
-        " as whole steps" if whole else ", today's steps"
+        " as whole steps" if whole else ", per-forward steps"
     )
     return Bench(what, command, 1 + 2 * len(WHOLE_KS.split(",")), output)
 
@@ -661,18 +661,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    def today_and_transformers() -> None:
+    def per_forward_and_transformers() -> None:
         if not pair:
             console.print(Text("gpu-check: skipped (no real-cost pair)"))
             return
-        today = exact_rows(args, pair[0], pair[1], out / "real-today", whole=False)
+        per_forward = exact_rows(args, pair[0], pair[1], out / "real-per-forward", whole=False)
         static = transformers_row(args, pair[0], pair[1], out / "real-hf-static", "hf-static")
         assisted = transformers_row(args, pair[0], pair[1], out / "real-hf-assisted", "hf-assisted")
-        # hf-static first: the reference of issue 36's goals, worth more than today's steps.
-        for run in (static, today, assisted):
+        # hf-static first: the reference of issue 36's goals, worth more than per-forward steps.
+        for run in (static, per_forward, assisted):
             bench(run)
         whole = [out / name / "report.json" for name in ("real-whole", "real-lossy")]
-        console.print(whole_step_table([today.report, static.report, assisted.report], whole))
+        console.print(whole_step_table([per_forward.report, static.report, assisted.report], whole))
 
     def scaled_pair() -> None:
         target = args.target or str(_scaled_target(args.models, args.builder))
@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         ("imports and versions", imports),
         (f"the real-cost pair in {args.dtype} as whole steps, profiled", whole_steps),
         ("the real-cost pair with a 4-bit target (NF4), target-only and the best exact k", quantized),
-        ("hf-static, today's steps and hf-assisted (one process each)", today_and_transformers),
+        ("hf-static, per-forward steps and hf-assisted (one process each)", per_forward_and_transformers),
         ("the scaled story pair as whole steps, profiled", scaled_pair),
         ("the CUDA tests (pytest -m cuda)", cuda),
     ]

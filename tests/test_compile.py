@@ -10,6 +10,7 @@ distribution.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,14 +216,16 @@ def test_a_sliding_window_model_runs_eagerly_with_a_reason(tmp_path: Path, targe
 
 
 @APART  # binds a Gemma 2 model
-def test_whole_steps_are_the_cpus_default_where_they_run(
+def test_whole_steps_are_the_default_where_they_run(
     pair: ModelPair, llama_pair: ModelPair, tmp_path: Path, target_dir: Path
 ) -> None:
-    """`ModelPair.whole_step`: as asked where asked; by default (None) on the CPU for transformers
-    models of full-attention layers, not on llama.cpp (its runner has its own steps), and not for
-    a sliding-window model, which then decodes per-forward with nothing to say. (CUDA's default,
-    off, needs a GPU to see.)"""
+    """`ModelPair.whole_step`: as asked where asked; by default (None) for transformers models of
+    full-attention layers on the CPU and on CUDA alike (the pair's device is only a label to this
+    decision: a pair labelled CUDA stands in for one here, where no GPU is), not on llama.cpp (its
+    runner has its own steps), and not for a sliding-window model, which then decodes per-forward
+    with nothing to say."""
     assert pair.whole_step(None) is True and pair.whole_step(False) is False
+    assert dataclasses.replace(pair, device=torch.device("cuda")).whole_step(None) is True
     assert type(pair.speculative(Controls(), whole_step=None).cached_models[0]) is StaticModel
     assert llama_pair.whole_step(None) is False
     path = save_tiny_model(tmp_path / "gemma2", "gemma2", seed=0, tokenizer_dir=target_dir)

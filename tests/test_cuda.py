@@ -213,6 +213,17 @@ def test_compiled_by_default_on_cuda(pair32: ModelPair) -> None:
     assert not any(isinstance(m, CompiledModel) for m in eager.owned_models)
 
 
+def test_whole_step_compiled_and_captured_by_default_on_cuda(pair32: ModelPair) -> None:
+    """The commands' default (`whole_step` None, `compiled` None) on CUDA: the whole step, its
+    functions compiled (`make_steps` compiles unless told not to), then captured (issue 45, item
+    1), speculative and target-only, with no fallback to say."""
+    assert pair32.whole_step(None) is True
+    speculative = pair32.speculative(Controls(DecodingSettings(threshold=0.0)), whole_step=None)
+    target_only = pair32.autoregressive(Controls(), whole_step=None)
+    for decoder in (speculative, target_only):
+        assert isinstance(decoder._steps, CapturedSteps) and decoder.compile_error is None
+
+
 @pytest.mark.parametrize("rule", ["exact", "fuzzy"])
 def test_graphs_greedy_float32_equals_eager(pair32: ModelPair, rule: str) -> None:
     """CUDA graphs (compiled target widths, draft steps, rule) against eager decoding, greedy: the

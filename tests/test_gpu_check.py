@@ -97,7 +97,7 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
     assert "gpu-check: cut: transformers' hf-assisted k 4 ran past its cap of 5 s and was killed" in printed
     assert "Fatal Python error: Aborted" in errors  # its stacks, where it sat, before the kill
     assert printed.index("hf-assisted k 4 ran past") < printed.index(
-        "whole steps (--whole-step) vs today's steps"
+        "whole steps (--whole-step) vs per-forward steps"
     )
     assert time.monotonic() - start < 20 * 60
 
@@ -116,7 +116,7 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
     whole = rows("real-whole")
     exact = {("exact", k, p) for k in (2, 4, 6) for p in ("fixed", DEFAULT_DRAFT_POLICY)}
     assert whole.keys() == {("autoregressive", None, "fixed"), *exact}
-    assert rows("real-today").keys() == whole.keys()
+    assert rows("real-per-forward").keys() == whole.keys()
     assert {m for m, _, _ in rows("real-lossy")} == {"fuzzy", "mixture"}
     assert {m for m, _, _ in rows("real-hf-static")} == {"hf-static"}
     assert not (out / "real-hf-assisted" / "report.json").exists()  # killed before it wrote one
@@ -130,7 +130,7 @@ def test_on_the_cpu_the_check_runs_every_phase_and_cuts_a_stalled_one(
                 and profile["weight_bytes_per_token"] > 0
                 and profile["bandwidth_use"] > 0
             )
-    assert all(c["profile"] is None for c in rows("real-today").values())
+    assert all(c["profile"] is None for c in rows("real-per-forward").values())
     assert "on the CPU there are no kernels: kernel, busy, launch and wait columns are 0" in printed
     # The builder's shapes (the source's 5 and 2 layers scaled to 6 and 3).
     built = {
@@ -161,7 +161,7 @@ def test_past_the_checks_budget_every_phase_still_prints(
     not_run = [line for line in printed.splitlines() if "not run: the check's 1 s are spent" in line]
     assert (
         len(not_run) == 7
-    )  # phase 2's starts and two benches, today's, hf-static, hf-assisted, the scaled pair's
+    )  # phase 2's starts and two benches, the per-forward steps, hf-static, hf-assisted, the scaled pair's
     assert not list(tmp_path.iterdir())  # no bench ran
 
 

@@ -222,7 +222,8 @@ COMPILE = Option(
     bool,
     None,
     "Compile the target's and the draft's decoding steps (torch.compile; CUDA graphs on a GPU) over "
-    "static KV caches: the first replies wait for compilation, later steps run faster. Default: on "
+    "static KV caches: the load (the whole step's, compiled before its capture) or the first replies "
+    "wait for compilation, later steps run faster. Default: on "
     "a CUDA device, off on the CPU; a model that cannot be compiled runs eagerly, with a one-line reason.",
     DECODING,
 )
@@ -235,9 +236,8 @@ WHOLE_STEP = Option(
     "captured CUDA graph a step on CUDA (captured while the models load), eager on the CPU. For a "
     "draft of the target's vocabulary or prompt lookup (a mapped draft keeps its usual steps). Its "
     "step functions are compiled before the capture (each decoder layer compiled once) unless "
-    "--no-compile is given. Default: on the CPU for transformers models of full-attention layers "
-    "(no slower than per-forward steps there, faster when drafting); off on CUDA until measured on "
-    "a GPU. llama.cpp runs its own steps.",
+    "--no-compile is given. Default: on for transformers models of full-attention layers (on the "
+    "CPU measured no slower than per-forward steps, faster when drafting). llama.cpp runs its own steps.",
     DECODING,
 )
 AUTOREGRESSIVE = Option(

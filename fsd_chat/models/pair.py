@@ -158,15 +158,17 @@ class ModelPair:
 
     def whole_step(self, asked: bool | None) -> bool:
         """Whether this pair's decoders run whole steps (`fsd_chat.decoding.step_graph`): as
-        `asked` (`--whole-step`, `--no-whole-step`), or by default (None) on the CPU for
-        transformers models whose caches a whole step can hold (`compile_refusal` admits them),
-        where it is no slower than the per-forward steps and faster when drafting (issue 45,
-        item 5: 0.98-1.00× target-only, 1.00-1.08× speculative on the story pair and the default
-        model; docs/benchmarks.md), and not on CUDA until measured on a GPU nor on llama.cpp,
-        whose runner has its own steps."""
+        `asked` (`--whole-step`, `--no-whole-step`), or by default (None) for transformers models
+        whose caches a whole step can hold (`compile_refusal` admits them), on every device. On
+        the CPU it is measured no slower than the per-forward steps and faster when drafting
+        (issue 45, item 5: 0.98-1.00× target-only, 1.00-1.08× speculative on the story pair and
+        the default model; docs/benchmarks.md). On CUDA it is compiled, then captured (issue 45,
+        item 1: inductor fuses the step, one graph replays it, as gpt-fast's and vLLM's decode
+        steps), not yet timed against the per-forward steps there: `make gpu-check` times both and
+        the start. Not on llama.cpp, whose runner has its own steps."""
         if asked is not None:
             return asked
-        if self.engine != "transformers" or self.device.type != "cpu":
+        if self.engine != "transformers":
             return False
         models = [m for m in (self.target, self.draft) if m is not None]
         return all(compile_refusal(m, "--whole-step") is None for m in models)  # type: ignore[arg-type]
