@@ -205,6 +205,13 @@ def open_gguf(
                 n_gpu_layers=-1 if gpu else 0,
                 logits_all=False,
                 swa_full=True,
+                # Flash attention, as llama.cpp's own tools run by default (`-fa auto`; llama-cpp-python
+                # defaults to off): without it, a batch of tokens (a verify, a prefill) attends other
+                # than the same tokens fed one by one on some CPUs (logits up to 1.0 apart on an AVX-512
+                # EPYC), so greedy speculative decoding left llama.cpp's own greedy text at near ties
+                # of that size; with it they are the same to the bit, and decoding is no slower
+                # (docs/engines.md).
+                flash_attn=True,
                 draft_model=draft_model,
                 # True: with False, llama-cpp-python points fds 1 and 2 at /dev/null while the model
                 # loads; what it then prints goes to the log (`prints_to_log`, the log callback).
