@@ -599,16 +599,19 @@ def main(argv: list[str] | None = None) -> int:
     real_cost_caches = out / "real-cost-compile-cache"
     real_cost_env = compile_cache_env(real_cost_caches)
 
+    def too_little(cap: float, what: str) -> bool:
+        # Less than a bench needs to load is not started: one line says so, and it counts as cut.
+        if cap >= MIN_CAP:
+            return False
+        console.print(
+            Text(f"gpu-check: cut: {what} not run: the check's {args.budget:.0f} s are spent", style="yellow")
+        )
+        outcomes.append("cut")
+        return True
+
     def bench(run: Bench, *, budgeted: bool = True, env: dict[str, str] | None = None) -> None:
         cap = min(run.cap(args), left()) if budgeted else run.cap(args)
-        if cap < MIN_CAP:
-            console.print(
-                Text(
-                    f"gpu-check: cut: {run.what} not run: the check's {args.budget:.0f} s are spent",
-                    style="yellow",
-                )
-            )
-            outcomes.append("cut")
+        if too_little(cap, run.what):
             return
         console.print(Text(f"gpu-check: {run.what} (cap {cap:.0f} s)", style="dim"))
         outcome = run_capped(console, run.command, cap, run.what, **(env or {}))
@@ -627,14 +630,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def time_the_starts() -> None:
         first_cap = min(args.start_cap, left())
-        if first_cap < MIN_CAP:
-            console.print(
-                Text(
-                    f"gpu-check: cut: the starts not run: the check's {args.budget:.0f} s are spent",
-                    style="yellow",
-                )
-            )
-            outcomes.append("cut")
+        if too_little(first_cap, "the starts"):
             return
         command = start_command(args, pair[0], pair[1])
         starts = time_starts(console, command, real_cost_caches, (first_cap, first_cap / 3))
