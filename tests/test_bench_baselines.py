@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -251,7 +252,10 @@ def test_on_cuda_forwards_are_timed_by_events_read_after_the_reply(
 
 def test_whole_step_decoders_are_built_once_a_configuration(pair: ModelPair) -> None:
     """Under --whole-step the bench keeps one decoder a configuration (on CUDA its graphs are
-    captured once, not at every reply), and its replies are the ones a fresh decoder gives."""
+    captured once, not at every reply), and each reply is a fresh decoder's: the same tokens, and
+    the same prefill, the whole prompt but its last token in one forward pass (a kept decoder that
+    kept its KV cache would prefill only what the last prompt did not share, and time less than
+    its reply)."""
     built: list[object] = []
     original = ModelPair.decoder
 
@@ -259,26 +263,42 @@ def test_whole_step_decoders_are_built_once_a_configuration(pair: ModelPair) -> 
         built.append(decoder := original(self, *args, **kwargs))
         return decoder
 
+    widest: list[int] = []  # a reply's widest forward pass of the target: its prefill
+
+    def feeds(_module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        widest[-1] = max(widest[-1], 0 if ids is None else int(ids.shape[-1]))
+
+    def replies_of(runner: Callable[[], PairRunner]) -> list[tuple[list[int], int]]:
+        replies = []
+        for prompt in prompts:
+            for config in (EXACT, AUTOREGRESSIVE):
+                widest.append(0)
+                reply = runner().run(config, prompt, max_new_tokens=8, seed=0, stop_strings=())
+                replies.append((reply.token_ids, widest[-1]))
+        return replies
+
     whole = PairRunner(pair, whole_step=True)
-    fresh = PairRunner(pair)
+    fresh: list[PairRunner] = []
+
+    def fresh_runner() -> PairRunner:  # a runner a reply: a fresh decoder each
+        fresh.append(PairRunner(pair, whole_step=True))
+        return fresh[-1]
+
+    # Two prompts that begin alike, as a chat template's prompts do.
     prompts = [
         prompt_ids(pair.tokenizer, [Message("user", text)])
-        for text in ("Lily and Ben went to the park.", "Tom had a red ball.")
+        for text in ("Tom had a red ball and a blue car.", "Tom had a red ball. He liked it.")
     ]
+    hook = pair.target.register_forward_pre_hook(feeds, with_kwargs=True)
     try:
         with mock.patch.object(ModelPair, "decoder", counted):
-            replies = [
-                whole.run(config, prompt, max_new_tokens=8, seed=0, stop_strings=())
-                for prompt in prompts
-                for config in (EXACT, AUTOREGRESSIVE)
-            ]
+            kept = replies_of(lambda: whole)
         assert len(built) == 2 and built[0] is not built[1]
-        expected = [
-            fresh.run(config, prompt, max_new_tokens=8, seed=0, stop_strings=())
-            for prompt in prompts
-            for config in (EXACT, AUTOREGRESSIVE)
-        ]
+        expected = replies_of(fresh_runner)
     finally:
-        whole.close()
-        fresh.close()
-    assert [r.token_ids for r in replies] == [r.token_ids for r in expected]
+        hook.remove()
+        for runner in (whole, *fresh):
+            runner.close()
+    assert kept == expected
+    assert [width for _, width in kept] == [len(p) - 1 for p in prompts for _ in range(2)]

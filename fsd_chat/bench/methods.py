@@ -313,9 +313,12 @@ class PairRunner:
             self.pair.forward_timings()  # modelled once per pair, before any meter starts
         # No synchronisation per phase (time_phases): on CUDA it would stall every phase, a cost
         # transformers' rows do not pay; `bench --profile` says where a step's time goes instead.
-        # A decoder a reply, but under --whole-step one a configuration, kept from reply to reply
-        # (its KV caches and draft policy carry over, as in the chat): its graphs are captured
-        # once, here, before the meters start (untimed, as the chat captures them at load).
+        # A decoder a reply, but under --whole-step one a configuration, kept from reply to reply:
+        # its graphs are captured once, here, before the meters start (untimed, as the chat
+        # captures them at load). Every reply starts afresh all the same (`reuse_prefix` off: empty
+        # KV caches, a new draft policy), as llama.cpp's baselines do (`_empty_llama_caches`): the
+        # prompts are separate conversations, and a kept cache would prefill only what a prompt
+        # did not share with the last one (a chat template's opening), timing less than the reply.
         kept = self._whole_step_decoders.get(config) if self.whole_step else None
         if kept is not None:
             return kept
@@ -324,6 +327,7 @@ class PairRunner:
             autoregressive=config.method == "autoregressive",
             time_phases=False,
             whole_step=self.whole_step,
+            reuse_prefix=False,
         )
         if self.whole_step:
             self._whole_step_decoders[config] = decoder
@@ -403,13 +407,10 @@ class PairRunner:
         return Generation(ids, clock.lap(), stats, target, draft)
 
     def _empty_llama_caches(self, config: Configuration) -> None:
-        """Every reply reads its whole prompt, as a transformers model's decoder does (a new
-        `CachedModel` a decoder): a llama.cpp model keeps its KV cache from decoder to decoder, and
-        a `Llama` its own, so a reply would otherwise find its prompt read by the configuration
-        run before it, and one method of a prompt's would pay for the others' prefill."""
-        for model in (self.pair.target, self.pair.draft):
-            if isinstance(model, LlamaCppModel):
-                model.reset()
+        """Every reply reads its whole prompt, as fsd-chat's decoders do (`reuse_prefix` off): a
+        llama.cpp baseline's `Llama` keeps its own KV cache, so a reply would otherwise find its
+        prompt read by the run before it, and one method of a prompt's would pay for the others'
+        prefill."""
         if config.method in LLAMA_CPP_METHODS:
             self._llama(config).reset()
 

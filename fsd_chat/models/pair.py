@@ -127,6 +127,7 @@ class ModelPair:
         compiled: bool | None = None,
         whole_step: bool | None = False,
         capture_progress: Callable[[int, int], None] | None = None,
+        reuse_prefix: bool = True,
     ) -> Decoder:
         """The decoder a command asked for over this pair, driven by `controls`.
 
@@ -143,6 +144,8 @@ class ModelPair:
                 default (`whole_step`).
             capture_progress: Called with (graphs captured, graphs in all) while they are
                 captured (see `SpeculativeDecoder`).
+            reuse_prefix: Keep the KV caches (and the draft policy) from reply to reply, as one
+                conversation does (see `SpeculativeDecoder`); False: every reply starts afresh.
 
         Raises:
             UnsupportedCacheError: a model's KV cache cannot be rolled back.
@@ -154,6 +157,7 @@ class ModelPair:
             compiled=compiled,
             whole_step=whole_step,
             capture_progress=capture_progress,
+            reuse_prefix=reuse_prefix,
         )
 
     def whole_step(self, asked: bool | None) -> bool:
@@ -181,10 +185,11 @@ class ModelPair:
         compiled: bool | None = None,
         whole_step: bool | None = False,
         capture_progress: Callable[[int, int], None] | None = None,
+        reuse_prefix: bool = True,
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compiled`, `whole_step`, `capture_progress`: see `SpeculativeDecoder`; `whole_step` None:
-        `whole_step`'s default); without a draft model, over prompt lookup."""
+        `compiled`, `whole_step`, `capture_progress`, `reuse_prefix`: see `SpeculativeDecoder`;
+        `whole_step` None: `whole_step`'s default); without a draft model, over prompt lookup."""
         return SpeculativeDecoder(
             self.target,
             PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
@@ -197,6 +202,7 @@ class ModelPair:
             vocab_map=self.vocab_map,
             whole_step=self.whole_step(whole_step),
             capture_progress=capture_progress,
+            reuse_prefix=reuse_prefix,
         )
 
     def use_threads(
@@ -247,9 +253,11 @@ class ModelPair:
         compiled: bool | None = None,
         whole_step: bool | None = False,
         capture_progress: Callable[[int, int], None] | None = None,
+        reuse_prefix: bool = True,
     ) -> AutoregressiveDecoder:
         """A target-only decoder over this pair's target (`compiled`, `whole_step`,
-        `capture_progress`: see `AutoregressiveDecoder`; `whole_step` None: `whole_step`'s default)."""
+        `capture_progress`, `reuse_prefix`: see `AutoregressiveDecoder`; `whole_step` None:
+        `whole_step`'s default)."""
         return AutoregressiveDecoder(
             self.target,
             self.tokenizer,
@@ -259,4 +267,5 @@ class ModelPair:
             compiled=compiled,
             whole_step=self.whole_step(whole_step),
             capture_progress=capture_progress,
+            reuse_prefix=reuse_prefix,
         )
