@@ -349,6 +349,24 @@ def test_goodput_pauses_a_draft_that_does_not_pay_and_probes_with_backoff() -> N
     assert policy.limit(settings, room=0) == 0  # no room: nothing to draft, paused or not
 
 
+def test_a_carried_policy_restarts_its_backoff_with_each_reply() -> None:
+    """A conversation's next reply (`begin_reply`) keeps what was measured but restarts the pause's
+    backoff: a lookup policy whose waits had grown to PROBE_MOST probes again after PROBE_FIRST
+    target-only steps, then backs off afresh; a policy that drafts is left as it is."""
+    settings = DecodingSettings(draft_tokens=5)
+    policy = GoodputPolicy(WIDTH_COSTS, "lookup")
+    runs = zero_runs(policy, settings, 600, accepted=False)
+    assert runs[-1] == PROBE_MOST and policy.pause is not None
+    estimate = policy.estimate
+    policy.begin_reply()
+    assert policy.estimate == estimate and policy.pause is not None
+    assert zero_runs(policy, settings, 40, accepted=False)[:2] == [PROBE_FIRST, 2 * PROBE_FIRST]
+    drafting = GoodputPolicy(FLAT, "model")
+    zero_runs(drafting, settings, 20, accepted=True)
+    drafting.begin_reply()
+    assert drafting.pause is None and drafting.limit(settings, room=100) == 5
+
+
 def test_goodput_drafts_to_the_best_k_where_drafting_pays() -> None:
     policy = GoodputPolicy(FLAT, "model")
     settings = DecodingSettings(draft_tokens=6)

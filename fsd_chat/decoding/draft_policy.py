@@ -233,6 +233,10 @@ class DraftPolicy(Protocol):
         own, e.g. on CUDA without a synchronisation per phase); called after every step."""
         ...
 
+    def begin_reply(self) -> None:
+        """The conversation's next reply starts with this policy, carried from the last one."""
+        ...
+
 
 class FixedPolicy:
     """k = settings.draft_tokens at every step."""
@@ -258,6 +262,9 @@ class FixedPolicy:
 
     def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Nothing to learn."""
+
+    def begin_reply(self) -> None:
+        """Nothing to restart."""
 
 
 class HeuristicPolicy(FixedPolicy):
@@ -365,6 +372,9 @@ class LatencyPolicy:
 
     def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
         """Nothing: λ counts modelled seconds, from the timing pass alone."""
+
+    def begin_reply(self) -> None:
+        """Nothing to restart: the calibration carries over, λ too."""
 
 
 class GoodputPolicy(FixedPolicy):
@@ -529,6 +539,18 @@ class GoodputPolicy(FixedPolicy):
         # No probe could keep within PROBE_BUDGET: the draft is not run again (see `limit`).
         self._hopeless = self._hopeless or self._final_pause
 
+    def begin_reply(self) -> None:
+        """The acceptance and prices measured stay; a pause's backoff restarts. A new prompt
+        brings new text (a document pasted to summarise, after a question prompt lookup could not
+        copy from): its first probe comes within PROBE_FIRST target-only steps, or the probe
+        budget's wait if longer, as after a pause of a fresh policy, where a wait grown to
+        PROBE_MOST over the last reply would keep the draft out for most of this one."""
+        if self.pause is None or self._hopeless:
+            return
+        # As `_pause` from a fresh interval, but never a longer wait than the one left.
+        self._wait = min(self._wait, max(PROBE_FIRST, self._probe_floor()))
+        self._interval = min(2 * PROBE_FIRST, PROBE_MOST)
+
     def _pause(self) -> None:
         """Wait before the next probe: each pause twice as long as the last (until drafting pays
         for a while again), and long enough that the probe's expected loss, its catch-up forward
@@ -635,6 +657,11 @@ class MatchedGoodput:
         """The step's seconds, to the policy of this step's match length."""
         if self._current is not None:
             self._current.timed(drafted, seconds, verify_seconds)
+
+    def begin_reply(self) -> None:
+        """Every match length's policy restarts its backoff (`GoodputPolicy.begin_reply`)."""
+        for policy in self._policies:
+            policy.begin_reply()
 
 
 def make_policy(

@@ -222,12 +222,17 @@ class SpeculativeDecoder:
     def _policy(self, name: DraftPolicyName) -> DraftPolicy:
         """The draft policy of that name. With reuse_prefix (one conversation, reply after reply:
         the chat, the server) it is the one the last reply ended with, so what it measured (the
-        acceptance, a pause and its probe schedule) carries over and a draft that did not pay is
-        not tried afresh at every reply's start; a policy chosen anew starts afresh."""
+        acceptance, the prices, a pause) carries over and a draft that did not pay is not tried
+        afresh at every reply's start; only a pause's backoff restarts (`begin_reply`: a new
+        prompt may bring text to copy). A policy chosen anew starts afresh."""
         kept = self._kept_policy
         if not (self.reuse_prefix and kept is not None and kept[0] == name):
             ngram = 0 if self._lookup is None else self._lookup.ngram
             kept = self._kept_policy = (name, make_policy(name, self.timings, self.proposer.kind, ngram))
+        else:
+            # Only a reply's start finds the kept policy (mid-reply, a policy of another name
+            # is asked for): the conversation's next reply begins.
+            kept[1].begin_reply()
         return kept[1]
 
     @property
