@@ -206,11 +206,11 @@ def open_gguf(
                 logits_all=False,
                 swa_full=True,
                 # Flash attention, as llama.cpp's own tools run by default (`-fa auto`; llama-cpp-python
-                # defaults to off): without it, a batch of tokens (a verify, a prefill) attends other
-                # than the same tokens fed one by one on some CPUs (logits up to 1.0 apart on an AVX-512
-                # EPYC), so greedy speculative decoding left llama.cpp's own greedy text at near ties
-                # of that size; with it they are the same to the bit, and decoding is no slower
-                # (docs/engines.md).
+                # defaults to off): without it, a verify's few tokens after a cached prefix attend
+                # other than the same tokens fed one by one on some CPUs (logits up to 1.0 apart on an
+                # AVX-512 EPYC), so greedy speculative decoding left the target alone's text at near
+                # ties of that size; with it they are the same to the bit, and decoding is no slower
+                # (docs/engines.md, "Numerics").
                 flash_attn=True,
                 draft_model=draft_model,
                 # True: with False, llama-cpp-python points fds 1 and 2 at /dev/null while the model
