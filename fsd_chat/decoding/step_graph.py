@@ -891,18 +891,23 @@ def make_steps(
     return EagerSteps(target, draft, lookup=lookup, compile=compile is True)
 
 
-def capture_text(done: int, total: int) -> str:
-    """Where a capture stands, in a few words (the loading screen's progress line)."""
+def capture_text(done: int, total: int, *, compiling: bool) -> str:
+    """Where a capture stands, in a few words (the loading screen's progress line); `compiling`:
+    the step functions are compiled first (`make_steps`' `compile` not False), which on a first
+    start takes minutes, where a later start loads what it kept (`compile_cache`)."""
+    if compiling:
+        return f"compiling, then capturing the step graphs (--whole-step; minutes on a first start): {done}/{total}"
     return f"capturing the step graphs (--whole-step): {done}/{total}"
 
 
-def capture_announcer(write: Callable[[str], object]) -> Callable[[int, int], None]:
+def capture_announcer(write: Callable[[str], object], *, compiling: bool) -> Callable[[int, int], None]:
     """A capture `progress` for a command without a loading screen (generate, serve): one line
-    through `write` when capturing starts, so that the seconds it takes are explained."""
+    through `write` when capturing starts, so that the seconds it takes are explained
+    (`compiling`: as `capture_text`'s)."""
 
     def progress(done: int, total: int) -> None:
         if done == 0:
-            write(f"fsd-chat: {capture_text(done, total)}\n")
+            write(f"fsd-chat: {capture_text(done, total, compiling=compiling)}\n")
 
     return progress
 

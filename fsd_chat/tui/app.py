@@ -106,7 +106,9 @@ class FsdChatApp(App[None]):
         o = self.options
 
         def captured(done: int, total: int) -> None:
-            self.post_message(LoadProgress(step_graph.capture_text(done, total)))
+            # Captured steps are compiled first unless --no-compile (`step_graph.make_steps`).
+            text = step_graph.capture_text(done, total, compiling=o.compiled is not False)
+            self.post_message(LoadProgress(text))
 
         return pair.decoder(
             controls,
