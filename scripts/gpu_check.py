@@ -1,4 +1,4 @@
-"""`make gpu-check`: check a CUDA setup in one command, in under 5 minutes on a fresh machine.
+"""`make gpu-check`: check a CUDA setup in one command, in about 7 minutes on a fresh machine.
 
 Its phases, in the order of what they are worth, each printed as soon as it is known:
 1. the imports and versions (python, torch and its CUDA, transformers, bitsandbytes, gguf, the GPU);
@@ -23,7 +23,7 @@ No phase can eat the check: every bench runs in a process of its own with a hard
 for loading, plus `--config-cap` a configuration: warm-up and replies), killed past it (its process
 group, after SIGABRT has it print its stacks), shown as cut, and the check goes on; transformers'
 baselines run after fsd-chat's whole-step rows, one process each. The whole check has a budget
-(`--budget`, 300 s): a bench gets at most what is left of it after pytest's cap, and one that would
+(`--budget`, 420 s): a bench gets at most what is left of it after pytest's cap, and one that would
 get too little is not run and says so. While the real-cost pair still builds, phase 5 runs first.
 fsd-chat's rows run without a synchronisation per phase (the profile says where the time goes).
 `--big-pair` adds an 8B/1B-cost pair last, beyond the budget. With no CUDA device it says so in one
@@ -281,7 +281,7 @@ LOSSY_THRESHOLD = "0.02"
 
 
 def bench_base(args: argparse.Namespace, target: str, draft: str, output: Path) -> list[str]:
-    """`fsd-chat bench` on a pair, few prompts and tokens (the check's 5 minutes), each
+    """`fsd-chat bench` on a pair, few prompts and tokens (the check's 7 minutes), each
     configuration's replies cut past `--config-cap` less its warm-up's share."""
     return [
         *(sys.executable, "-m", "fsd_chat", "bench", "--target", target, "--draft", draft),
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget",
         type=float,
-        default=300.0,
+        default=420.0,
         help="seconds the whole check may take: a bench gets at most what is left of it (pytest's cap kept)",
     )
     parser.add_argument(
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         "--big-pair",
         action="store_true",
         help="last, an 8B/1B-cost pair (Llama-3.1-8B's and Llama-3.2-1B's shapes, built on the GPU in "
-        "bfloat16): target-only and exact k 4 as whole steps (beyond the 5 minutes)",
+        "bfloat16): target-only and exact k 4 as whole steps (beyond the 7 minutes)",
     )
     parser.add_argument(
         "--output", type=Path, default=CACHE / "gpu-check", help="the reports' folder (one folder a bench)"
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(Text(f"gpu-check on {device}", style="bold"))
     CACHE.mkdir(exist_ok=True)
     # The real-cost pair (6.5 GB of float32 weights, a minute or more) is built while phase 1 and the
-    # scaled pair's build run: the check's 5 minutes have no room for it in series.
+    # scaled pair's build run: the check's 7 minutes have no room for it in series.
     builds = real_cost_pair(args.models, args.builder, args.real_target, args.real_draft)
     out = args.output
     outcomes: list[str] = []
