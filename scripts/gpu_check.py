@@ -103,8 +103,8 @@ def _cuda_device() -> str | None:
 
 def _rate_table(junit: Path) -> Table | None:
     """The tok/s the CUDA tests recorded (JUnit properties "<decoder> graphs" and "<decoder>
-    compiled", `test_whole_step_graphs_speed`): whole-step graphs beside the per-forward compiled steps, one
-    row a decoder (None when no test recorded any)."""
+    compiled", `test_whole_step_graphs_speed`): whole-step graphs beside the per-forward compiled
+    steps, one row a decoder (None when no test recorded any)."""
     rates: dict[str, dict[str, float]] = {}
     for prop in ET.parse(junit).getroot().iter("property"):
         name, _, kind = (prop.get("name") or "").rpartition(" ")
@@ -130,8 +130,8 @@ def _configs(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def whole_step_table(per_forward: list[Path], whole: list[Path]) -> Table:
-    """The real-cost pair's rows, per-forward steps (`per_forward`'s reports, transformers' rows among them)
-    beside whole steps (`whole`'s), with hf-static's tok/s: each row's tok/s (mean over its
+    """The real-cost pair's rows, per-forward steps (`per_forward`'s reports, transformers' rows
+    among them) beside whole steps (`whole`'s), with hf-static's tok/s: each row's tok/s (mean over its
     replies), the ratio of the two, and the whole step's tok/s over hf-static's (issue 36's goals:
     target-only ≥ 1.2× hf-static, exact at its best k ≥ 1.8× target-only, the default policy ≥ its
     best fixed k, fuzzy or mixture ≥ 1.15× exact). A row missing (cut, or not run) shows "-"."""

@@ -112,7 +112,7 @@ def run_generate(
         autoregressive=autoregressive,
         compiled=compiled,
         whole_step=whole_step,
-        capture_progress=step_graph.capture_announcer(sys.stderr.write, compiling=compiled is not False),
+        capture_progress=step_graph.capture_announcer(sys.stderr.write, compile=compiled),
     )
     ids = prompt_ids(pair.tokenizer, [Message("user", prompt)], raw=raw, vocab_size=pair.vocab_size)
     console = Console(highlight=False, soft_wrap=True)

@@ -887,27 +887,35 @@ def make_steps(
         return None
     assert isinstance(target, StaticModel) and (draft is None or isinstance(draft, StaticModel))  # for mypy
     if target.device.type == "cuda":
-        return CapturedSteps(target, draft, compile=compile is not False, lookup=lookup, progress=progress)
+        return CapturedSteps(
+            target, draft, compile=captured_compiled(compile), lookup=lookup, progress=progress
+        )
     return EagerSteps(target, draft, lookup=lookup, compile=compile is True)
 
 
-def capture_text(done: int, total: int, *, compiling: bool) -> str:
-    """Where a capture stands, in a few words (the loading screen's progress line); `compiling`:
-    the step functions are compiled first (`make_steps`' `compile` not False), which on a first
-    start takes minutes, where a later start loads what it kept (`compile_cache`)."""
-    if compiling:
+def captured_compiled(compile: bool | None) -> bool:
+    """Whether captured steps compile their functions first, `compile` being the command's
+    `--compile` (None: its default, which compiles them, as gpt-fast's and vLLM's steps are)."""
+    return compile is not False
+
+
+def capture_text(done: int, total: int, *, compile: bool | None) -> str:
+    """Where a capture stands, in a few words (the loading screen's progress line); `compile`: as
+    `make_steps`' (compiling first takes minutes on a first start, where a later start loads what
+    it kept: `compile_cache`)."""
+    if captured_compiled(compile):
         return f"compiling, then capturing the step graphs (--whole-step; minutes on a first start): {done}/{total}"
     return f"capturing the step graphs (--whole-step): {done}/{total}"
 
 
-def capture_announcer(write: Callable[[str], object], *, compiling: bool) -> Callable[[int, int], None]:
+def capture_announcer(write: Callable[[str], object], *, compile: bool | None) -> Callable[[int, int], None]:
     """A capture `progress` for a command without a loading screen (generate, serve): one line
     through `write` when capturing starts, so that the seconds it takes are explained
-    (`compiling`: as `capture_text`'s)."""
+    (`compile`: as `make_steps`')."""
 
     def progress(done: int, total: int) -> None:
         if done == 0:
-            write(f"fsd-chat: {capture_text(done, total, compiling=compiling)}\n")
+            write(f"fsd-chat: {capture_text(done, total, compile=compile)}\n")
 
     return progress
 

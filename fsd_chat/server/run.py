@@ -247,7 +247,7 @@ def run_server(
             autoregressive=autoregressive,
             compiled=compiled,
             whole_step=whole_step,
-            capture_progress=step_graph.capture_announcer(sys.stderr.write, compiling=compiled is not False),
+            capture_progress=step_graph.capture_announcer(sys.stderr.write, compile=compiled),
         )
         engine = Engine(decoder, controls, queue_size)
         try:

@@ -106,9 +106,7 @@ class FsdChatApp(App[None]):
         o = self.options
 
         def captured(done: int, total: int) -> None:
-            # Captured steps are compiled first unless --no-compile (`step_graph.make_steps`).
-            text = step_graph.capture_text(done, total, compiling=o.compiled is not False)
-            self.post_message(LoadProgress(text))
+            self.post_message(LoadProgress(step_graph.capture_text(done, total, compile=o.compiled)))
 
         return pair.decoder(
             controls,

@@ -129,7 +129,7 @@ async def test_whole_step_capture_progress_reaches_the_loading_screen(
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_chat(pilot)
         # Compiled first by default (`compiled` None), as on CUDA; the line says so.
-        first, last = (step_graph.capture_text(done, 2, compiling=True) for done in (0, 2))
+        first, last = (step_graph.capture_text(done, 2, compile=None) for done in (0, 2))
         assert first in shown and last in shown and first.startswith("compiling, then capturing")
         decoder = app.screen.chat.decoder  # type: ignore[attr-defined]
         assert isinstance(decoder._steps, step_graph.EagerSteps)
