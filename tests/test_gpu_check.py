@@ -159,9 +159,8 @@ def test_past_the_checks_budget_every_phase_still_prints(
     for number in range(1, 7):
         assert f"gpu-check {number}/6: done in " in printed
     not_run = [line for line in printed.splitlines() if "not run: the check's 1 s are spent" in line]
-    assert (
-        len(not_run) == 7
-    )  # phase 2's starts and two benches, the per-forward steps, hf-static, hf-assisted, the scaled pair's
+    # Phase 2's starts and two benches, the per-forward steps, hf-static, hf-assisted, the scaled pair's.
+    assert len(not_run) == 7
     assert not list(tmp_path.iterdir())  # no bench ran
 
 

@@ -178,10 +178,10 @@ def decoded(decoder: object, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_verify_batch_gives_the_logits_of_its_tokens_fed_one_by_one(default_pair: ModelPair) -> None:
-    """The default model's logits for tokens fed as one batch (a verify, two threads a batch) are
-    those of the same tokens fed one at a time, to the bit: what greedy speculative decoding needs
-    to emit llama.cpp's own greedy text. (Without flash attention they were up to 1.0 apart on an
-    AVX-512 CPU, which changed a greedy token at a near tie.)"""
+    """The default model's logits for a few tokens fed as one batch after a cached prompt (as a
+    verify feeds them) are those of the same tokens fed one at a time, to the bit: what greedy
+    speculative decoding needs to emit the target alone's greedy text. (Without flash attention
+    they were up to 1.0 apart on an AVX-512 CPU, which changed a greedy token at a near tie.)"""
     prompt = chat_prompt(default_pair, "What is the capital of France?")
     seq = ids_tensor(prompt + llama_greedy(default_pair, prompt, 8))
     runner = default_pair.target
