@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fsd_chat.bench.stats import median_with_ci95
-from fsd_chat.engines.llama_cpp import llama_cpp_module
+from fsd_chat.engines.llama_cpp import BATCH, llama_cpp_module
 from fsd_chat.models.default_model import default_model_path
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 8
@@ -39,8 +39,8 @@ def open_context(path: Path, flash: bool) -> Any:
     return llama_cpp_module().Llama(
         model_path=str(path),
         n_ctx=2048,
-        n_batch=512,
-        n_ubatch=512,
+        n_batch=BATCH,
+        n_ubatch=BATCH,
         n_threads=1,
         n_threads_batch=2,
         logits_all=True,
