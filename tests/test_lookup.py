@@ -8,6 +8,7 @@ a wrong implementation would follow must be rejected at p < 1e-6.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import random
@@ -33,21 +34,28 @@ GREEDY = SamplingConfig()
 
 
 def reference_continuation(tokens: list[int], ngram: int, limit: int) -> tuple[int, int, int]:
-    """The search spelled out: the longest suffix (≤ ngram) with an earlier occurrence, its latest
-    one: (start, tokens proposed, suffix length matched)."""
+    """The search spelled out: the longest suffix (≤ ngram) with an earlier occurrence; of its
+    occurrences, the latest of those whose next token follows it most often: (start, tokens
+    proposed, suffix length matched)."""
     length = len(tokens)
     for n in range(min(ngram, length - 1), 0, -1):
         suffix = tokens[length - n :]
-        for end in range(length - 2, n - 2, -1):
-            if tokens[end - n + 1 : end + 1] == suffix:
-                return end + 1, min(limit, length - end - 1), n
+        starts = [end + 1 for end in range(n - 1, length - 1) if tokens[end - n + 1 : end + 1] == suffix]
+        if starts:
+            follows = collections.Counter(tokens[start] for start in starts)
+            start = max(starts, key=lambda start: (follows[tokens[start]], start))
+            return start, min(limit, length - start), n
     return 0, 0, 0
 
 
-def test_the_latest_occurrence_of_the_longest_suffix_is_continued() -> None:
+def test_the_most_frequent_continuation_of_the_longest_suffix_is_proposed() -> None:
     tokens = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3])
-    assert find_continuation(tokens, 3, 5) == (8, 5, 3)  # after the second "1 2 3": 5 7 1 2 3
+    # Each continuation of "1 2 3" seen once: the latest, after the second "1 2 3": 5 7 1 2 3.
+    assert find_continuation(tokens, 3, 5) == (8, 5, 3)
     assert find_continuation(tokens, 3, 2) == (8, 2, 3)
+    # "6 7" followed "4 5" twice, "8" once and last: the latest "6 7" is proposed.
+    often = np.array([4, 5, 6, 7, 0, 4, 5, 6, 7, 1, 4, 5, 8, 2, 4, 5])
+    assert find_continuation(often, 2, 3) == (7, 3, 2)
     # A longer suffix wins over a later shorter one: "2 9" occurs once, "9" later too.
     assert find_continuation(np.array([2, 9, 4, 5, 9, 6, 2, 9]), 2, 4) == (2, 4, 2)
     assert find_continuation(np.array([5, 6, 7]), 3, 4) == NO_MATCH  # nothing repeats

@@ -7,10 +7,16 @@ proposed for free. Where no n-gram matches, nothing is proposed and the step is 
 
 The match: the longest suffix of the context, of at most `ngram` tokens, that occurred before
 (falling back to shorter n-grams down to one token, as transformers does); among the occurrences of
-that length the latest, whose continuation is the most recent text. Sources: Saxena, "Prompt Lookup
-Decoding" (2023); transformers' `PromptLookupCandidateGenerator` (`prompt_lookup_num_tokens`,
-`max_matching_ngram_size`), which takes the earliest occurrence instead; llama.cpp's n-gram drafts
-(`--spec-type ngram-*`), which search the context's history the same way.
+that length, the one whose next token followed the suffix most often in the context, the latest of
+those on a tie. Sources: Saxena, "Prompt Lookup Decoding" (2023); transformers'
+`PromptLookupCandidateGenerator` (`prompt_lookup_num_tokens`, `max_matching_ngram_size`), which takes
+the earliest occurrence; llama.cpp's n-gram drafts (`--spec-type ngram-*`), which search the
+context's history the same way; the frequency, from SuffixDecoding (Oliaro et al.,
+arXiv:2411.04975; vLLM's `suffix` method through Arctic Inference), which proposes the continuation
+its suffix tree of the context has seen most often. Where a summary says "the little girl" three
+times and "the little dog" once, the next "the little" proposes "girl" whichever came last; the
+default chat's summaries gain by it (measured: `docs/benchmarks.md`, "Prompt lookup's most frequent
+continuation").
 
 The proposal is deterministic given the context: its law is a point mass q_i = δ(x̃_i), passed to
 the rules as `Proposal.q = None` (`fsd_chat.decoding.acceptance` derives each rule for it).
@@ -45,16 +51,43 @@ class Match(NamedTuple):
 NO_MATCH = Match(0, 0, 0)
 
 
-def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
-    """Where the continuation of the latest earlier occurrence of the context's longest matching
-    suffix (≤ `ngram` tokens) starts, and how many tokens of it to propose.
+def continuations(tokens: np.ndarray, ngram: int) -> tuple[np.ndarray, int]:
+    """Where the continuations of the earlier occurrences of the context's longest matching suffix
+    (≤ `ngram` tokens) start, and that suffix's length.
 
     Vectorised over the context: the earlier positions holding the context's last token are found
     in one comparison, and their agreement with the suffix is extended backwards one token at a
-    time, for those positions only (at most `ngram` - 1 more comparisons of a few entries); the
-    best (longest agreement, then latest) is chosen by one argmax. It runs on the host's copy of
-    the context (`Reply.host`): the step's proposal length must be known there, and searching a
-    device copy would cost a device read per step besides the verdict's.
+    time, for those positions only (at most `ngram` - 1 more comparisons of a few entries). It runs
+    on the host's copy of the context (`Reply.host`): the step's proposal length must be known
+    there, and searching a device copy would cost a device read per step besides the verdict's.
+
+    Args:
+        tokens: The context, shape [L] int64, L ≥ 1 (prompt and reply so far).
+        ngram: The longest suffix to match, in tokens (≥ 1).
+
+    Returns:
+        (starts, matched): the positions just after each occurrence of the `matched`-token suffix,
+        shape [n] int64 ascending, each < L; an empty array and 0 when nothing occurred before.
+    """
+    length = tokens.shape[0]
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier occurrences of the last token
+    if ends.size == 0:
+        return ends, 0
+    agree = np.ones(ends.size, dtype=np.int64)
+    # An occurrence ending at `end` agrees on j + 1 tokens when it agreed on j and the tokens j back
+    # match; none reaches back past the context's start (end ≥ j), nor the suffix past it.
+    for back in range(1, min(ngram, length - 1)):
+        before = ends - back
+        agree += (agree == back) & (before >= 0) & (tokens[before] == tokens[length - 1 - back])
+    matched = int(agree.max())
+    return ends[agree == matched] + 1, matched
+
+
+def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
+    """Where the proposed continuation starts, and how many tokens of it to propose: of the
+    continuations of the context's longest matching suffix (`continuations`), one whose first
+    token follows that suffix most often, the latest of those (module docstring). The counts are
+    one `np.unique` over the few occurrences, the choice one argmax.
 
     Args:
         tokens: The context, shape [L] int64 (prompt and reply so far).
@@ -66,20 +99,12 @@ def find_continuation(tokens: np.ndarray, ngram: int, limit: int) -> Match:
         `matched` tokens that occurred before; NO_MATCH when nothing does.
     """
     length = tokens.shape[0]
-    if length < 2:
+    starts, matched = continuations(tokens, ngram)
+    if not matched:
         return NO_MATCH
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier occurrences of the last token
-    if ends.size == 0:
-        return NO_MATCH
-    agree = np.ones(ends.size, dtype=np.int64)
-    # An occurrence ending at `end` agrees on j + 1 tokens when it agreed on j and the tokens j back
-    # match; none reaches back past the context's start (end ≥ j), nor the suffix past it.
-    for back in range(1, min(ngram, length - 1)):
-        before = ends - back
-        agree += (agree == back) & (before >= 0) & (tokens[before] == tokens[length - 1 - back])
-    best = int((agree * length + ends).argmax())
-    start = int(ends[best]) + 1
-    return Match(start, min(limit, length - start), int(agree[best]))
+    _, which, counts = np.unique(tokens[starts], return_inverse=True, return_counts=True)
+    start = int(starts[(counts[which] * length + starts).argmax()])
+    return Match(start, min(limit, length - start), matched)
 
 
 def repeat_run(tokens: np.ndarray, distance: int) -> int:
