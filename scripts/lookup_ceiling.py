@@ -14,7 +14,10 @@ ceiling of the bench's tokens/s ratio against llama.cpp alone.
 Beside each ceiling, at the chat's split (`POLICY_SPLIT`), the goodput policy's own decisions (the
 default chat's: its k per step, under the same rule) priced the same way, a drafting step with the
 model's step overhead (`ForwardTimings.step`): how near the policy comes to the oracle under the
-model, apart from how the machine runs the forwards.
+model, apart from how the machine runs the forwards. The policy is priced twice, with prompt
+lookup's choice among a suffix's occurrences (`lookup.find_continuation`: the most frequent next
+token) and with the latest occurrence's continuation in its place (`goodput_latest_*`), what
+prompt lookup proposed before.
 
     PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 [--thresholds 1 2] \
         --output /tmp/lookup-ceiling.json
@@ -23,13 +26,18 @@ model, apart from how the machine runs the forwards.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import statistics
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step, lookup
 from fsd_chat.engines import llama_cpp
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
@@ -54,6 +62,30 @@ def speedups(priced: list[tuple[float, float, float]]) -> tuple[list[float], lis
     return [alone / taken for alone, taken, _ in priced], [
         (alone + prefill) / (taken + prefill) for alone, taken, prefill in priced
     ]
+
+
+def latest_continuation(tokens: np.ndarray, ngram: int, limit: int) -> lookup.Match:
+    """`lookup.find_continuation` as it chose before: the latest occurrence's continuation."""
+    starts, matched = lookup.continuations(tokens, ngram)
+    if not matched:
+        return lookup.NO_MATCH
+    start = int(starts[-1])
+    return lookup.Match(start, min(limit, tokens.shape[0] - start), matched)
+
+
+@contextlib.contextmanager
+def choosing(find: Callable[[np.ndarray, int, int], lookup.Match]) -> Iterator[None]:
+    """Prompt lookup choosing its continuation with `find` inside the block."""
+    chosen = lookup.find_continuation
+    lookup.find_continuation = find  # type: ignore[assignment]  # mypy takes a module function for fixed
+    try:
+        yield
+    finally:
+        lookup.find_continuation = chosen
+
+
+def geometric_mean(ratios: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
 def main() -> None:
@@ -131,25 +163,29 @@ def main() -> None:
         timings = pair.forward_timings()
         verify = timings.verify_table()
         goodput = replace(settings, draft_policy="goodput")
-        priced = []
-        goodput_cost = goodput_tokens = 0.0
-        for prompt in prompts:
-            steps = reply(goodput, prompt)
-            goodput_cost += sum(s.stats.cost for s in steps)
-            goodput_tokens += sum(s.stats.emitted for s in steps)
-            taken = sum(
-                verify[s.stats.drafted + 1] + (timings.step if s.stats.drafted else 0.0)
-                for s in steps
-                if s.stats.target_forwards
-            )
-            alone = sum(s.stats.emitted for s in steps) * verify[1]
-            priced.append((alone, taken, llama_cpp.forward_seconds(target, len(prompt))))
-        decode_ratios, overall_ratios = speedups(priced)
-        by_threads[POLICY_SPLIT] |= {
-            "goodput_decode_median": statistics.median(decode_ratios),
-            "goodput_with_prefill_median": statistics.median(overall_ratios),
-            "goodput_nats_per_token": goodput_cost / goodput_tokens,
-        }
+        for label, find in (("goodput", lookup.find_continuation), ("goodput_latest", latest_continuation)):
+            priced = []
+            goodput_cost = goodput_tokens = 0.0
+            with choosing(find):
+                for prompt in prompts:
+                    steps = reply(goodput, prompt)
+                    goodput_cost += sum(s.stats.cost for s in steps)
+                    goodput_tokens += sum(s.stats.emitted for s in steps)
+                    taken = sum(
+                        verify[s.stats.drafted + 1] + (timings.step if s.stats.drafted else 0.0)
+                        for s in steps
+                        if s.stats.target_forwards
+                    )
+                    alone = sum(s.stats.emitted for s in steps) * verify[1]
+                    priced.append((alone, taken, llama_cpp.forward_seconds(target, len(prompt))))
+            decode_ratios, overall_ratios = speedups(priced)
+            by_threads[POLICY_SPLIT] |= {
+                f"{label}_decode_median": statistics.median(decode_ratios),
+                f"{label}_with_prefill_median": statistics.median(overall_ratios),
+                f"{label}_with_prefill_geometric_mean": geometric_mean(overall_ratios),
+                f"{label}_with_prefill": overall_ratios,
+                f"{label}_nats_per_token": goodput_cost / goodput_tokens,
+            }
         target.set_threads(1, 1)
         tokens = sum(emitted for _, steps, _ in runs for _, emitted in steps)
         report[name] = {"threads": by_threads, "nats_per_token": sum(cost for *_, cost in runs) / tokens}
