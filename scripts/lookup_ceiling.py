@@ -17,7 +17,9 @@ model's step overhead (`ForwardTimings.step`): how near the policy comes to the 
 model, apart from how the machine runs the forwards. The policy is priced twice, with prompt
 lookup's choice among a suffix's occurrences (`lookup.find_continuation`: the most frequent next
 token) and with the latest occurrence's continuation in its place (`goodput_latest_*`), what
-prompt lookup proposed before.
+prompt lookup proposed before. With `--forward-table` every figure is priced at this CPU's
+measured forward and prefill times (`scripts/llama_forward_table.py`) instead: the modelled ones
+were fitted on another CPU, and the policy decides at them still, as the chat does.
 
     PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 [--thresholds 1 2] \
         --output /tmp/lookup-ceiling.json
@@ -32,6 +34,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +91,21 @@ def geometric_mean(ratios: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
+def prices(
+    target: llama_cpp.LlamaCppModel, label: str, table: dict[str, dict[str, object]] | None
+) -> tuple[list[float], Callable[[int], float]]:
+    """V(w) indexed by width w (index 0: V(1)) and a prompt's prefill seconds by its length, at the
+    split `label` the target's threads are set to: modelled, or measured (`table`, from
+    `scripts/llama_forward_table.py`)."""
+    if table is None:
+        return llama_cpp.modelled_timings(target, None).verify_table(), partial(
+            llama_cpp.forward_seconds, target
+        )
+    measured = [float(v) for v in table[label]["measured_seconds"]]  # type: ignore[attr-defined]
+    per_token = float(table[label]["prefill_seconds_per_token"])  # type: ignore[arg-type]
+    return [measured[0], *measured], lambda length: per_token * length
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="tinystories-retell")
@@ -102,8 +120,15 @@ def main() -> None:
         default=[1.0],
         help="the fuzzy rule's greedy thresholds T (regret, nats) priced beside exact (default: 1, the chat's)",
     )
+    parser.add_argument(
+        "--forward-table",
+        type=Path,
+        help="price at this CPU's measured forward and prefill times (scripts/llama_forward_table.py's "
+        "JSON) instead of the modelled ones; the policy still decides at the modelled times, as the chat does",
+    )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
+    table = None if args.forward_table is None else json.loads(args.forward_table.read_text())
     pair = load_pair(
         ModelSpec(str(default_model_path())), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1)
     )
@@ -112,7 +137,12 @@ def main() -> None:
     items = load_prompt_set(args.prompts, data_dir=args.data_dir, limit=args.limit).items
     prompts = [prompt_ids(pair.tokenizer, [Message("user", item.text)]) for item in items]
     report: dict[str, object] = {
-        "argv": vars(args) | {"output": str(args.output), "data_dir": str(args.data_dir)}
+        "argv": vars(args)
+        | {
+            "output": str(args.output),
+            "data_dir": str(args.data_dir),
+            "forward_table": str(args.forward_table),
+        }
     }
 
     def reply(settings: DecodingSettings, prompt: list[int]) -> list[Step]:
@@ -138,7 +168,7 @@ def main() -> None:
         by_threads = {}
         for label, threads in SPLITS.items():
             target.set_threads(*threads)
-            verify = llama_cpp.modelled_timings(target, None).verify_table()
+            verify, prefill = prices(target, label, table)
             decode, overall = speedups(
                 [
                     (
@@ -149,7 +179,7 @@ def main() -> None:
                             else emitted * verify[1]
                             for a, emitted in steps
                         ),
-                        llama_cpp.forward_seconds(target, prompt_length),
+                        prefill(prompt_length),
                     )
                     for prompt_length, steps, _ in runs
                 ]
@@ -161,7 +191,7 @@ def main() -> None:
             }
         pair.use_threads(SPLITS[POLICY_SPLIT][0], requested_batch=SPLITS[POLICY_SPLIT][1])
         timings = pair.forward_timings()
-        verify = timings.verify_table()
+        verify, prefill = prices(target, POLICY_SPLIT, table)
         goodput = replace(settings, draft_policy="goodput")
         for label, find in (("goodput", lookup.find_continuation), ("goodput_latest", latest_continuation)):
             priced = []
@@ -177,7 +207,7 @@ def main() -> None:
                         if s.stats.target_forwards
                     )
                     alone = sum(s.stats.emitted for s in steps) * verify[1]
-                    priced.append((alone, taken, llama_cpp.forward_seconds(target, len(prompt))))
+                    priced.append((alone, taken, prefill(len(prompt))))
             decode_ratios, overall_ratios = speedups(priced)
             by_threads[POLICY_SPLIT] |= {
                 f"{label}_decode_median": statistics.median(decode_ratios),

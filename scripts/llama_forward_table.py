@@ -1,0 +1,90 @@
+"""This CPU's forward times of the default model on the llama.cpp engine, beside what the policy
+prices them at (`fsd_chat.engines.llama_cpp.modelled_timings`, whose constants were fitted on
+another 2-core CPU): V(w), a target forward over w tokens after `MEASURE_CONTEXT` tokens of
+context, and a prompt's prefill per token (over `PREFILL` tokens), at one thread, two, and one for a token with two for a batch (the chat's split).
+
+Each width is timed `--repeats` times, the widths and splits interleaved in every round (so a load
+that comes and goes touches each alike); each time is the median of its samples. The goodput
+policy's decisions follow the ratios V(w) / V(1) alone, so those are written too; the JSON feeds
+`scripts/lookup_ceiling.py --forward-table`, which prices the policy's steps at these times.
+
+    flock /work/bench.lock env PYTHONPATH=. .venv/bin/python scripts/llama_forward_table.py \
+        --output docs/llama-forward-table.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT
+from fsd_chat.engines import llama_cpp
+from fsd_chat.models.default_model import default_model_path
+from fsd_chat.models.loading import load_pair
+from fsd_chat.models.options import LoadOptions, ModelSpec
+
+SPLITS = {"1": (1, 1), "2": (2, 2), "1, batches 2": (1, 2)}
+"""llama.cpp's threads for one token and for several, as `scripts/lookup_ceiling.py` names them."""
+WIDTHS = tuple(range(1, 9))
+"""The verify widths timed: a step of draft length k runs k + 1 tokens (the chat's k ≤ 5)."""
+PREFILL = 256
+"""Tokens of the prompt-like forward timed for the prefill's seconds per token."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    pair = load_pair(
+        ModelSpec(str(default_model_path())), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1)
+    )
+    target = pair.target
+    assert isinstance(target, llama_cpp.LlamaCppModel)
+    seq = torch.arange(max(MEASURE_CONTEXT + WIDTHS[-1], PREFILL))[None] + 1000
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.repeats):
+        for label, threads in SPLITS.items():
+            target.set_threads(*threads)
+            target.reset()
+            start = time.perf_counter()
+            target.prefill(seq, PREFILL)
+            samples.setdefault((label, 0), []).append((time.perf_counter() - start) / PREFILL)
+            target.rollback(MEASURE_CONTEXT)
+            target.forward(seq, MEASURE_CONTEXT + 1, 1)  # untimed: the split's first call
+            for width in WIDTHS:
+                target.rollback(MEASURE_CONTEXT)
+                start = time.perf_counter()
+                target.forward(seq, MEASURE_CONTEXT + width, width)
+                samples.setdefault((label, width), []).append(time.perf_counter() - start)
+    report: dict[str, object] = {"repeats": args.repeats, "load": os.getloadavg(), "context": MEASURE_CONTEXT}
+    for label, threads in SPLITS.items():
+        target.set_threads(*threads)
+        measured = [statistics.median(samples[label, width]) for width in WIDTHS]
+        modelled = llama_cpp.modelled_timings(target, None).verify_table()[1 : WIDTHS[-1] + 1]
+        report[label] = {
+            "prefill_seconds_per_token": statistics.median(samples[label, 0]),
+            "modelled_prefill_seconds_per_token": llama_cpp.forward_seconds(target, PREFILL) / PREFILL,
+            "measured_seconds": measured,
+            "modelled_seconds": modelled,
+            "measured_over_v1": [v / measured[0] for v in measured],
+            "modelled_over_v1": [v / modelled[0] for v in modelled],
+        }
+        print(
+            label,
+            "measured",
+            [round(v * 1e3, 1) for v in measured],
+            "modelled",
+            [round(v * 1e3, 1) for v in modelled],
+        )
+    args.output.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
