@@ -32,7 +32,7 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests.conftest import DRAFT_DIR, TARGET_DIR
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 from tests.test_sampling_lossless import (
     ALPHA,
     LOSSLESS_CASES,
@@ -157,7 +157,11 @@ def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair
 def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
     target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32, device_map="auto").eval()
     decoder = SpeculativeDecoder(
-        target, pair32.draft, pair32.tokenizer, controls=Controls(DecodingSettings(threshold=0.0))
+        target,
+        pair32.draft,
+        pair32.tokenizer,
+        controls=Controls(DecodingSettings(threshold=0.0)),
+        timings=modelled(target, pair32.draft),
     )
     assert greedy_ids(decoder, pair32, PROMPTS[0]) == greedy_ids(
         pair32.autoregressive(Controls()), pair32, PROMPTS[0]
@@ -187,7 +191,11 @@ def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
     decoder = {
         "model": lambda: pair32.speculative(controls),
         "lookup": lambda: SpeculativeDecoder(
-            pair32.target, PromptLookup(), pair32.tokenizer, controls=controls
+            pair32.target,
+            PromptLookup(),
+            pair32.tokenizer,
+            controls=controls,
+            timings=modelled(pair32.target),
         ),
         "target-only": lambda: pair32.autoregressive(controls),
     }[kind]()
@@ -410,7 +418,13 @@ def test_whole_step_graphs_of_prompt_lookup(pair32: ModelPair) -> None:
     replays): greedy at T = 0 the target's text, copies verified, one synchronisation a step."""
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=6, draft_policy="fixed"))
     decoder = SpeculativeDecoder(
-        pair32.target, PromptLookup(), pair32.tokenizer, controls=controls, whole_step=True, compiled=False
+        pair32.target,
+        PromptLookup(),
+        pair32.tokenizer,
+        controls=controls,
+        whole_step=True,
+        compiled=False,
+        timings=modelled(pair32.target),
     )
     assert isinstance(decoder._steps, CapturedSteps)
     prompt = "Tom had a red ball. Tom had a red ball. Tom had a"

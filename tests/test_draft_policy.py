@@ -32,21 +32,15 @@ from fsd_chat.decoding.draft_policy import (
     make_policy,
 )
 from fsd_chat.decoding.events import StepStats
-from fsd_chat.decoding.forward_timings import (
-    ATTENTION_SECONDS,
-    MEASURE_CONTEXT,
-    MEASURED_WIDTHS,
-    ForwardTimings,
-    modelled_timings,
-    time_forwards,
-)
+from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT, MEASURED_WIDTHS, ForwardTimings
 from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.engines.torch_engine.timings import ATTENTION_SECONDS, modelled_timings, time_forwards
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
-from tests.decoding_helpers import Collected, collect, count_fed
+from tests.decoding_helpers import Collected, collect, count_fed, modelled
 from tests.test_sampling_lossless import ALPHA, SAMPLING, chi_square_p_value, exact_first_two
 
 PROMPTS = ["Once upon a time", "The little bird was sad because"]
@@ -492,6 +486,7 @@ def test_the_decoder_tells_the_policy_how_long_a_suffix_lookup_matched(pair: Mod
         pair.tokenizer,
         controls=Controls(DecodingSettings(rule="exact", draft_tokens=3, draft_policy="fixed")),
         vocab_size=pair.vocab_size,
+        timings=modelled(pair.target),
     )
     decoder._kept_policy = ("fixed", Recording())
     prompt = pair.tokenizer(PROMPTS[0]).input_ids * 2  # repeats itself: long matches abound

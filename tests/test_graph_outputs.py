@@ -32,7 +32,7 @@ from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import Rule
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 
 
 class GraphPool:
@@ -87,6 +87,7 @@ def speculative(pair: ModelPair, draft: str, rule: Rule, compiled: bool) -> Deco
             controls=Controls(settings),
             vocab_size=pair.vocab_size,
             compiled=compiled,
+            timings=modelled(pair.target),
         )
     return pair.speculative(Controls(settings), compiled=compiled)
 

@@ -25,7 +25,7 @@ from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, RULES, DivergenceName, Rule
 from fsd_chat.decoding.speculative import REPEAT_GUARD, SpeculativeDecoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 from tests.test_sampling_lossless import ALPHA, POWER, chi_square_p_value
 
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -207,7 +207,13 @@ def test_the_first_token_follows_each_rules_law(
     end-to-end use of the same rows is the greedy test below). Power: exact's samples are tested
     against the mixture's law, the others' (but pure's, which is p) against p."""
     prompt, x, p = lookup_context
-    decoder = SpeculativeDecoder(pair.target, PromptLookup(3), pair.tokenizer, vocab_size=pair.vocab_size)
+    decoder = SpeculativeDecoder(
+        pair.target,
+        PromptLookup(3),
+        pair.tokenizer,
+        vocab_size=pair.vocab_size,
+        timings=modelled(pair.target),
+    )
     first = next(iter(decoder.generate(prompt, max_new_tokens=2, sampling=SAMPLING)))
     assert first.stats.lookup_hits == 1 and first.stats.drafted == 1  # the decoder proposes x here
     rows = torch.stack([p, p])  # the bonus row is never drawn from here: x is either kept or replaced
@@ -250,6 +256,7 @@ def test_greedy_lookup_at_zero_threshold_is_the_targets_greedy_text(pair: ModelP
         PromptLookup(2),
         pair.tokenizer,
         controls=Controls(DecodingSettings(rule=rule, threshold=0.0, draft_tokens=4)),
+        timings=modelled(pair.target),
     )
     run = collect(decoder.generate(prompt, max_new_tokens=40))
     assert run.ids == reference.ids
@@ -274,7 +281,12 @@ def test_a_copy_that_makes_the_reply_repeat_itself_is_verified_exactly(
     )["input_ids"]
     settings = DecodingSettings(rule="fuzzy", threshold=100.0, draft_tokens=4, draft_policy="fixed")
     decoder = SpeculativeDecoder(
-        pair.target, PromptLookup(3), pair.tokenizer, controls=Controls(settings), whole_step=whole_step
+        pair.target,
+        PromptLookup(3),
+        pair.tokenizer,
+        controls=Controls(settings),
+        whole_step=whole_step,
+        timings=modelled(pair.target),
     )
     run = collect(decoder.generate(prompt, max_new_tokens=60))
     contexts = itertools.accumulate(([t.id for t in s.tokens] for s in run.steps), initial=list(prompt))

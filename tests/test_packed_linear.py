@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
-from fsd_chat.decoding.forward_timings import model_forward_seconds
 from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.packed_linear import (
     PACK_MIN_WEIGHTS,
@@ -23,6 +22,7 @@ from fsd_chat.decoding.packed_linear import (
     packed_bytes,
     unpack_linear_layers,
 )
+from fsd_chat.engines.torch_engine.timings import model_forward_seconds
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from tests.conftest import TARGET_DIR

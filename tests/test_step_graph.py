@@ -42,7 +42,7 @@ from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests import test_sampling_lossless
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 from tests.test_host_syncs import host_reads, traffic_per_step  # noqa: F401 (a fixture)
 from tests.test_non_finite import CPU, OTHER_PROMPT, broken, run_until_error  # noqa: F401 (a fixture)
 from tests.test_non_finite import PROMPT as BROKEN_PROMPT
@@ -627,7 +627,12 @@ def whole_lookup(
 ) -> SpeculativeDecoder:
     """A whole-step decoder over prompt lookup (`device_inputs` as in `whole`)."""
     decoder = SpeculativeDecoder(
-        pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings), whole_step=True
+        pair.target,
+        PromptLookup(),
+        pair.tokenizer,
+        controls=Controls(settings),
+        whole_step=True,
+        timings=modelled(pair.target),
     )
     steps = decoder._steps
     assert isinstance(steps, EagerSteps) and steps.lookup
@@ -655,7 +660,13 @@ def test_lookup_whole_steps_decide_as_lookup_steps(
         rule=rule, threshold=threshold, divergence=divergence, draft_tokens=6, draft_policy="fixed"
     )
     prompt = pair.tokenizer(LOOKUP_PROMPT).input_ids
-    today = SpeculativeDecoder(pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings))
+    today = SpeculativeDecoder(
+        pair.target,
+        PromptLookup(),
+        pair.tokenizer,
+        controls=Controls(settings),
+        timings=modelled(pair.target),
+    )
     want = collect(today.generate(prompt, max_new_tokens=60, sampling=sampling))
     for device_inputs in (False, True):
         got = collect(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fsd_chat.decoding.acceptance import compile_failure
 from fsd_chat.decoding.packed_linear import unpack_linear_layers
 from fsd_chat.decoding.runner import ModelRunner, id_set
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
@@ -488,12 +489,6 @@ class CompiledModel(StaticModel):
         """Feed a prompt's tokens eagerly, over the same static cache: only decoding steps (verify
         widths, draft steps) run compiled graphs, so no prompt length compiles one."""
         StaticModel.forward(self, seq, upto, keep=1)
-
-
-def compile_failure(exc: BaseException) -> str:
-    """A failed compilation in one line: the exception's type and its message's first line
-    (torch.compile's run to dozens of lines of context)."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 _COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, Callable[..., Any]] = weakref.WeakKeyDictionary()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from functools import cache, partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +34,7 @@ from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, deci
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, make_policy
 from fsd_chat.decoding.events import Step, StepStats
-from fsd_chat.decoding.forward_timings import ForwardTimings, modelled_timings
+from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.kv_cache import (
     COMPILED_CONTEXT,
     DRAFT_WIDTHS,
@@ -101,9 +100,9 @@ class SpeculativeDecoder:
             share with the last sequence (see `begin`; a mapped draft compares its own spelling,
             see `MappedDraft.begin`).
         timings: The draft and verify forward times, asked for when the `latency` or `goodput`
-            policy is first used (default: modelled from these models, `modelled_timings`, so that
-            no clock decides a draft length; a proposer without a draft model taking no time per
-            position). Required when either model is a `ModelRunner` (its engine models them).
+            policy is first used: the engine's, modelled from the models so that no clock decides
+            a draft length (`ModelPair.forward_timings`; a proposer without a draft model taking
+            no time per position).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
         whole_step: Run each step, speculative or target-only, as one function over static
@@ -137,7 +136,7 @@ class SpeculativeDecoder:
         time_phases: bool = False,
         compiled: bool | None = None,
         reuse_prefix: bool = True,
-        timings: Callable[[], ForwardTimings] | None = None,
+        timings: Callable[[], ForwardTimings],
         vocab_map: VocabularyMap | None = None,
         whole_step: bool = False,
         capture_progress: Callable[[int, int], None] | None = None,
@@ -212,10 +211,6 @@ class SpeculativeDecoder:
             CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
         )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
-        if timings is None:
-            if isinstance(draft_model, ModelRunner) or isinstance(target, ModelRunner):
-                raise TypeError("a ModelRunner target or draft needs its engine's `timings`")
-            timings = cache(partial(modelled_timings, target, draft_model))
         self.timings = timings
         self._kept_policy: tuple[DraftPolicyName, DraftPolicy] | None = None
 

@@ -84,10 +84,10 @@ from typing import Any
 import torch
 
 from fsd_chat.decoding import compile_cache
-from fsd_chat.decoding.acceptance import decide
+from fsd_chat.decoding.acceptance import compile_failure, decide
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel, compile_failure
+from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel
 from fsd_chat.decoding.regions import mark_layer_regions
 from fsd_chat.decoding.reply import Reply, commit_target
 from fsd_chat.decoding.sampling import (

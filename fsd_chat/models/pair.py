@@ -12,7 +12,7 @@ import torch
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.forward_timings import ForwardTimings, modelled_timings
+from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.kv_cache import compile_refusal
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
@@ -23,6 +23,7 @@ from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
+from fsd_chat.engines.torch_engine.timings import modelled_timings
 from fsd_chat.models.generation import FileGeneration
 from fsd_chat.models.options import ModelSpec, quantization_note
 from fsd_chat.support.threads import apply_threads, choose_thread_counts
