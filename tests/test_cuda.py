@@ -28,6 +28,7 @@ from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY, Rule
 from fsd_chat.decoding.step_graph import CapturedSteps
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -156,7 +157,7 @@ def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair
 
 def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
     target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32, device_map="auto").eval()
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         target,
         pair32.draft,
         pair32.tokenizer,
@@ -190,7 +191,7 @@ def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
     controls = Controls(DecodingSettings(draft_tokens=4))
     decoder = {
         "model": lambda: pair32.speculative(controls),
-        "lookup": lambda: SpeculativeDecoder(
+        "lookup": lambda: speculative_decoder(
             pair32.target,
             PromptLookup(),
             pair32.tokenizer,
@@ -417,7 +418,7 @@ def test_whole_step_graphs_of_prompt_lookup(pair32: ModelPair) -> None:
     """Prompt lookup's verification captured per copy length (the source written between
     replays): greedy at T = 0 the target's text, copies verified, one synchronisation a step."""
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=6, draft_policy="fixed"))
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair32.target,
         PromptLookup(),
         pair32.tokenizer,

@@ -37,6 +37,7 @@ from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.engines.torch_engine.timings import ATTENTION_SECONDS, modelled_timings, time_forwards
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
@@ -480,7 +481,7 @@ def test_the_decoder_tells_the_policy_how_long_a_suffix_lookup_matched(pair: Mod
             seen.append(evidence)
             return super().limit(settings, room, evidence, context)
 
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair.target,
         PromptLookup(3),
         pair.tokenizer,
@@ -546,7 +547,7 @@ def test_goodput_settles_at_target_only_steps_on_the_story_pair(pair: ModelPair)
 def slow_decoder(pair: ModelPair, draft: object, curve: ForwardTimings) -> SpeculativeDecoder:
     """A goodput decoder over `draft` (a model or a proposer) whose timings are `curve`."""
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="goodput"))
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair.target,
         draft,
         pair.tokenizer,

@@ -37,7 +37,7 @@ from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import draw, probabilities
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import modelled
 
@@ -195,7 +195,7 @@ def _decoder(kind: str, pair: ModelPair, shuffled: ModelPair, settings: Decoding
     if kind == "mapped":
         return shuffled.speculative(Controls(settings))
     if kind == "lookup":
-        return SpeculativeDecoder(
+        return speculative_decoder(
             pair.target,
             PromptLookup(),
             pair.tokenizer,

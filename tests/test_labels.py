@@ -21,7 +21,7 @@ from fsd_chat.decoding.events import StopReason
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect, modelled
 
@@ -74,7 +74,7 @@ def _decoder(kind: str, pair: ModelPair, shuffled: ModelPair, settings: Decoding
         return pair.speculative(Controls(settings))
     if kind == "mapped":
         return shuffled.speculative(Controls(settings))
-    return SpeculativeDecoder(
+    return speculative_decoder(
         pair.target,
         PromptLookup(),
         pair.tokenizer,

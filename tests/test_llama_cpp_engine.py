@@ -365,7 +365,7 @@ def test_without_llama_cpp_python_auto_falls_back_and_llama_cpp_is_refused(
 
 
 def test_the_autoregressive_decoder_takes_a_runner_as_it_is(llama_pair: ModelPair) -> None:
-    decoder = AutoregressiveDecoder(llama_pair.target, llama_pair.tokenizer, vocab_size=llama_pair.vocab_size)
+    decoder = AutoregressiveDecoder(llama_pair.target, llama_pair.tokenizer)
     assert decoder.target is llama_pair.target
     assert decoder.context == 512  # the file's context, which caps the engine's n_ctx
 

@@ -22,7 +22,7 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import draw, probabilities
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -95,7 +95,7 @@ def test_non_finite_logits_end_the_reply_and_the_next_one_works(
     decoder: Decoder = {
         "target-only": lambda: broken_pair.autoregressive(controls),
         "model": lambda: broken_pair.speculative(controls),
-        "lookup": lambda: SpeculativeDecoder(
+        "lookup": lambda: speculative_decoder(
             broken_pair.target,
             PromptLookup(),
             broken_pair.tokenizer,

@@ -38,6 +38,7 @@ from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, proba
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.step_graph import MIN_CAPACITY, CapturedSteps, EagerSteps
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -626,7 +627,7 @@ def whole_lookup(
     pair: ModelPair, settings: DecodingSettings, device_inputs: bool = False
 ) -> SpeculativeDecoder:
     """A whole-step decoder over prompt lookup (`device_inputs` as in `whole`)."""
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair.target,
         PromptLookup(),
         pair.tokenizer,
@@ -660,7 +661,7 @@ def test_lookup_whole_steps_decide_as_lookup_steps(
         rule=rule, threshold=threshold, divergence=divergence, draft_tokens=6, draft_policy="fixed"
     )
     prompt = pair.tokenizer(LOOKUP_PROMPT).input_ids
-    today = SpeculativeDecoder(
+    today = speculative_decoder(
         pair.target,
         PromptLookup(),
         pair.tokenizer,

@@ -564,22 +564,20 @@ def compiled_capacity(context: int) -> int:
 
 
 def bind(
-    model: PreTrainedModel | ModelRunner,
+    model: PreTrainedModel,
     vocab_size: int,
     *,
     compiled: bool | None,
     capacity: int,
     widths: tuple[int, ...] = VERIFY_WIDTHS,
     static: bool = False,
-) -> ModelRunner:
+) -> CachedModel:
     """`model` bound to its KV cache: a `CompiledModel` when `compiled` asks for it (None: on a
     CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
     takes long and gains little) and `compile_refusal` and `compiler_refusal` admit it, a
     `StaticModel` when `static` asks for one (the whole-step path, `fsd_chat.decoding.step_graph`,
     which compiles and captures on its own), else a `CachedModel` whose `compile_error` says why
-    compiling (or a static cache) was refused (None when neither was asked for). A runner of
-    another engine (`ModelRunner`, e.g. llama.cpp's) is already bound to its cache: returned as it
-    is.
+    compiling (or a static cache) was refused (None when neither was asked for).
 
     Args:
         model: A causal LM.
@@ -591,8 +589,6 @@ def bind(
     Raises:
         UnsupportedCacheError: see `CachedModel`.
     """
-    if isinstance(model, ModelRunner):
-        return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"
     reason = (

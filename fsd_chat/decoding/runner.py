@@ -11,12 +11,12 @@ prompt lookup stay the decoding loop's, the same code for every engine.
 
 Engines:
 - transformers / torch: `fsd_chat.decoding.kv_cache.CachedModel` and its static and compiled kinds
-  (the whole-step CUDA graphs of `step_graph` are this engine's alone);
+  (the whole-step CUDA graphs of `step_graph` are this engine's alone), bound for a decoder by
+  `fsd_chat.engines.torch_engine.binding`;
 - llama.cpp: `fsd_chat.engines.llama_cpp.LlamaCppModel`, over llama-cpp-python's context, batch
   and logits buffer.
 
-A decoder takes a transformers `PreTrainedModel` (bound to a `CachedModel` by `kv_cache.bind`) or
-any `ModelRunner` as it is.
+A decoder takes `ModelRunner`s only, bound to their caches by their engine.
 """
 
 from __future__ import annotations

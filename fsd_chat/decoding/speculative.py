@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,15 +34,6 @@ from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, make_policy
 from fsd_chat.decoding.events import Step, StepStats
 from fsd_chat.decoding.forward_timings import ForwardTimings
-from fsd_chat.decoding.kv_cache import (
-    COMPILED_CONTEXT,
-    DRAFT_WIDTHS,
-    CompiledModel,
-    StaticModel,
-    bind,
-    compiled_capacity,
-    context_length,
-)
 from fsd_chat.decoding.lookup import PromptLookup, repeat_run
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
@@ -63,9 +53,6 @@ from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.support.errors import NonFiniteError
 
-if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
-    from transformers import PreTrainedModel
-
 REPEAT_GUARD = 8
 """Tokens of repetition from which a prompt lookup copy of the reply's own text is verified by the
 exact test (`SpeculativeDecoder._verify_rule`): the repeat it extends, plus the copy, reaching this
@@ -80,22 +67,18 @@ class SpeculativeDecoder:
     `VocabularyMap` maps the draft's onto it (`MappedProposer`: the draft reads the target's text in
     its own tokens and proposes over the paired tokens).
 
+    The models come bound to their KV caches by their engine (`ModelRunner`s: the transformers
+    engine's `fsd_chat.engines.torch_engine.binding.speculative_decoder` binds them and builds
+    this decoder; llama.cpp's runners are bound as they are loaded).
+
     Args:
-        target: The target model (the distribution to follow): a transformers model, bound here to
-            its KV cache (`kv_cache.bind`), or a `ModelRunner` of another engine (llama.cpp's).
-        draft: The draft model (cheap proposals), likewise, or any `Proposer` (e.g. `PromptLookup`).
+        target: The target model's runner (the distribution to follow).
+        draft: The draft model's runner (cheap proposals), or any `Proposer` (e.g. `PromptLookup`).
         tokenizer: The shared tokenizer.
         controls: Live settings and stop requests.
-        vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
         time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
-        compiled: Run both models' steps compiled over static KV caches (`CompiledModel`:
-            the target's verify and target-only passes, the draft's passes) and the acceptance rule
-            (`CompiledDecision`), with CUDA graphs on CUDA:
-            True, False, or None (the default) for on a CUDA device only (`kv_cache.bind`). The
-            context is then capped at COMPILED_CONTEXT tokens. A model that cannot be compiled
-            (`compile_refusal`) runs eagerly, and `compile_error` says why.
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
             share with the last sequence (see `begin`; a mapped draft compares its own spelling,
             see `MappedDraft.begin`).
@@ -105,21 +88,20 @@ class SpeculativeDecoder:
             no time per position).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
-        whole_step: Run each step, speculative or target-only, as one function over static
-            buffers (`fsd_chat.decoding.step_graph`): captured as CUDA graphs at construction on
-            CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's
-            k is rounded down), eager elsewhere. For a draft model of the target's vocabulary
-            (other proposers keep their usual steps). `compiled` then means: compile the step
-            functions (inductor, each decoder layer one region: `step_graph.make_steps`), before
-            they are captured on CUDA (None, the default: on CUDA only; False: never; True: on the
-            CPU too), its artifacts kept in the user's cache. The draft
-            policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
-            is not asked. On CUDA a step is launched before the last one is read (`step_graph`,
-            "One step in flight": but with prompt lookup), so the dial, the rule and the draft
-            policy act from the next launched step, and a step launched past the reply's end is
-            discarded. transformers models only (a `ModelRunner` keeps the usual steps).
-        capture_progress: Called with (graphs captured, graphs in all) while the whole step's
-            graphs are captured (on CUDA, at construction; the loading screen shows it).
+        context_cap: The most tokens of context the models' static KV caches hold (None: the
+            models' own contexts bound it alone).
+        draft_context: A mapped draft's context in its own tokens (None: its runner's `context`).
+        steps: Run each step, speculative or target-only, as one function over static buffers
+            (`fsd_chat.decoding.step_graph`; None: the per-forward steps): captured as CUDA graphs
+            on CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the
+            policy's k is rounded down), eager elsewhere. For a draft model of the target's
+            vocabulary, or prompt lookup. The draft policy chooses k before the step
+            (`DraftPolicy.limit`); its per-position `extend` is not asked. On CUDA a step is
+            launched before the last one is read (`step_graph`, "One step in flight": but with
+            prompt lookup), so the dial, the rule and the draft policy act from the next launched
+            step, and a step launched past the reply's end is discarded.
+        compiled_rule: Run the acceptance rule compiled (`CompiledDecision`), as the target's
+            forward passes are, on its device.
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back.
@@ -127,88 +109,48 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: PreTrainedModel | ModelRunner,
-        draft: PreTrainedModel | ModelRunner | Proposer,
+        target: ModelRunner,
+        draft: ModelRunner | Proposer,
         tokenizer: Tokenizer,
         *,
-        controls: Controls | None = None,
-        vocab_size: int | None = None,
-        time_phases: bool = False,
-        compiled: bool | None = None,
-        reuse_prefix: bool = True,
         timings: Callable[[], ForwardTimings],
+        controls: Controls | None = None,
+        time_phases: bool = False,
+        reuse_prefix: bool = True,
         vocab_map: VocabularyMap | None = None,
-        whole_step: bool = False,
-        capture_progress: Callable[[int, int], None] | None = None,
+        context_cap: int | None = None,
+        draft_context: int | None = None,
+        steps: step_graph.EagerSteps | None = None,
+        compiled_rule: bool = False,
     ) -> None:
-        vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
         self.time_phases = time_phases
         self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
-        # A transformers model is a torch module (checked so, without importing the modeling stack).
-        draft_model = draft if isinstance(draft, torch.nn.Module | ModelRunner) else None
+        draft_model = draft if isinstance(draft, ModelRunner) else None
         # Models that read the target's ids: a mapped draft counts its context (and its EOS ids)
         # in its own tokens, which bound its drafting, not the reply.
         shared = [m for m in (target, draft_model) if m is not None and (m is target or vocab_map is None)]
-        contexts = [c for c in map(context_length, shared) if c is not None]
+        contexts = [c for c in (m.context for m in shared) if c is not None]
         self.context = min(contexts) if contexts else None
-        # A compiled model's static cache is allocated whole: its capacity caps the context.
-        capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-        capacity = compiled_capacity(capped)
-        # The whole step needs a draft model of the target's vocabulary, or prompt lookup.
+        if context_cap is not None:  # a static cache is allocated whole: its capacity caps the context
+            self.context = min(self.context or context_cap, context_cap)
         # Prompt lookup's copies are found on the host, before a whole step.
         self._lookup = draft if isinstance(draft, PromptLookup) else None
-        lookup = self._lookup is not None
-        torch_models = not isinstance(target, ModelRunner) and not isinstance(draft, ModelRunner)
-        whole_step = whole_step and torch_models and vocab_map is None and (draft_model is not None or lookup)
-        cuda = target.device.type == "cuda"
-        # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
-        static_capacity = capacity if cuda else step_graph.MIN_CAPACITY
-        self.target = bind(
-            target,
-            vocab_size,
-            compiled=compiled,
-            capacity=static_capacity if whole_step else capacity,
-            static=whole_step,
-        )
-        draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
+        self.target = target
         self.proposer: Proposer
         if draft_model is None:
-            assert not isinstance(draft, torch.nn.Module | ModelRunner)  # narrowed for mypy
+            assert not isinstance(draft, ModelRunner)  # narrowed for mypy
             self.proposer = draft
+        elif vocab_map is None:
+            self.proposer = ModelDraft(draft_model)
         else:
-            model = bind(
-                draft_model,
-                draft_vocab,
-                compiled=compiled,
-                capacity=static_capacity if whole_step else capacity,
-                widths=DRAFT_WIDTHS,
-                static=whole_step,
-            )
-            draft_context = capacity if isinstance(model, CompiledModel) else context_length(draft_model)
-            self.proposer = (
-                ModelDraft(model)
-                if vocab_map is None
-                else MappedProposer(MappedDraft(model, vocab_map, draft_context))
-            )
-        draft_runner = next(iter(self.proposer.owned_models), None)
-        self._steps = (
-            step_graph.make_steps(
-                self.target,  # type: ignore[arg-type]  # whole_step: transformers models, bound to `CachedModel`s
-                draft_runner,  # type: ignore[arg-type]
-                lookup=lookup,
-                compile=compiled,
-                progress=capture_progress,
-            )
-            if whole_step
-            else None
-        )
-        if any(isinstance(m, StaticModel) for m in (self.target, *self.proposer.owned_models)):
-            self.context = capped
+            context = draft_model.context if draft_context is None else draft_context
+            self.proposer = MappedProposer(MappedDraft(draft_model, vocab_map, context))
+        self._steps = steps
         # The acceptance rule is compiled with the target: on the same switch, for the same device.
         self._decision: Decide | CompiledDecision = (
-            CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
+            CompiledDecision(self.target.device) if compiled_rule else decide
         )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
         self.timings = timings
