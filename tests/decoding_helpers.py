@@ -12,7 +12,7 @@ import torch
 
 from fsd_chat.decoding import GenerationStats, Step
 from fsd_chat.decoding.forward_timings import ForwardTimings
-from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel
 from fsd_chat.engines.torch_engine.timings import modelled_timings
 
 if TYPE_CHECKING:

@@ -23,12 +23,12 @@ from transformers import AutoModelForCausalLM
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
 from fsd_chat.decoding.acceptance import CompiledDecision
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY, Rule
-from fsd_chat.decoding.step_graph import CapturedSteps
 from fsd_chat.engines.torch_engine.binding import speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import CompiledModel
+from fsd_chat.engines.torch_engine.step_graph import CapturedSteps
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
@@ -261,7 +261,7 @@ def test_graphs_greedy_bfloat16_equals_target_only(pair_bf16: ModelPair) -> None
     assert speculative.compile_error is None and target_only.compile_error is None
 
 
-# The whole step as CUDA graphs (`fsd_chat.decoding.step_graph`, issue 36). Written without a GPU
+# The whole step as CUDA graphs (`fsd_chat.engines.torch_engine.step_graph`, issue 36). Written without a GPU
 # (the CPU suite runs the same step functions eagerly: tests/test_step_graph.py); these tests are
 # the first to run the capture.
 

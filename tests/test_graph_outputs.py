@@ -25,12 +25,13 @@ from typing import Any
 import pytest
 import torch
 
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, kv_cache
-from fsd_chat.decoding.kv_cache import CompiledModel
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import Rule
+from fsd_chat.engines.torch_engine import kv_cache
 from fsd_chat.engines.torch_engine.binding import speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import CompiledModel
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect, modelled
 

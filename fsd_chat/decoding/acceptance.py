@@ -569,6 +569,11 @@ def compile_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
+def verdict_flags(k: int, point_masses: bool) -> int:
+    """How many non-finite flags open `decide`'s block (`acceptance.read_verdict`)."""
+    return k + 1 if point_masses else 2 * k + 1
+
+
 Decide = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """`decide`, or a compiled form of it (`CompiledDecision`)."""
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import ClassVar
 
-from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
@@ -16,6 +15,7 @@ from fsd_chat.decoding.reply import begin, eos_token_ids, read_ahead, target_ste
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import SamplingConfig, StepRule
 from fsd_chat.decoding.tokenizer import Tokenizer
+from fsd_chat.decoding.whole_step import Launched, WholeStep, reply_tokens, room_ahead, whole_target_step
 
 
 class AutoregressiveDecoder:
@@ -32,9 +32,10 @@ class AutoregressiveDecoder:
         reuse_prefix: Keep the KV cache between replies (see `SpeculativeDecoder`).
         context_cap: The most tokens of context the target's static KV cache holds (None: the
             target's own context bounds it alone).
-        steps: Run each step as one function over static buffers (`fsd_chat.decoding.step_graph`;
-            None: a forward pass a step): captured as a CUDA graph on CUDA, eager elsewhere (see
-            `SpeculativeDecoder`, also for the step launched before the last one is read).
+        steps: Run each step as one function over static buffers (a `WholeStep`, the transformers
+            engine's `fsd_chat.engines.torch_engine.step_graph`; None: a forward pass a step):
+            captured as a CUDA graph on CUDA, eager elsewhere (see `SpeculativeDecoder`, also for
+            the step launched before the last one is read).
     """
 
     rule: ClassVar[StepRule] = "autoregressive"
@@ -48,7 +49,7 @@ class AutoregressiveDecoder:
         time_phases: bool = False,
         reuse_prefix: bool = True,
         context_cap: int | None = None,
-        steps: step_graph.EagerSteps | None = None,
+        steps: WholeStep | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.time_phases = time_phases
@@ -80,7 +81,7 @@ class AutoregressiveDecoder:
         """See `Decoder.read_ahead`."""
         if self.reuse_prefix:
             if self._steps is not None:
-                step_graph.prepare(self._steps, len(prompt_ids) + 1)
+                self._steps.prepare(len(prompt_ids) + 1)
             with frees_memory(self, "reading the conversation ahead"):
                 read_ahead([self.target], prompt_ids, self.controls, self.context)
 
@@ -104,9 +105,7 @@ class AutoregressiveDecoder:
         steps = self._steps
         buffer = None
         if steps is not None:
-            buffer = step_graph.prepare(
-                steps, step_graph.reply_tokens(len(prompt_ids), max_new_tokens, self.context, 0)
-            )
+            buffer = steps.prepare(reply_tokens(len(prompt_ids), max_new_tokens, self.context, 0))
         start = begin(
             [self.target],
             prompt_ids,
@@ -125,9 +124,9 @@ class AutoregressiveDecoder:
         prefill_seconds = start.prefill_seconds
         reply, generator, clock = start.reply, start.generator, start.clock
         if steps is not None:
-            generator = step_graph.start(steps, reply, sampling, generator)
-        # A whole step launched before the last one was read (`step_graph`, "One step in flight").
-        ahead: step_graph.Launched | None = None
+            generator = steps.start(reply, sampling, generator)
+        # A whole step launched before the last one was read (`WholeStep.ahead`).
+        ahead: Launched | None = None
         while True:
             settings = self.controls.snapshot()
             if steps is None or reply.unread:
@@ -143,9 +142,9 @@ class AutoregressiveDecoder:
                 )
             else:
                 launched = steps.target_only(sampling.greedy, generator) if ahead is None else ahead
-                go_ahead = step_graph.room_ahead(steps, reply, 0) is not None
+                go_ahead = room_ahead(steps, reply, 0) is not None
                 ahead = steps.target_only(sampling.greedy, generator) if go_ahead else None
-                step = step_graph.whole_target_step(
+                step = whole_target_step(
                     steps,
                     launched,
                     reply,

@@ -20,7 +20,8 @@ from typing import TypeVar
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 
 MEASURED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, MAX_DRAFT_TOKENS + 1)
-"""Verify widths (tokens) an engine's timings cover (modelled, or timed by `time_forwards`); other widths are linearly interpolated."""
+"""Verify widths (tokens) an engine's timings cover (modelled, or timed by `time_forwards`); other
+widths are linearly interpolated."""
 
 MEASURE_CONTEXT = 64
 """Tokens of context the timed forwards attend to."""

@@ -28,8 +28,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fsd_chat.decoding import step_graph
-from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
+from fsd_chat.decoding.acceptance import (
+    CompiledDecision,
+    Decide,
+    Verdict,
+    decide,
+    read_verdict,
+    verdict_flags,
+    verify,
+)
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, make_policy
 from fsd_chat.decoding.events import Step, StepStats
@@ -51,6 +58,7 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.decoding.whole_step import Launched, WholeStep, reply_tokens, room_ahead, whole_target_step
 from fsd_chat.support.errors import NonFiniteError
 
 REPEAT_GUARD = 8
@@ -92,9 +100,10 @@ class SpeculativeDecoder:
             models' own contexts bound it alone).
         draft_context: A mapped draft's context in its own tokens (None: its runner's `context`).
         steps: Run each step, speculative or target-only, as one function over static buffers
-            (`fsd_chat.decoding.step_graph`; None: the per-forward steps): captured as CUDA graphs
-            on CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the
-            policy's k is rounded down), eager elsewhere. For a draft model of the target's
+            (a `WholeStep`, the transformers engine's `fsd_chat.engines.torch_engine.step_graph`;
+            None: the per-forward steps): captured as CUDA graphs on CUDA (one per draft length
+            in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's k is rounded down), eager
+            elsewhere. For a draft model of the target's
             vocabulary, or prompt lookup. The draft policy chooses k before the step
             (`DraftPolicy.limit`); its per-position `extend` is not asked. On CUDA a step is
             launched before the last one is read (`step_graph`, "One step in flight": but with
@@ -120,7 +129,7 @@ class SpeculativeDecoder:
         vocab_map: VocabularyMap | None = None,
         context_cap: int | None = None,
         draft_context: int | None = None,
-        steps: step_graph.EagerSteps | None = None,
+        steps: WholeStep | None = None,
         compiled_rule: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
@@ -198,7 +207,7 @@ class SpeculativeDecoder:
             paused = kept is not None and kept[1].pause is not None
             deferred = self.proposer.cached_models if paused else ()
             if self._steps is not None:
-                step_graph.prepare(self._steps, len(prompt_ids) + 1)
+                self._steps.prepare(len(prompt_ids) + 1)
             with frees_memory(self, "reading the conversation ahead"):
                 read_ahead(self.cached_models, prompt_ids, self.controls, self.context, deferred)
 
@@ -235,8 +244,8 @@ class SpeculativeDecoder:
         steps = self._steps
         buffer = None
         if steps is not None:
-            tokens = step_graph.reply_tokens(len(prompt_ids), max_new_tokens, self.context, MAX_DRAFT_TOKENS)
-            buffer = step_graph.prepare(steps, tokens)
+            tokens = reply_tokens(len(prompt_ids), max_new_tokens, self.context, MAX_DRAFT_TOKENS)
+            buffer = steps.prepare(tokens)
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -255,7 +264,7 @@ class SpeculativeDecoder:
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         if steps is not None:
-            generator = step_graph.start(steps, reply, sampling, generator)
+            generator = steps.start(reply, sampling, generator)
         self.proposer.prefill(reply, self.reuse_prefix, defer)
         prefill_seconds = start.prefill_seconds + clock.lap()
 
@@ -271,7 +280,7 @@ class SpeculativeDecoder:
             evidence = None if self._lookup is None else self._lookup.match(reply).matched
             return settings, policy.limit(settings, room, evidence, length)
 
-        # A whole step launched before the last one was read (`step_graph`, "One step in flight").
+        # A whole step launched before the last one was read (`WholeStep.ahead`).
         ahead: _Launch | None = None
         while True:
             if ahead is not None or (steps is not None and not reply.unread):
@@ -281,7 +290,7 @@ class SpeculativeDecoder:
                     launch = self._launch(steps, reply, k, settings, sampling, generator, reply.length)
                 else:
                     launch, ahead = ahead, None
-                room = step_graph.room_ahead(steps, reply, launch.k)
+                room = room_ahead(steps, reply, launch.k)
                 if room is not None:
                     # Launched before `launch` is read: its start is known after a target-only
                     # step (one token), and only then can the draft be behind.
@@ -397,7 +406,7 @@ class SpeculativeDecoder:
 
     def _launch(
         self,
-        steps: step_graph.EagerSteps,
+        steps: WholeStep,
         reply: Reply,
         limit: int,
         settings: DecodingSettings,
@@ -410,7 +419,6 @@ class SpeculativeDecoder:
         `start`: the index of the step's first token, when known (None: launched before the last
         step, a speculative one, is read, which left the draft at most the token it lacks after a
         fully accepted block behind: what the step's first pass re-feeds)."""
-        lookup = self._lookup is not None
         source = 0
         if self._lookup is not None and limit:
             source, limit, _ = self._lookup.match(reply, limit)
@@ -425,14 +433,12 @@ class SpeculativeDecoder:
             # policy paused it): caught up eagerly, outside the step.
             draft.forward(reply.seq, start - 1, keep=1)
             forwards += 1
-        steps.inputs.write(settings, self._verify_rule(reply, settings, k))
-        if lookup:
-            steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
+        steps.write(settings, self._verify_rule(reply, settings, k), source)
         return _Launch(steps.speculative(k, sampling.greedy, generator), k, forwards, settings)
 
     def _read(
         self,
-        steps: step_graph.EagerSteps,
+        steps: WholeStep,
         launch: _Launch,
         reply: Reply,
         sampling: SamplingConfig,
@@ -442,7 +448,7 @@ class SpeculativeDecoder:
         """`_step` of a launched whole step: one read of its block."""
         k, settings = launch.k, launch.settings
         if k == 0:
-            return step_graph.whole_target_step(
+            return whole_target_step(
                 steps,
                 launch.launched,
                 reply,
@@ -460,7 +466,7 @@ class SpeculativeDecoder:
         target.seen = start
         if draft is not None:
             draft.seen = start
-        n = int(block[step_graph.verdict_flags(k, lookup)])
+        n = int(block[verdict_flags(k, lookup)])
         try:
             verdict = read_verdict(
                 block, k, point_masses=lookup, next_token=reply.seq[0, start + n : start + n + 1]
@@ -533,11 +539,11 @@ class SpeculativeDecoder:
 
 @dataclass(frozen=True, slots=True)
 class _Launch:
-    """A whole step launched and not yet read: its block on its way (`step_graph.Launched`), its
+    """A whole step launched and not yet read: its block on its way (`Launched`), its
     draft length (0: target-only), its draft forward passes (a catch-up included) and the settings
     it was launched with (its stats report them)."""
 
-    launched: step_graph.Launched
+    launched: Launched
     k: int
     forwards: int
     settings: DecodingSettings

@@ -13,7 +13,6 @@ import torch
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.forward_timings import ForwardTimings
-from fsd_chat.decoding.kv_cache import compile_refusal
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
@@ -24,6 +23,7 @@ from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.engines.torch_engine.binding import autoregressive_decoder, speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import compile_refusal
 from fsd_chat.engines.torch_engine.timings import modelled_timings
 from fsd_chat.models.generation import FileGeneration
 from fsd_chat.models.options import ModelSpec, quantization_note
@@ -163,7 +163,7 @@ class ModelPair:
         )
 
     def whole_step(self, asked: bool | None) -> bool:
-        """Whether this pair's decoders run whole steps (`fsd_chat.decoding.step_graph`): as
+        """Whether this pair's decoders run whole steps (`fsd_chat.engines.torch_engine.step_graph`): as
         `asked` (`--whole-step`, `--no-whole-step`), or by default (None) for transformers models
         whose caches a whole step can hold (`compile_refusal` admits them), on every device. On
         the CPU it is measured no slower than the per-forward steps and faster when drafting

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import IncompatibleModelsError
 

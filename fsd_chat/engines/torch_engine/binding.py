@@ -17,11 +17,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.forward_timings import ForwardTimings
-from fsd_chat.decoding.kv_cache import (
+from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.proposal import Proposer
+from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.decoding.tokenizer import Tokenizer
+from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.engines.torch_engine import step_graph
+from fsd_chat.engines.torch_engine.kv_cache import (
     COMPILED_CONTEXT,
     DRAFT_WIDTHS,
     CachedModel,
@@ -31,12 +37,6 @@ from fsd_chat.decoding.kv_cache import (
     compiled_capacity,
     context_length,
 )
-from fsd_chat.decoding.lookup import PromptLookup
-from fsd_chat.decoding.proposal import Proposer
-from fsd_chat.decoding.runner import ModelRunner
-from fsd_chat.decoding.speculative import SpeculativeDecoder
-from fsd_chat.decoding.tokenizer import Tokenizer
-from fsd_chat.decoding.vocab_map import VocabularyMap
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel

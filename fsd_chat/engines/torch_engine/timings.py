@@ -18,9 +18,9 @@ from fsd_chat.decoding.forward_timings import (
     ForwardTimings,
     timings_of,
 )
-from fsd_chat.decoding.kv_cache import CachedModel
-from fsd_chat.decoding.packed_linear import PackedLinear, packed_bytes
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel
+from fsd_chat.engines.torch_engine.packed_linear import PackedLinear, packed_bytes
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
@@ -115,7 +115,7 @@ each more token of a verify width costs."""
 
 PACKED_BYTE_SECONDS = 3.5e-11
 """`modelled_timings`: `BYTE_SECONDS` for a weight prepacked for oneDNN
-(`fsd_chat.decoding.packed_linear`; about 28 GB/s). Fitted with the two below to SmolLM2-135M in
+(`fsd_chat.engines.torch_engine.packed_linear`; about 28 GB/s). Fitted with the two below to SmolLM2-135M in
 float32, packed, one thread (2026-11-27, `CachedModel`, best of 4): V(1) 23.3 ms, V(2) 25.2, V(3)
 26.2, V(4) 26.5, V(6) 29.1 (the model gives 23.3, 25.2, 26.2, 27.2, 29.1)."""
 
@@ -146,7 +146,7 @@ def model_forward_seconds(model: PreTrainedModel, width: int) -> float:
     """The modelled seconds of `model`'s forward over `width` new tokens (`modelled_timings`): a
     fixed cost, per layer, per byte of weights read (`WIDE_READ` times dearer over 2 or more tokens),
     and per token (per weight and per layer), weights prepacked for oneDNN
-    (`fsd_chat.decoding.packed_linear`) at their own prices (`PACKED_BYTE_SECONDS`...). The weights
+    (`fsd_chat.engines.torch_engine.packed_linear`) at their own prices (`PACKED_BYTE_SECONDS`...). The weights
     count every parameter but an input embedding that no output head reads (a gather reads `width`
     rows of it, not the whole table): the head is untied, or holds a packed copy of its own."""
     embedding = model.get_input_embeddings()
