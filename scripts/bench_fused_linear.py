@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings
-from fsd_chat.decoding.packed_linear import pack_linear_layers
+from fsd_chat.engines.torch_engine.packed_linear import pack_linear_layers
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.gguf_files import local_model

@@ -21,9 +21,9 @@ import torch
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.bench.stats import median_ci95
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
-from fsd_chat.decoding.forward_timings import time_forwards
-from fsd_chat.decoding.packed_linear import PackedLinear
 from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.engines.torch_engine.packed_linear import PackedLinear
+from fsd_chat.engines.torch_engine.timings import time_forwards
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair

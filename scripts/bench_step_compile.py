@@ -44,9 +44,14 @@ def measure(draft_layers: int, kinds: list[str]) -> dict[str, float]:
     import torch
 
     from fsd_chat.bench.kernel_counts import CAPACITY, deeper
-    from fsd_chat.decoding.kv_cache import StaticModel
     from fsd_chat.decoding.settings import SamplingConfig
-    from fsd_chat.decoding.step_graph import GRAPH_DRAFT_LENGTHS, Draws, StepInputs, compiled_step_functions
+    from fsd_chat.engines.torch_engine.kv_cache import StaticModel
+    from fsd_chat.engines.torch_engine.step_graph import (
+        GRAPH_DRAFT_LENGTHS,
+        Draws,
+        StepInputs,
+        compiled_step_functions,
+    )
 
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1

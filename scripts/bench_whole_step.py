@@ -1,4 +1,4 @@
-"""The whole step (`fsd_chat.decoding.step_graph`, `whole_step=True`) against today's steps, in
+"""The whole step (`fsd_chat.engines.torch_engine.step_graph`, `whole_step=True`) against today's steps, in
 tokens/s, paired step by step: each prompt's two replies (today's, the whole step's) run side by
 side, one step of one and then one of the other, the order alternating at each step, so that a
 drifting machine (other tenants of a shared CPU swing one reply's rate by ±25% from round to round)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fsd_chat.bench.kernel_counts import compiled_launches, deeper, eager_ops, per_layer, target_only_step
-from fsd_chat.decoding.regions import mark_layer_regions
+from fsd_chat.engines.torch_engine.regions import mark_layer_regions
 
 SOURCE = "../shared/models/stories260K"
 BASE_LAYERS = 5

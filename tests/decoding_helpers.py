@@ -3,13 +3,20 @@ tokens a model is fed per forward pass."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cache, partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from fsd_chat.decoding import GenerationStats, Step
-from fsd_chat.decoding.kv_cache import CachedModel
+from fsd_chat.decoding.forward_timings import ForwardTimings
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel
+from fsd_chat.engines.torch_engine.timings import modelled_timings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # How far a float32 recomputation of a log-probability may stray. log p(x) = logit(x) − log Σ exp(logits)
 # sums the V = 512 terms of the vocabulary, and recursive float32 summation of n terms is off by at
@@ -73,3 +80,9 @@ def count_fed(model: CachedModel) -> list[int]:
 
         model.prefill = counting_prefill  # type: ignore[method-assign]
     return fed
+
+
+def modelled(target: PreTrainedModel, draft: PreTrainedModel | None = None) -> Callable[[], ForwardTimings]:
+    """A decoder's `timings` for a transformers `target` and `draft` (None: prompt lookup, whose
+    draft positions take no time), modelled once (`modelled_timings`)."""
+    return cache(partial(modelled_timings, target, draft))

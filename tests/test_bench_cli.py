@@ -171,7 +171,7 @@ def test_whole_step_rows_decode_as_the_usual_ones(
 ) -> None:
     """`bench --whole-step` builds fsd-chat's decoders (target-only and exact) with whole steps,
     says so in report.json, and its greedy rows decode as the same rows without it."""
-    from fsd_chat.decoding import step_graph
+    from fsd_chat.engines.torch_engine import step_graph
 
     made: list[int] = []
     make_steps = step_graph.make_steps

@@ -311,7 +311,7 @@ def test_whole_step_flag_reaches_the_decoder_and_keeps_the_reply(
 ) -> None:
     """`--whole-step` builds the decoder's whole-step runner (eager on the CPU), and its greedy
     reply is the usual decoder's, token for token, with the same acceptances."""
-    from fsd_chat.decoding import step_graph
+    from fsd_chat.engines.torch_engine import step_graph
 
     made: list[step_graph.EagerSteps | None] = []
     make_steps = step_graph.make_steps

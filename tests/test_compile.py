@@ -20,10 +20,11 @@ import torch
 import torch._dynamo
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, regions
-from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, StaticModel, bind
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.engines.torch_engine import regions
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel, CompiledModel, StaticModel, bind
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from fsd_chat.decoding import compile_cache
+from fsd_chat.engines.torch_engine import compile_cache
 from fsd_chat.models.pair import ModelPair
 
 

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding.settings import RULES, SamplingConfig
-from fsd_chat.decoding.step_graph import EagerSteps
+from fsd_chat.engines.torch_engine.step_graph import EagerSteps
 from fsd_chat.models.pair import ModelPair
 from tests.decoding_helpers import collect
 

@@ -23,16 +23,17 @@ from transformers import AutoModelForCausalLM
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, SpeculativeDecoder
 from fsd_chat.decoding.acceptance import CompiledDecision
 from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.kv_cache import CompiledModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import DEFAULT_DRAFT_POLICY, Rule
-from fsd_chat.decoding.step_graph import CapturedSteps
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import CompiledModel
+from fsd_chat.engines.torch_engine.step_graph import CapturedSteps
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests.conftest import DRAFT_DIR, TARGET_DIR
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 from tests.test_sampling_lossless import (
     ALPHA,
     LOSSLESS_CASES,
@@ -156,8 +157,12 @@ def test_replies_through_the_decoder_follow_the_target_on_cuda(pair32: ModelPair
 
 def test_target_dispatched_with_device_map_auto(pair32: ModelPair) -> None:
     target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32, device_map="auto").eval()
-    decoder = SpeculativeDecoder(
-        target, pair32.draft, pair32.tokenizer, controls=Controls(DecodingSettings(threshold=0.0))
+    decoder = speculative_decoder(
+        target,
+        pair32.draft,
+        pair32.tokenizer,
+        controls=Controls(DecodingSettings(threshold=0.0)),
+        timings=modelled(target, pair32.draft),
     )
     assert greedy_ids(decoder, pair32, PROMPTS[0]) == greedy_ids(
         pair32.autoregressive(Controls()), pair32, PROMPTS[0]
@@ -186,8 +191,12 @@ def test_one_synchronisation_per_step(pair32: ModelPair, kind: str) -> None:
     controls = Controls(DecodingSettings(draft_tokens=4))
     decoder = {
         "model": lambda: pair32.speculative(controls),
-        "lookup": lambda: SpeculativeDecoder(
-            pair32.target, PromptLookup(), pair32.tokenizer, controls=controls
+        "lookup": lambda: speculative_decoder(
+            pair32.target,
+            PromptLookup(),
+            pair32.tokenizer,
+            controls=controls,
+            timings=modelled(pair32.target),
         ),
         "target-only": lambda: pair32.autoregressive(controls),
     }[kind]()
@@ -252,7 +261,7 @@ def test_graphs_greedy_bfloat16_equals_target_only(pair_bf16: ModelPair) -> None
     assert speculative.compile_error is None and target_only.compile_error is None
 
 
-# The whole step as CUDA graphs (`fsd_chat.decoding.step_graph`, issue 36). Written without a GPU
+# The whole step as CUDA graphs (`fsd_chat.engines.torch_engine.step_graph`, issue 36). Written without a GPU
 # (the CPU suite runs the same step functions eagerly: tests/test_step_graph.py); these tests are
 # the first to run the capture.
 
@@ -409,8 +418,14 @@ def test_whole_step_graphs_of_prompt_lookup(pair32: ModelPair) -> None:
     """Prompt lookup's verification captured per copy length (the source written between
     replays): greedy at T = 0 the target's text, copies verified, one synchronisation a step."""
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=6, draft_policy="fixed"))
-    decoder = SpeculativeDecoder(
-        pair32.target, PromptLookup(), pair32.tokenizer, controls=controls, whole_step=True, compiled=False
+    decoder = speculative_decoder(
+        pair32.target,
+        PromptLookup(),
+        pair32.tokenizer,
+        controls=controls,
+        whole_step=True,
+        compiled=False,
+        timings=modelled(pair32.target),
     )
     assert isinstance(decoder._steps, CapturedSteps)
     prompt = "Tom had a red ball. Tom had a red ball. Tom had a"

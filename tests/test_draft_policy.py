@@ -32,21 +32,16 @@ from fsd_chat.decoding.draft_policy import (
     make_policy,
 )
 from fsd_chat.decoding.events import StepStats
-from fsd_chat.decoding.forward_timings import (
-    ATTENTION_SECONDS,
-    MEASURE_CONTEXT,
-    MEASURED_WIDTHS,
-    ForwardTimings,
-    modelled_timings,
-    time_forwards,
-)
+from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT, MEASURED_WIDTHS, ForwardTimings
 from fsd_chat.decoding.lookup import PromptLookup, find_continuation
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
+from fsd_chat.engines.torch_engine.timings import ATTENTION_SECONDS, modelled_timings, time_forwards
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import SettingsError
-from tests.decoding_helpers import Collected, collect, count_fed
+from tests.decoding_helpers import Collected, collect, count_fed, modelled
 from tests.test_sampling_lossless import ALPHA, SAMPLING, chi_square_p_value, exact_first_two
 
 PROMPTS = ["Once upon a time", "The little bird was sad because"]
@@ -486,12 +481,13 @@ def test_the_decoder_tells_the_policy_how_long_a_suffix_lookup_matched(pair: Mod
             seen.append(evidence)
             return super().limit(settings, room, evidence, context)
 
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair.target,
         PromptLookup(3),
         pair.tokenizer,
         controls=Controls(DecodingSettings(rule="exact", draft_tokens=3, draft_policy="fixed")),
         vocab_size=pair.vocab_size,
+        timings=modelled(pair.target),
     )
     decoder._kept_policy = ("fixed", Recording())
     prompt = pair.tokenizer(PROMPTS[0]).input_ids * 2  # repeats itself: long matches abound
@@ -551,7 +547,7 @@ def test_goodput_settles_at_target_only_steps_on_the_story_pair(pair: ModelPair)
 def slow_decoder(pair: ModelPair, draft: object, curve: ForwardTimings) -> SpeculativeDecoder:
     """A goodput decoder over `draft` (a model or a proposer) whose timings are `curve`."""
     controls = Controls(DecodingSettings(rule="exact", threshold=0.0, draft_tokens=4, draft_policy="goodput"))
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair.target,
         draft,
         pair.tokenizer,

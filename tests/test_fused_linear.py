@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from fsd_chat.decoding.fused_linear import FusedLinear, FusedSlice, fusable, fuse_projections
-from fsd_chat.decoding.packed_linear import PackedLinear
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.engines.torch_engine.fused_linear import FusedLinear, FusedSlice, fusable, fuse_projections
+from fsd_chat.engines.torch_engine.packed_linear import PackedLinear
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.gguf_files import local_model
 from fsd_chat.models.loading import load_pair

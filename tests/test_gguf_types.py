@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.gguf import GgufHeader
 
-from fsd_chat.decoding.fused_linear import fuse_projections
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.engines.torch_engine.fused_linear import fuse_projections
 from fsd_chat.models.gguf_table import read_table, with_values
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec

@@ -25,14 +25,15 @@ from typing import Any
 import pytest
 import torch
 
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, kv_cache
-from fsd_chat.decoding.kv_cache import CompiledModel
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.settings import Rule
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine import kv_cache
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import CompiledModel
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 
 
 class GraphPool:
@@ -80,13 +81,14 @@ def speculative(pair: ModelPair, draft: str, rule: Rule, compiled: bool) -> Deco
         rule=rule, threshold=0.0 if rule == "exact" else 0.1, draft_tokens=4, draft_policy="fixed"
     )
     if draft == "lookup":
-        return SpeculativeDecoder(
+        return speculative_decoder(
             pair.target,
             PromptLookup(3),
             pair.tokenizer,
             controls=Controls(settings),
             vocab_size=pair.vocab_size,
             compiled=compiled,
+            timings=modelled(pair.target),
         )
     return pair.speculative(Controls(settings), compiled=compiled)
 

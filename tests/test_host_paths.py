@@ -13,9 +13,7 @@ import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
 from fsd_chat.decoding import sampling as sampling_module
-from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.sampling import argmax, draw, greedy_on_host, probabilities
-from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import resolve_target
 from fsd_chat.models.loading import load_pair
@@ -121,13 +119,8 @@ def test_replies_are_the_device_paths(
             return pair.autoregressive(Controls(settings))
         if kind == "model":
             return pair.speculative(Controls(settings))
-        return SpeculativeDecoder(
-            pair.target,
-            PromptLookup(),
-            pair.tokenizer,
-            controls=Controls(settings),
-            timings=pair.forward_timings,
-        )
+        # The target over prompt lookup, on its own engine: the pair less its draft model.
+        return replace(pair, draft=None).speculative(Controls(settings))
 
     prompt = pair.tokenizer.encode("Tom had a red ball. Tom had a red ball. Tom had a")
     on_host, on_device = both_paths(monkeypatch, make, prompt, sampling, 48)

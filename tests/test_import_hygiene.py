@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import fsd_chat.decoding
+import fsd_chat.engines.torch_engine
 from fsd_chat.support.config import ENV_CACHE_DIR
 from tests.conftest import LLAMA_CPP_MISSING
 from tests.test_bench_cli import DATA_DIR
@@ -94,10 +95,14 @@ def test_help_loads_no_heavy_module(without_an_engine: dict[str, list[str]], com
 
 @pytest.fixture(scope="module")
 def on_transformers(target_dir: Path) -> dict[str, list[str]]:
-    """In one interpreter: every module of the decoding package imported, then a model folder
-    loaded and decoded on the transformers engine (with prompt lookup)."""
-    modules = [f"fsd_chat.decoding.{m.name}" for m in pkgutil.iter_modules(fsd_chat.decoding.__path__)]
-    assert len(modules) > 5  # the package's modules were found
+    """In one interpreter: every module of the decoding package and of the torch engine imported,
+    then a model folder loaded and decoded on the transformers engine (with prompt lookup)."""
+    modules = [
+        f"{package.__name__}.{m.name}"
+        for package in (fsd_chat.decoding, fsd_chat.engines.torch_engine)
+        for m in pkgutil.iter_modules(package.__path__)
+    ]
+    assert len(modules) > 15  # the packages' modules were found
     decode = (
         "from fsd_chat.models.loading import load_pair\n"
         "from fsd_chat.models.options import LoadOptions, ModelSpec\n"

@@ -23,7 +23,7 @@ from fsd_chat.bench.kernel_counts import (
 )
 from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.regions import mark_layer_regions
+from fsd_chat.engines.torch_engine.regions import mark_layer_regions
 from fsd_chat.models.pair import ModelPair
 
 EAGER_OPS_A_LAYER = 37

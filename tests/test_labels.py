@@ -21,9 +21,9 @@ from fsd_chat.decoding.events import StopReason
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 
 TRUNCATIONS = {
     "top-k 3": SamplingConfig(temperature=0.7, top_k=3, seed=1),
@@ -74,7 +74,13 @@ def _decoder(kind: str, pair: ModelPair, shuffled: ModelPair, settings: Decoding
         return pair.speculative(Controls(settings))
     if kind == "mapped":
         return shuffled.speculative(Controls(settings))
-    return SpeculativeDecoder(pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings))
+    return speculative_decoder(
+        pair.target,
+        PromptLookup(),
+        pair.tokenizer,
+        controls=Controls(settings),
+        timings=modelled(pair.target),
+    )
 
 
 @pytest.mark.parametrize("kind", ["model", "mapped", "lookup"])

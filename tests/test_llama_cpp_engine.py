@@ -26,7 +26,6 @@ import torch
 
 from fsd_chat.bench.llama_baselines import baseline_llama
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
-from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import SamplingRequest
 from fsd_chat.engines import llama_cpp as engine
@@ -366,16 +365,9 @@ def test_without_llama_cpp_python_auto_falls_back_and_llama_cpp_is_refused(
 
 
 def test_the_autoregressive_decoder_takes_a_runner_as_it_is(llama_pair: ModelPair) -> None:
-    decoder = AutoregressiveDecoder(llama_pair.target, llama_pair.tokenizer, vocab_size=llama_pair.vocab_size)
+    decoder = AutoregressiveDecoder(llama_pair.target, llama_pair.tokenizer)
     assert decoder.target is llama_pair.target
     assert decoder.context == 512  # the file's context, which caps the engine's n_ctx
-
-
-def test_a_lookup_decoder_on_a_runner_needs_its_engines_timings(llama_pair: ModelPair) -> None:
-    from fsd_chat.decoding import SpeculativeDecoder
-
-    with pytest.raises(TypeError, match="timings"):
-        SpeculativeDecoder(llama_pair.target, PromptLookup(3), llama_pair.tokenizer)  # type: ignore[arg-type]
 
 
 def test_llama_cpps_tokenizer_is_the_models_own(llama_pair: ModelPair, pair: ModelPair) -> None:

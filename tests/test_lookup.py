@@ -17,16 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.acceptance import mixture_weight, point_mass_mixture_weight, verify
 from fsd_chat.decoding.divergence import DIVERGENCES, against_point_mass, divergence, kl
 from fsd_chat.decoding.events import Origin
 from fsd_chat.decoding.lookup import NO_MATCH, PromptLookup, find_continuation, repeat_run
 from fsd_chat.decoding.sampling import probabilities
 from fsd_chat.decoding.settings import DIVERGENCE_NAMES, RULES, DivergenceName, Rule
-from fsd_chat.decoding.speculative import REPEAT_GUARD, SpeculativeDecoder
+from fsd_chat.decoding.speculative import REPEAT_GUARD
+from fsd_chat.engines.torch_engine.binding import autoregressive_decoder, speculative_decoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 from tests.test_sampling_lossless import ALPHA, POWER, chi_square_p_value
 
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -215,7 +216,13 @@ def test_the_first_token_follows_each_rules_law(
     end-to-end use of the same rows is the greedy test below). Power: exact's samples are tested
     against the mixture's law, the others' (but pure's, which is p) against p."""
     prompt, x, p = lookup_context
-    decoder = SpeculativeDecoder(pair.target, PromptLookup(3), pair.tokenizer, vocab_size=pair.vocab_size)
+    decoder = speculative_decoder(
+        pair.target,
+        PromptLookup(3),
+        pair.tokenizer,
+        vocab_size=pair.vocab_size,
+        timings=modelled(pair.target),
+    )
     first = next(iter(decoder.generate(prompt, max_new_tokens=2, sampling=SAMPLING)))
     assert first.stats.lookup_hits == 1 and first.stats.drafted == 1  # the decoder proposes x here
     rows = torch.stack([p, p])  # the bonus row is never drawn from here: x is either kept or replaced
@@ -251,13 +258,14 @@ def test_greedy_lookup_at_zero_threshold_is_the_targets_greedy_text(pair: ModelP
         "Lily had a red ball. She played with the red ball in the park. Lily had a red ball. She"
     )["input_ids"]
     reference = collect(
-        AutoregressiveDecoder(pair.target, pair.tokenizer).generate(prompt, max_new_tokens=40)
+        autoregressive_decoder(pair.target, pair.tokenizer).generate(prompt, max_new_tokens=40)
     )
-    decoder = SpeculativeDecoder(
+    decoder = speculative_decoder(
         pair.target,
         PromptLookup(2),
         pair.tokenizer,
         controls=Controls(DecodingSettings(rule=rule, threshold=0.0, draft_tokens=4)),
+        timings=modelled(pair.target),
     )
     run = collect(decoder.generate(prompt, max_new_tokens=40))
     assert run.ids == reference.ids
@@ -281,8 +289,13 @@ def test_a_copy_that_makes_the_reply_repeat_itself_is_verified_exactly(
         "Lily had a red ball. She played with the red ball in the park. Lily had a red ball. She"
     )["input_ids"]
     settings = DecodingSettings(rule="fuzzy", threshold=100.0, draft_tokens=4, draft_policy="fixed")
-    decoder = SpeculativeDecoder(
-        pair.target, PromptLookup(3), pair.tokenizer, controls=Controls(settings), whole_step=whole_step
+    decoder = speculative_decoder(
+        pair.target,
+        PromptLookup(3),
+        pair.tokenizer,
+        controls=Controls(settings),
+        whole_step=whole_step,
+        timings=modelled(pair.target),
     )
     run = collect(decoder.generate(prompt, max_new_tokens=60))
     contexts = itertools.accumulate(([t.id for t in s.tokens] for s in run.steps), initial=list(prompt))

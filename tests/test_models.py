@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, Decoder, DecodingSettings, SpeculativeDecoder
-from fsd_chat.decoding.kv_cache import CompiledModel
+from fsd_chat.engines.torch_engine.kv_cache import CompiledModel
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair

@@ -22,11 +22,12 @@ from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import draw, probabilities
-from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import NonFiniteError
+from tests.decoding_helpers import modelled
 from tests.test_chat_controller import Saves, make_chat, start
 from tests.test_cli_generate import run_cli
 
@@ -94,8 +95,12 @@ def test_non_finite_logits_end_the_reply_and_the_next_one_works(
     decoder: Decoder = {
         "target-only": lambda: broken_pair.autoregressive(controls),
         "model": lambda: broken_pair.speculative(controls),
-        "lookup": lambda: SpeculativeDecoder(
-            broken_pair.target, PromptLookup(), broken_pair.tokenizer, controls=controls
+        "lookup": lambda: speculative_decoder(
+            broken_pair.target,
+            PromptLookup(),
+            broken_pair.tokenizer,
+            controls=controls,
+            timings=modelled(broken_pair.target),
         ),
     }[kind]()
     prompt_ids = broken_pair.tokenizer(PROMPT).input_ids

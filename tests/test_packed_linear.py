@@ -1,4 +1,4 @@
-"""Linear layers prepacked for oneDNN (`fsd_chat.decoding.packed_linear`): the same products as
+"""Linear layers prepacked for oneDNN (`fsd_chat.engines.torch_engine.packed_linear`): the same products as
 `nn.Linear`, only on the layers large enough to gain, undone exactly, and applied by the loader.
 
 A Qwen2 model 384 wide (q/o projections 147,456 weights, MLP 393,216, the tied output head 196,608:
@@ -13,9 +13,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
-from fsd_chat.decoding.forward_timings import model_forward_seconds
-from fsd_chat.decoding.kv_cache import CompiledModel
-from fsd_chat.decoding.packed_linear import (
+from fsd_chat.engines.torch_engine.kv_cache import CompiledModel
+from fsd_chat.engines.torch_engine.packed_linear import (
     PACK_MIN_WEIGHTS,
     PackedLinear,
     can_pack,
@@ -23,6 +22,7 @@ from fsd_chat.decoding.packed_linear import (
     packed_bytes,
     unpack_linear_layers,
 )
+from fsd_chat.engines.torch_engine.timings import model_forward_seconds
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from tests.conftest import TARGET_DIR

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig
-from fsd_chat.decoding.kv_cache import CachedModel
 from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel
 from fsd_chat.models.chat_template import Message, PromptBuilder
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec

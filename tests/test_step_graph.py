@@ -1,4 +1,4 @@
-"""The whole-step path (`fsd_chat.decoding.step_graph`) on the CPU: the rule chosen on the device
+"""The whole-step path (`fsd_chat.engines.torch_engine.step_graph`) on the CPU: the rule chosen on the device
 equals the rule chosen by name, the step keeps the static-buffer discipline a CUDA graph needs (one
 read a step, no host traffic inside it, no output kept past the next call, a whole-graph trace),
 decoding through it keeps greedy identity, the sampling laws and the decoders' features, and
@@ -23,26 +23,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from fsd_chat.decoding import Controls, DecodingSettings, static_attention, step_graph
+from fsd_chat.decoding import Controls, DecodingSettings
 from fsd_chat.decoding import sampling as sampling_module
 from fsd_chat.decoding.acceptance import judge
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
 from fsd_chat.decoding.draft_policy import FixedPolicy
 from fsd_chat.decoding.events import StopReason
-from fsd_chat.decoding.kv_cache import CachedModel, StaticModel, compiled_capacity
 from fsd_chat.decoding.lookup import PromptLookup
-from fsd_chat.decoding.positioned_cache import PositionedLayer
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import SamplingTensors, exponential_noise, probabilities
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 from fsd_chat.decoding.speculative import SpeculativeDecoder
-from fsd_chat.decoding.step_graph import MIN_CAPACITY, CapturedSteps, EagerSteps
+from fsd_chat.engines.torch_engine import static_attention, step_graph
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel, StaticModel, compiled_capacity
+from fsd_chat.engines.torch_engine.positioned_cache import PositionedLayer
+from fsd_chat.engines.torch_engine.step_graph import MIN_CAPACITY, CapturedSteps, EagerSteps
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.models.pair import ModelPair
 from tests import test_sampling_lossless
-from tests.decoding_helpers import collect
+from tests.decoding_helpers import collect, modelled
 from tests.test_host_syncs import host_reads, traffic_per_step  # noqa: F401 (a fixture)
 from tests.test_non_finite import CPU, OTHER_PROMPT, broken, run_until_error  # noqa: F401 (a fixture)
 from tests.test_non_finite import PROMPT as BROKEN_PROMPT
@@ -626,8 +628,13 @@ def whole_lookup(
     pair: ModelPair, settings: DecodingSettings, device_inputs: bool = False
 ) -> SpeculativeDecoder:
     """A whole-step decoder over prompt lookup (`device_inputs` as in `whole`)."""
-    decoder = SpeculativeDecoder(
-        pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings), whole_step=True
+    decoder = speculative_decoder(
+        pair.target,
+        PromptLookup(),
+        pair.tokenizer,
+        controls=Controls(settings),
+        whole_step=True,
+        timings=modelled(pair.target),
     )
     steps = decoder._steps
     assert isinstance(steps, EagerSteps) and steps.lookup
@@ -655,7 +662,13 @@ def test_lookup_whole_steps_decide_as_lookup_steps(
         rule=rule, threshold=threshold, divergence=divergence, draft_tokens=6, draft_policy="fixed"
     )
     prompt = pair.tokenizer(LOOKUP_PROMPT).input_ids
-    today = SpeculativeDecoder(pair.target, PromptLookup(), pair.tokenizer, controls=Controls(settings))
+    today = speculative_decoder(
+        pair.target,
+        PromptLookup(),
+        pair.tokenizer,
+        controls=Controls(settings),
+        timings=modelled(pair.target),
+    )
     want = collect(today.generate(prompt, max_new_tokens=60, sampling=sampling))
     for device_inputs in (False, True):
         got = collect(
@@ -792,7 +805,7 @@ def test_no_step_is_launched_past_the_token_limit(
     pair: ModelPair, emulated_cuda: list[str], kind: str, sampling: SamplingConfig
 ) -> None:
     """At the token limit nothing is discarded: the last steps, whose room could bind, are each
-    read before the next is launched (`step_graph.room_ahead`), every launched step is read, and
+    read before the next is launched (`whole_step.room_ahead`), every launched step is read, and
     the reply is the synchronous path's, token for token, to the limit; the steps before ran one
     ahead."""
     settings = DecodingSettings(rule="fuzzy", threshold=0.1, draft_tokens=3, draft_policy="fixed")

@@ -34,10 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from fsd_chat.decoding.fused_linear import fuse_projections
-from fsd_chat.decoding.kv_cache import StaticModel
 from fsd_chat.decoding.protocol import Decoder
-from fsd_chat.decoding.step_graph import StepInputs, target_step
+from fsd_chat.engines.torch_engine.fused_linear import fuse_projections
+from fsd_chat.engines.torch_engine.kv_cache import StaticModel
+from fsd_chat.engines.torch_engine.step_graph import StepInputs, target_step
 
 
 class _OpCounter(TorchDispatchMode):

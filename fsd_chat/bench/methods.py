@@ -67,13 +67,13 @@ from fsd_chat.bench.records import (
 )
 from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, SamplingConfig
 from fsd_chat.decoding.divergence import kl
-from fsd_chat.decoding.kv_cache import context_length
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.reply import eos_token_ids
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.engines.llama_cpp import LlamaCppModel
+from fsd_chat.engines.torch_engine.kv_cache import context_length
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import IncompatibleModelsError
 

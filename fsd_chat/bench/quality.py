@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
+from fsd_chat.engines.torch_engine.kv_cache import input_device
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step, step_graph
+from fsd_chat.decoding import Controls, DecodingSettings, GenerationStats, Step
 from fsd_chat.decoding.settings import SamplingRequest, default_threshold
+from fsd_chat.engines.torch_engine import step_graph
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec

@@ -101,7 +101,6 @@ import torch
 
 from fsd_chat.decoding.divergence import DivergenceName, against_point_mass, divergence, kl, selected
 from fsd_chat.decoding.events import Origin
-from fsd_chat.decoding.kv_cache import compile_failure
 from fsd_chat.decoding.sampling import argmax, draw, exponential_noise, non_finite, non_finite_error
 from fsd_chat.decoding.settings import RULES, Rule, SamplingConfig
 
@@ -562,6 +561,17 @@ def decide(
         ]
     ).double()
     return block, next_token
+
+
+def compile_failure(exc: BaseException) -> str:
+    """A failed compilation in one line: the exception's type and its message's first line
+    (torch.compile's run to dozens of lines of context)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def verdict_flags(k: int, point_masses: bool) -> int:
+    """How many non-finite flags open `decide`'s block (`acceptance.read_verdict`)."""
+    return k + 1 if point_masses else 2 * k + 1
 
 
 Decide = Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -62,7 +62,7 @@ DIVERGENCE_NAMES: tuple[DivergenceName, ...] = tuple(DIVERGENCES)
 def selected(index: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
     """values[index] for a 0-dim int64 device `index`, without reading it on the host: the
     candidates are stacked and one is picked on the device (a captured step computes every
-    candidate and selects; `fsd_chat.decoding.step_graph`)."""
+    candidate and selects; `fsd_chat.engines.torch_engine.step_graph`)."""
     return torch.stack(values).index_select(0, index.view(1)).squeeze(0)
 
 

@@ -9,14 +9,16 @@ narrow as a vLLM model runner's `execute_model` (tokens at positions in, logits 
 positions out; the cache managed behind it); sampling, acceptance, costs, the draft policy and
 prompt lookup stay the decoding loop's, the same code for every engine.
 
-Engines:
-- transformers / torch: `fsd_chat.decoding.kv_cache.CachedModel` and its static and compiled kinds
-  (the whole-step CUDA graphs of `step_graph` are this engine's alone);
+The seam sits here, in the decoding package, which imports no engine (an import-linter contract);
+the engines live in `fsd_chat.engines`, above it:
+- transformers / torch: `fsd_chat.engines.torch_engine.kv_cache.CachedModel` and its static and
+  compiled kinds, bound for a decoder by `fsd_chat.engines.torch_engine.binding`; its whole step
+  (`fsd_chat.engines.torch_engine.step_graph`, CUDA graphs on CUDA) is handed to the decoders as
+  a `fsd_chat.decoding.whole_step.WholeStep`;
 - llama.cpp: `fsd_chat.engines.llama_cpp.LlamaCppModel`, over llama-cpp-python's context, batch
   and logits buffer.
 
-A decoder takes a transformers `PreTrainedModel` (bound to a `CachedModel` by `kv_cache.bind`) or
-any `ModelRunner` as it is.
+A decoder takes `ModelRunner`s only, bound to their caches by their engine.
 """
 
 from __future__ import annotations

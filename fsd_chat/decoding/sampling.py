@@ -31,9 +31,9 @@ def seeded_generator(config: SamplingConfig, device: torch.device | str) -> torc
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
     """A `SamplingConfig`'s values as 0-dim device tensors, the inputs of a captured step
-    (`fsd_chat.decoding.step_graph`): new values are written into them between replays, so a new
-    reply's settings never capture again. `probabilities` applies every truncation to them, each
-    one a no-op at its neutral value (top_k 0, top_p 1, min_p 0).
+    (`fsd_chat.engines.torch_engine.step_graph`): new values are written into them between
+    replays, so a new reply's settings never capture again. `probabilities` applies every
+    truncation to them, each one a no-op at its neutral value (top_k 0, top_p 1, min_p 0).
 
     Attributes:
         temperature: float32, > 0 (1 for greedy decoding, whose laws are taken at temperature 1).

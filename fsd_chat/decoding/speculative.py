@@ -25,26 +25,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from functools import cache, partial
-from typing import TYPE_CHECKING
 
 import torch
 
-from fsd_chat.decoding import step_graph
-from fsd_chat.decoding.acceptance import CompiledDecision, Decide, Verdict, decide, read_verdict, verify
+from fsd_chat.decoding.acceptance import (
+    CompiledDecision,
+    Decide,
+    Verdict,
+    decide,
+    read_verdict,
+    verdict_flags,
+    verify,
+)
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.draft_policy import DraftPolicy, make_policy
 from fsd_chat.decoding.events import Step, StepStats
-from fsd_chat.decoding.forward_timings import ForwardTimings, modelled_timings
-from fsd_chat.decoding.kv_cache import (
-    COMPILED_CONTEXT,
-    DRAFT_WIDTHS,
-    CompiledModel,
-    StaticModel,
-    bind,
-    compiled_capacity,
-    context_length,
-)
+from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.lookup import PromptLookup, repeat_run
 from fsd_chat.decoding.mapped_draft import MappedDraft, MappedProposer
 from fsd_chat.decoding.memory import frees_memory, frees_memory_on_oom
@@ -62,10 +58,8 @@ from fsd_chat.decoding.settings import (
 from fsd_chat.decoding.timing import PhaseClock
 from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
+from fsd_chat.decoding.whole_step import Launched, WholeStep, reply_tokens, room_ahead, whole_target_step
 from fsd_chat.support.errors import NonFiniteError
-
-if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
-    from transformers import PreTrainedModel
 
 REPEAT_GUARD = 8
 """Tokens of repetition from which a prompt lookup copy of the reply's own text is verified by the
@@ -81,46 +75,42 @@ class SpeculativeDecoder:
     `VocabularyMap` maps the draft's onto it (`MappedProposer`: the draft reads the target's text in
     its own tokens and proposes over the paired tokens).
 
+    The models come bound to their KV caches by their engine (`ModelRunner`s: the transformers
+    engine's `fsd_chat.engines.torch_engine.binding.speculative_decoder` binds them and builds
+    this decoder; llama.cpp's runners are bound as they are loaded).
+
     Args:
-        target: The target model (the distribution to follow): a transformers model, bound here to
-            its KV cache (`kv_cache.bind`), or a `ModelRunner` of another engine (llama.cpp's).
-        draft: The draft model (cheap proposals), likewise, or any `Proposer` (e.g. `PromptLookup`).
+        target: The target model's runner (the distribution to follow).
+        draft: The draft model's runner (cheap proposals), or any `Proposer` (e.g. `PromptLookup`).
         tokenizer: The shared tokenizer.
         controls: Live settings and stop requests.
-        vocab_size: Shared vocabulary size; logits beyond it are dropped (default: len(tokenizer)).
         time_phases: Exact draft / target / other seconds on CUDA, at the price of a device
             synchronisation per phase (benchmarks); off, a step synchronises once, when its
             verdict comes back (see `PhaseClock`).
-        compiled: Run both models' steps compiled over static KV caches (`CompiledModel`:
-            the target's verify and target-only passes, the draft's passes) and the acceptance rule
-            (`CompiledDecision`), with CUDA graphs on CUDA:
-            True, False, or None (the default) for on a CUDA device only (`kv_cache.bind`). The
-            context is then capped at COMPILED_CONTEXT tokens. A model that cannot be compiled
-            (`compile_refusal`) runs eagerly, and `compile_error` says why.
         reuse_prefix: Keep the KV caches between replies and prefill only what a prompt does not
             share with the last sequence (see `begin`; a mapped draft compares its own spelling,
             see `MappedDraft.begin`).
         timings: The draft and verify forward times, asked for when the `latency` or `goodput`
-            policy is first used (default: modelled from these models, `modelled_timings`, so that
-            no clock decides a draft length; a proposer without a draft model taking no time per
-            position). Required when either model is a `ModelRunner` (its engine models them).
+            policy is first used: the engine's, modelled from the models so that no clock decides
+            a draft length (`ModelPair.forward_timings`; a proposer without a draft model taking
+            no time per position).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
-        whole_step: Run each step, speculative or target-only, as one function over static
-            buffers (`fsd_chat.decoding.step_graph`): captured as CUDA graphs at construction on
-            CUDA (one per draft length in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's
-            k is rounded down), eager elsewhere. For a draft model of the target's vocabulary
-            (other proposers keep their usual steps). `compiled` then means: compile the step
-            functions (inductor, each decoder layer one region: `step_graph.make_steps`), before
-            they are captured on CUDA (None, the default: on CUDA only; False: never; True: on the
-            CPU too), its artifacts kept in the user's cache. The draft
-            policy chooses k before the step (`DraftPolicy.limit`); its per-position `extend`
-            is not asked. On CUDA a step is launched before the last one is read (`step_graph`,
-            "One step in flight": but with prompt lookup), so the dial, the rule and the draft
-            policy act from the next launched step, and a step launched past the reply's end is
-            discarded. transformers models only (a `ModelRunner` keeps the usual steps).
-        capture_progress: Called with (graphs captured, graphs in all) while the whole step's
-            graphs are captured (on CUDA, at construction; the loading screen shows it).
+        context_cap: The most tokens of context the models' static KV caches hold (None: the
+            models' own contexts bound it alone).
+        draft_context: A mapped draft's context in its own tokens (None: its runner's `context`).
+        steps: Run each step, speculative or target-only, as one function over static buffers
+            (a `WholeStep`, the transformers engine's `fsd_chat.engines.torch_engine.step_graph`;
+            None: the per-forward steps): captured as CUDA graphs on CUDA (one per draft length
+            in `step_graph.GRAPH_DRAFT_LENGTHS`, to which the policy's k is rounded down), eager
+            elsewhere. For a draft model of the target's
+            vocabulary, or prompt lookup. The draft policy chooses k before the step
+            (`DraftPolicy.limit`); its per-position `extend` is not asked. On CUDA a step is
+            launched before the last one is read (`step_graph`, "One step in flight": but with
+            prompt lookup), so the dial, the rule and the draft policy act from the next launched
+            step, and a step launched past the reply's end is discarded.
+        compiled_rule: Run the acceptance rule compiled (`CompiledDecision`), as the target's
+            forward passes are, on its device.
 
     Raises:
         UnsupportedCacheError: a model's cache cannot be rolled back.
@@ -128,94 +118,50 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: PreTrainedModel | ModelRunner,
-        draft: PreTrainedModel | ModelRunner | Proposer,
+        target: ModelRunner,
+        draft: ModelRunner | Proposer,
         tokenizer: Tokenizer,
         *,
+        timings: Callable[[], ForwardTimings],
         controls: Controls | None = None,
-        vocab_size: int | None = None,
         time_phases: bool = False,
-        compiled: bool | None = None,
         reuse_prefix: bool = True,
-        timings: Callable[[], ForwardTimings] | None = None,
         vocab_map: VocabularyMap | None = None,
-        whole_step: bool = False,
-        capture_progress: Callable[[int, int], None] | None = None,
+        context_cap: int | None = None,
+        draft_context: int | None = None,
+        steps: WholeStep | None = None,
+        compiled_rule: bool = False,
     ) -> None:
-        vocab_size = vocab_size or len(tokenizer)
         self.tokenizer = tokenizer
         self.time_phases = time_phases
         self.reuse_prefix = reuse_prefix
         self.controls = controls or Controls()
-        # A transformers model is a torch module (checked so, without importing the modeling stack).
-        draft_model = draft if isinstance(draft, torch.nn.Module | ModelRunner) else None
+        draft_model = draft if isinstance(draft, ModelRunner) else None
         # Models that read the target's ids: a mapped draft counts its context (and its EOS ids)
         # in its own tokens, which bound its drafting, not the reply.
         shared = [m for m in (target, draft_model) if m is not None and (m is target or vocab_map is None)]
-        contexts = [c for c in map(context_length, shared) if c is not None]
+        contexts = [c for c in (m.context for m in shared) if c is not None]
         self.context = min(contexts) if contexts else None
-        # A compiled model's static cache is allocated whole: its capacity caps the context.
-        capped = min(self.context or COMPILED_CONTEXT, COMPILED_CONTEXT)
-        capacity = compiled_capacity(capped)
-        # The whole step needs a draft model of the target's vocabulary, or prompt lookup.
+        if context_cap is not None:  # a static cache is allocated whole: its capacity caps the context
+            self.context = min(self.context or context_cap, context_cap)
         # Prompt lookup's copies are found on the host, before a whole step.
         self._lookup = draft if isinstance(draft, PromptLookup) else None
-        lookup = self._lookup is not None
-        torch_models = not isinstance(target, ModelRunner) and not isinstance(draft, ModelRunner)
-        whole_step = whole_step and torch_models and vocab_map is None and (draft_model is not None or lookup)
-        cuda = target.device.type == "cuda"
-        # Eagerly a static cache grows to what a reply needs (`EagerSteps.fit`).
-        static_capacity = capacity if cuda else step_graph.MIN_CAPACITY
-        self.target = bind(
-            target,
-            vocab_size,
-            compiled=compiled,
-            capacity=static_capacity if whole_step else capacity,
-            static=whole_step,
-        )
-        draft_vocab = vocab_size if vocab_map is None else vocab_map.draft_vocab
+        self.target = target
         self.proposer: Proposer
         if draft_model is None:
-            assert not isinstance(draft, torch.nn.Module | ModelRunner)  # narrowed for mypy
+            assert not isinstance(draft, ModelRunner)  # narrowed for mypy
             self.proposer = draft
+        elif vocab_map is None:
+            self.proposer = ModelDraft(draft_model)
         else:
-            model = bind(
-                draft_model,
-                draft_vocab,
-                compiled=compiled,
-                capacity=static_capacity if whole_step else capacity,
-                widths=DRAFT_WIDTHS,
-                static=whole_step,
-            )
-            draft_context = capacity if isinstance(model, CompiledModel) else context_length(draft_model)
-            self.proposer = (
-                ModelDraft(model)
-                if vocab_map is None
-                else MappedProposer(MappedDraft(model, vocab_map, draft_context))
-            )
-        draft_runner = next(iter(self.proposer.owned_models), None)
-        self._steps = (
-            step_graph.make_steps(
-                self.target,  # type: ignore[arg-type]  # whole_step: transformers models, bound to `CachedModel`s
-                draft_runner,  # type: ignore[arg-type]
-                lookup=lookup,
-                compile=compiled,
-                progress=capture_progress,
-            )
-            if whole_step
-            else None
-        )
-        if any(isinstance(m, StaticModel) for m in (self.target, *self.proposer.owned_models)):
-            self.context = capped
+            context = draft_model.context if draft_context is None else draft_context
+            self.proposer = MappedProposer(MappedDraft(draft_model, vocab_map, context))
+        self._steps = steps
         # The acceptance rule is compiled with the target: on the same switch, for the same device.
         self._decision: Decide | CompiledDecision = (
-            CompiledDecision(self.target.device) if isinstance(self.target, CompiledModel) else decide
+            CompiledDecision(self.target.device) if compiled_rule else decide
         )
         self.eos_token_ids = eos_token_ids(tokenizer, *shared)
-        if timings is None:
-            if isinstance(draft_model, ModelRunner) or isinstance(target, ModelRunner):
-                raise TypeError("a ModelRunner target or draft needs its engine's `timings`")
-            timings = cache(partial(modelled_timings, target, draft_model))
         self.timings = timings
         self._kept_policy: tuple[DraftPolicyName, DraftPolicy] | None = None
 
@@ -261,7 +207,7 @@ class SpeculativeDecoder:
             paused = kept is not None and kept[1].pause is not None
             deferred = self.proposer.cached_models if paused else ()
             if self._steps is not None:
-                step_graph.prepare(self._steps, len(prompt_ids) + 1)
+                self._steps.prepare(len(prompt_ids) + 1)
             with frees_memory(self, "reading the conversation ahead"):
                 read_ahead(self.cached_models, prompt_ids, self.controls, self.context, deferred)
 
@@ -298,8 +244,8 @@ class SpeculativeDecoder:
         steps = self._steps
         buffer = None
         if steps is not None:
-            tokens = step_graph.reply_tokens(len(prompt_ids), max_new_tokens, self.context, MAX_DRAFT_TOKENS)
-            buffer = step_graph.prepare(steps, tokens)
+            tokens = reply_tokens(len(prompt_ids), max_new_tokens, self.context, MAX_DRAFT_TOKENS)
+            buffer = steps.prepare(tokens)
         start = begin(
             self.cached_models,
             prompt_ids,
@@ -318,7 +264,7 @@ class SpeculativeDecoder:
         )
         reply, generator, clock = start.reply, start.generator, start.clock
         if steps is not None:
-            generator = step_graph.start(steps, reply, sampling, generator)
+            generator = steps.start(reply, sampling, generator)
         self.proposer.prefill(reply, self.reuse_prefix, defer)
         prefill_seconds = start.prefill_seconds + clock.lap()
 
@@ -334,7 +280,7 @@ class SpeculativeDecoder:
             evidence = None if self._lookup is None else self._lookup.match(reply).matched
             return settings, policy.limit(settings, room, evidence, length)
 
-        # A whole step launched before the last one was read (`step_graph`, "One step in flight").
+        # A whole step launched before the last one was read (`WholeStep.ahead`).
         ahead: _Launch | None = None
         while True:
             if ahead is not None or (steps is not None and not reply.unread):
@@ -344,7 +290,7 @@ class SpeculativeDecoder:
                     launch = self._launch(steps, reply, k, settings, sampling, generator, reply.length)
                 else:
                     launch, ahead = ahead, None
-                room = step_graph.room_ahead(steps, reply, launch.k)
+                room = room_ahead(steps, reply, launch.k)
                 if room is not None:
                     # Launched before `launch` is read: its start is known after a target-only
                     # step (one token), and only then can the draft be behind.
@@ -460,7 +406,7 @@ class SpeculativeDecoder:
 
     def _launch(
         self,
-        steps: step_graph.EagerSteps,
+        steps: WholeStep,
         reply: Reply,
         limit: int,
         settings: DecodingSettings,
@@ -473,7 +419,6 @@ class SpeculativeDecoder:
         `start`: the index of the step's first token, when known (None: launched before the last
         step, a speculative one, is read, which left the draft at most the token it lacks after a
         fully accepted block behind: what the step's first pass re-feeds)."""
-        lookup = self._lookup is not None
         source = 0
         if self._lookup is not None and limit:
             source, limit, _ = self._lookup.match(reply, limit)
@@ -488,14 +433,12 @@ class SpeculativeDecoder:
             # policy paused it): caught up eagerly, outside the step.
             draft.forward(reply.seq, start - 1, keep=1)
             forwards += 1
-        steps.inputs.write(settings, self._verify_rule(reply, settings, k))
-        if lookup:
-            steps.inputs.source.fill_(source)  # a kernel with the value as its argument: no copy
+        steps.write(settings, self._verify_rule(reply, settings, k), source)
         return _Launch(steps.speculative(k, sampling.greedy, generator), k, forwards, settings)
 
     def _read(
         self,
-        steps: step_graph.EagerSteps,
+        steps: WholeStep,
         launch: _Launch,
         reply: Reply,
         sampling: SamplingConfig,
@@ -505,7 +448,7 @@ class SpeculativeDecoder:
         """`_step` of a launched whole step: one read of its block."""
         k, settings = launch.k, launch.settings
         if k == 0:
-            return step_graph.whole_target_step(
+            return whole_target_step(
                 steps,
                 launch.launched,
                 reply,
@@ -523,7 +466,7 @@ class SpeculativeDecoder:
         target.seen = start
         if draft is not None:
             draft.seen = start
-        n = int(block[step_graph.verdict_flags(k, lookup)])
+        n = int(block[verdict_flags(k, lookup)])
         try:
             verdict = read_verdict(
                 block, k, point_masses=lookup, next_token=reply.seq[0, start + n : start + n + 1]
@@ -596,11 +539,11 @@ class SpeculativeDecoder:
 
 @dataclass(frozen=True, slots=True)
 class _Launch:
-    """A whole step launched and not yet read: its block on its way (`step_graph.Launched`), its
+    """A whole step launched and not yet read: its block on its way (`Launched`), its
     draft length (0: target-only), its draft forward passes (a catch-up included) and the settings
     it was launched with (its stats report them)."""
 
-    launched: step_graph.Launched
+    launched: Launched
     k: int
     forwards: int
     settings: DecodingSettings

@@ -22,16 +22,12 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from fsd_chat.decoding.kv_cache import input_device
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.tokenizer import Tokenizer, encode_within
-
-if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
-    from transformers import PreTrainedModel
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _ROLES = ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id")
@@ -298,23 +294,18 @@ def map_vocabularies(
 
 
 @torch.inference_mode()
-def coverage(model: PreTrainedModel | ModelRunner, tokenizer: Tokenizer, mapping: VocabularyMap) -> float:
+def coverage(model: ModelRunner, tokenizer: Tokenizer, mapping: VocabularyMap) -> float:
     """The share of the target's probability mass on paired tokens, averaged over the positions
     of `CALIBRATION_TEXT` (temperature 1): an upper bound on the exact rule's acceptance rate,
-    since Σ min(p, q) ≤ Σ_{paired} p when q lives on the paired tokens. One forward pass (a
-    runner's, over an emptied KV cache, emptied again after).
+    since Σ min(p, q) ≤ Σ_{paired} p when q lives on the paired tokens. One forward pass of the
+    target's runner, over an emptied KV cache, emptied again after.
 
     Returns:
         The share in [0, 1].
     """
-    ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT)])
-    if isinstance(model, ModelRunner):
-        ids = ids.to(model.device)
-        model.reset()
-        logits = model.forward(ids, ids.shape[1], keep=ids.shape[1])[:, : mapping.target_vocab].clone()
-        model.reset()
-    else:
-        ids = ids.to(input_device(model))
-        logits = model(input_ids=ids).logits[0, :, : mapping.target_vocab].float()
+    ids = torch.tensor([tokenizer.encode(CALIBRATION_TEXT)], device=model.device)
+    model.reset()
+    logits = model.forward(ids, ids.shape[1], keep=ids.shape[1])[:, : mapping.target_vocab].clone()
+    model.reset()
     probs = logits.softmax(-1)
     return float(probs[:, mapping.target_ids.to(probs.device)].sum(-1).mean())

@@ -1,9 +1,10 @@
-"""Engines other than transformers / torch, each behind the decoding loop's one seam
+"""The engines, each behind the decoding loop's one seam
 (`fsd_chat.decoding.runner.ModelRunner`).
 
 - `llama_cpp`: GGUF files run natively quantized on llama.cpp through llama-cpp-python, an
   optional dependency imported only when the engine is used.
-
-The transformers / torch engine is `fsd_chat.decoding.kv_cache` (its static and compiled caches and
-the whole-step CUDA graphs of `fsd_chat.decoding.step_graph` are its own).
+- `torch_engine`: transformers models in torch: their runners (`kv_cache.CachedModel` and its
+  static and compiled kinds), the whole step over them (`step_graph`, a `WholeStep`: eager on the
+  CPU, CUDA graphs on CUDA), the decoders built over them (`binding`) and their forward times
+  (`timings`).
 """

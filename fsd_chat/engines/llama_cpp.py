@@ -451,11 +451,11 @@ measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000); divided among the t
 
 def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
     """The draft and verify forward times of models on llama.cpp at their thread counts
-    (`LlamaCppModel.threads` for one token, `batch_threads` for several), from their sizes alone (as
-    `fsd_chat.decoding.forward_timings.modelled_timings` does for transformers models): no clock, so a
-    seed gives the same reply under any load. A forward of w tokens costs a part per layer, the read
-    of its weights (`llama_model_size`) and a part per token and parameter, the last two divided
-    among the threads (`forward_seconds`); prompt lookup's positions cost nothing."""
+    (`LlamaCppModel.threads` for one token, `batch_threads` for several), from their sizes alone
+    (as `fsd_chat.engines.torch_engine.timings.modelled_timings` does for transformers models): no
+    clock, so a seed gives the same reply under any load. A forward of w tokens costs a part per
+    layer, the read of its weights (`llama_model_size`) and a part per token and parameter, the last
+    two divided among the threads (`forward_seconds`); prompt lookup's positions cost nothing."""
     lib = target._llama_cpp
     model = target.llama.model
     attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fsd_chat.decoding.kv_cache import input_device
+from fsd_chat.engines.torch_engine.kv_cache import input_device
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import DeviceMemoryError, ModelLoadError
 from fsd_chat.support.text import some

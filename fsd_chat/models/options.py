@@ -107,7 +107,7 @@ class LoadOptions:
             "float32", "bfloat16" or "float16".
         trust_remote_code: Allow model repositories to run their own code (off by default).
         prepack: Prepack the large float32 linear layers of a model on the CPU for oneDNN
-            (`fsd_chat.decoding.packed_linear`: SmolLM2-135M decodes 1.6× faster). Off only for
+            (`fsd_chat.engines.torch_engine.packed_linear`: SmolLM2-135M decodes 1.6× faster). Off only for
             the bench's transformers baselines, which run the models as transformers loads them.
         engine: What runs the models: "transformers", "llama.cpp" (GGUF files, natively
             quantized) or "auto" (llama.cpp for a GGUF file when it is installed).

@@ -12,8 +12,7 @@ import torch
 
 from fsd_chat.decoding.autoregressive import AutoregressiveDecoder
 from fsd_chat.decoding.controls import Controls
-from fsd_chat.decoding.forward_timings import ForwardTimings, modelled_timings
-from fsd_chat.decoding.kv_cache import compile_refusal
+from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.proposal import DraftKind
 from fsd_chat.decoding.protocol import Decoder
@@ -23,6 +22,9 @@ from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
 from fsd_chat.engines import llama_cpp
 from fsd_chat.engines.llama_cpp import LlamaCppModel
+from fsd_chat.engines.torch_engine.binding import autoregressive_decoder, speculative_decoder
+from fsd_chat.engines.torch_engine.kv_cache import compile_refusal
+from fsd_chat.engines.torch_engine.timings import modelled_timings
 from fsd_chat.models.generation import FileGeneration
 from fsd_chat.models.options import ModelSpec, quantization_note
 from fsd_chat.support.threads import apply_threads, choose_thread_counts
@@ -137,13 +139,13 @@ class ModelPair:
                 decoding (`SpeculativeDecoder`).
             time_phases: Synchronise the device at each phase, for exact phase times (benchmarks;
                 see `SpeculativeDecoder`).
-            compiled: Compile the models' steps over static KV caches (see
-                `SpeculativeDecoder`): True, False, or None for on a CUDA device only.
+            compiled: Compile the models' steps over static KV caches (transformers models; see
+                `speculative_decoder`): True, False, or None for on a CUDA device only.
             whole_step: Each step as one function over static buffers, captured as CUDA graphs
-                on CUDA (see `SpeculativeDecoder`): True, False, or None for where it is the
-                default (`whole_step`).
+                on CUDA (transformers models; see `speculative_decoder`): True, False, or None for
+                where it is the default (`whole_step`).
             capture_progress: Called with (graphs captured, graphs in all) while they are
-                captured (see `SpeculativeDecoder`).
+                captured (see `speculative_decoder`).
             reuse_prefix: Keep the KV caches (and the draft policy) from reply to reply, as one
                 conversation does (see `SpeculativeDecoder`); False: every reply starts afresh.
 
@@ -161,7 +163,7 @@ class ModelPair:
         )
 
     def whole_step(self, asked: bool | None) -> bool:
-        """Whether this pair's decoders run whole steps (`fsd_chat.decoding.step_graph`): as
+        """Whether this pair's decoders run whole steps (`fsd_chat.engines.torch_engine.step_graph`): as
         `asked` (`--whole-step`, `--no-whole-step`), or by default (None) for transformers models
         whose caches a whole step can hold (`compile_refusal` admits them), on every device. On
         the CPU it is measured no slower than the per-forward steps and faster when drafting
@@ -188,21 +190,36 @@ class ModelPair:
         reuse_prefix: bool = True,
     ) -> SpeculativeDecoder:
         """A speculative decoder over this pair, driven by `controls` (`time_phases`,
-        `compiled`, `whole_step`, `capture_progress`, `reuse_prefix`: see `SpeculativeDecoder`;
-        `whole_step` None: `whole_step`'s default); without a draft model, over prompt lookup."""
-        return SpeculativeDecoder(
+        `reuse_prefix`: see `SpeculativeDecoder`; `compiled`, `whole_step`, `capture_progress`,
+        for transformers models: see `speculative_decoder`; `whole_step` None: `whole_step`'s
+        default); without a draft model, over prompt lookup."""
+        draft = PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft
+        if isinstance(self.target, LlamaCppModel):  # bound to their caches as they were loaded
+            assert isinstance(draft, LlamaCppModel | PromptLookup)  # one engine a pair
+            return SpeculativeDecoder(
+                self.target,
+                draft,
+                self.tokenizer,
+                timings=self.forward_timings,
+                controls=controls,
+                time_phases=time_phases,
+                reuse_prefix=reuse_prefix,
+                vocab_map=self.vocab_map,
+            )
+        assert not isinstance(draft, LlamaCppModel)  # one engine a pair
+        return speculative_decoder(
             self.target,
-            PromptLookup(DEFAULT_LOOKUP_NGRAM) if self.draft is None else self.draft,
+            draft,
             self.tokenizer,
+            timings=self.forward_timings,
             controls=controls,
             vocab_size=self.vocab_size,
-            time_phases=time_phases,
-            compiled=compiled,
-            timings=self.forward_timings,
             vocab_map=self.vocab_map,
+            time_phases=time_phases,
+            reuse_prefix=reuse_prefix,
+            compiled=compiled,
             whole_step=self.whole_step(whole_step),
             capture_progress=capture_progress,
-            reuse_prefix=reuse_prefix,
         )
 
     def use_threads(
@@ -255,17 +272,25 @@ class ModelPair:
         capture_progress: Callable[[int, int], None] | None = None,
         reuse_prefix: bool = True,
     ) -> AutoregressiveDecoder:
-        """A target-only decoder over this pair's target (`compiled`, `whole_step`,
-        `capture_progress`, `reuse_prefix`: see `AutoregressiveDecoder`; `whole_step` None:
-        `whole_step`'s default)."""
-        return AutoregressiveDecoder(
+        """A target-only decoder over this pair's target (`reuse_prefix`: see
+        `AutoregressiveDecoder`; `compiled`, `whole_step`, `capture_progress`, for transformers
+        models: see `autoregressive_decoder`; `whole_step` None: `whole_step`'s default)."""
+        if isinstance(self.target, LlamaCppModel):  # bound to its cache as it was loaded
+            return AutoregressiveDecoder(
+                self.target,
+                self.tokenizer,
+                controls=controls,
+                time_phases=time_phases,
+                reuse_prefix=reuse_prefix,
+            )
+        return autoregressive_decoder(
             self.target,
             self.tokenizer,
             controls=controls,
             vocab_size=self.vocab_size,
             time_phases=time_phases,
+            reuse_prefix=reuse_prefix,
             compiled=compiled,
             whole_step=self.whole_step(whole_step),
             capture_progress=capture_progress,
-            reuse_prefix=reuse_prefix,
         )

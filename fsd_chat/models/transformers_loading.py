@@ -25,10 +25,10 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from fsd_chat.decoding.fused_linear import fuse_projections
-from fsd_chat.decoding.packed_linear import pack_linear_layers
 from fsd_chat.decoding.settings import LOOKUP
 from fsd_chat.decoding.tokenizer import Tokenizer
+from fsd_chat.engines.torch_engine.fused_linear import fuse_projections
+from fsd_chat.engines.torch_engine.packed_linear import pack_linear_layers
 from fsd_chat.models.devices import resolve_device, resolve_dtype, target_device_map
 from fsd_chat.models.gguf_files import local_model
 from fsd_chat.models.gguf_sources import Progress

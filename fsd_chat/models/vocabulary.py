@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from fsd_chat.decoding.runner import ModelRunner
 from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap, coverage, map_vocabularies
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel
 from fsd_chat.models.options import ModelSpec
 from fsd_chat.support.errors import IncompatibleModelsError
 
@@ -97,12 +98,14 @@ def checked_coverage(
     report: Callable[[str], object],
 ) -> float:
     """The share of the target's probability mass a mapped draft's tokens cover (`coverage`, on
-    either engine), said to `report` first.
+    either engine; a transformers model bound to a `CachedModel` for it), said to `report` first.
 
     Raises:
         IncompatibleModelsError: under MIN_COVERAGE (`check_coverage`).
+        UnsupportedCacheError: the target's KV cache cannot be rolled back (`CachedModel`).
     """
     report(f"mapping {draft.name}'s vocabulary onto the target's")
-    share = coverage(target, tokenizer, mapping)
+    runner = target if isinstance(target, ModelRunner) else CachedModel(target, mapping.target_vocab)
+    share = coverage(runner, tokenizer, mapping)
     check_coverage(share, draft)
     return share

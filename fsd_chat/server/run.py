@@ -25,8 +25,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
+from fsd_chat.engines.torch_engine import step_graph
 from fsd_chat.models.chat_template import Message, RenderLimits, prompt_ids
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec

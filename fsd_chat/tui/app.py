@@ -21,9 +21,9 @@ from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
 from fsd_chat.conversation.controller import ChatOptions
-from fsd_chat.decoding import step_graph
 from fsd_chat.decoding.controls import Controls
 from fsd_chat.decoding.protocol import Decoder
+from fsd_chat.engines.torch_engine import step_graph
 from fsd_chat.models.loading import Progress
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import FsdChatError

@@ -14,9 +14,9 @@ from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
 from fsd_chat.conversation.transcript import render_markdown
 from fsd_chat.decoding import AutoregressiveDecoder, SpeculativeDecoder
-from fsd_chat.decoding.kv_cache import CachedModel, CompiledModel, StaticModel
 from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import LOOKUP
+from fsd_chat.engines.torch_engine.kv_cache import CachedModel, CompiledModel, StaticModel
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair

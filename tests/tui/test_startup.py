@@ -11,7 +11,7 @@ from textual.widgets import Static
 
 from fsd_chat.conversation.controller import ChatOptions
 from fsd_chat.conversation.store import SessionStore
-from fsd_chat.decoding import step_graph
+from fsd_chat.engines.torch_engine import step_graph
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp

@@ -35,7 +35,8 @@ detokenisation, the UI) overlap the GPU's step t + 1, as vLLM's async scheduling
 (`AsyncGPUModelRunnerOutput`: a non-blocking copy to pinned memory and an event) and SGLang's
 overlap scheduler (the next batch's input ids resolved on the device from the last batch's
 "future" tokens) do. The buffer a block arrives in is written again two launches later, and the
-host reads step t before it launches step t + 2. What follows from it (`room_ahead`):
+host reads step t before it launches step t + 2. What follows from it
+(`fsd_chat.decoding.whole_step.room_ahead`):
 
 - The settings (the dial, the rule) and the draft policy's k act from the next launched step: the
   step after a changed setting was launched already, with the old one, and the policy chooses k
@@ -76,37 +77,31 @@ graph notes (graph-safe RNG: `CUDAGraph.register_generator_state`).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from fsd_chat.decoding import compile_cache
-from fsd_chat.decoding.acceptance import decide
+from fsd_chat.decoding.acceptance import compile_failure, decide, verdict_flags
 from fsd_chat.decoding.divergence import DIVERGENCE_NAMES, DivergenceName
-from fsd_chat.decoding.events import Step
-from fsd_chat.decoding.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel, compile_failure
-from fsd_chat.decoding.regions import mark_layer_regions
-from fsd_chat.decoding.reply import Reply, commit_target
+from fsd_chat.decoding.reply import Reply
 from fsd_chat.decoding.sampling import (
     SamplingTensors,
     argmax,
     draw,
     exponential_noise,
-    non_finite_error,
     probabilities,
 )
 from fsd_chat.decoding.settings import (
-    MAX_DRAFT_TOKENS,
     RULES,
     DecodingSettings,
     Rule,
     SamplingConfig,
-    StepRule,
 )
-from fsd_chat.decoding.timing import PhaseClock
+from fsd_chat.engines.torch_engine import compile_cache
+from fsd_chat.engines.torch_engine.kv_cache import RECOMPILE_LIMIT, CachedModel, StaticModel
+from fsd_chat.engines.torch_engine.regions import mark_layer_regions
 
 GRAPH_DRAFT_LENGTHS = (1, 2, 4, 6)
 """Draft lengths captured on CUDA, one graph each (greedy and sampled): the draft policy's k is
@@ -371,11 +366,6 @@ def _verdict(
     return block
 
 
-def verdict_flags(k: int, point_masses: bool) -> int:
-    """How many non-finite flags open `decide`'s block (`acceptance.read_verdict`)."""
-    return k + 1 if point_masses else 2 * k + 1
-
-
 def _draft_positions(
     draft: StaticModel,
     inputs: StepInputs,
@@ -438,7 +428,7 @@ def target_step(target: StaticModel, inputs: StepInputs, greedy: bool, draws: Dr
 
     Returns:
         [check, token], float64. The check is not finite exactly when the law would not be (the
-        host tests it, `whole_target_step`): a greedy step's largest logit (NaN with a NaN, +inf
+        host tests it, `whole_step.whole_target_step`): a greedy step's largest logit (NaN with a NaN, +inf
         with a +inf, -inf when all are -inf: the rows `sampling.non_finite` flags), a sampled
         step's total probability (NaN or finite).
     """
@@ -593,6 +583,37 @@ class EagerSteps:
         self._last: torch.Tensor | None = None
         self._reply: Reply | None = None
         self._functions = compiled_step_functions(target, draft) if compile else EAGER_FUNCTIONS
+
+    def prepare(self, tokens: int) -> torch.Tensor | None:
+        """See `WholeStep.prepare`: the caches fitted to `tokens` (`fit`), and a captured step's
+        buffer returned for the reply to decode in (None: the reply has its own). That buffer is
+        about to be overwritten by the new prompt, so the models' record of what they were fed
+        (`CachedModel.fed`, which prefix reuse compares) becomes a copy of it (one device copy a
+        reply)."""
+        self.fit(tokens)
+        if not self.captured:
+            return None
+        seq = self.inputs.seq
+        kept = seq.clone()
+        for model in (self.target, self.draft):
+            if model is not None and model.fed is seq:
+                model.fed = kept
+        return seq
+
+    def start(self, reply: Reply, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
+        """See `WholeStep.start`: the buffer bound, the position at the reply's last prompt token,
+        the sampling values written; the generator of its draws (`reseed`)."""
+        self.bind(reply)
+        self.inputs.position.fill_(reply.length - 1)
+        self.inputs.write_sampling(sampling)
+        return self.reseed(sampling, generator)
+
+    def write(self, settings: DecodingSettings, rule: Rule, source: int) -> None:
+        """See `WholeStep.write`: into the step's inputs (`StepInputs.write`; `source` only with
+        prompt lookup, a kernel with the value as its argument: no copy)."""
+        self.inputs.write(settings, rule)
+        if self.lookup:
+            self.inputs.source.fill_(source)
 
     def clear(self) -> None:
         """Empty and zero the caches (`StaticModel.clear`), after a step gave non-finite logits."""
@@ -918,85 +939,3 @@ def capture_announcer(write: Callable[[str], object], *, compile: bool | None) -
             write(f"fsd-chat: {capture_text(done, total, compile=compile)}\n")
 
     return progress
-
-
-def reply_tokens(prompt: int, max_new_tokens: int, context: int | None, headroom: int) -> int:
-    """The most tokens a reply's buffer holds (as `reply.Reply` sizes it): the caches' need."""
-    budget = max_new_tokens if context is None else min(max_new_tokens, context)
-    return prompt + budget + headroom + 1
-
-
-def prepare(steps: EagerSteps, tokens: int) -> torch.Tensor | None:
-    """Before `reply.begin` (or a read-ahead) of a sequence of up to `tokens` tokens: the caches
-    fitted to it, and a captured step's buffer returned for the reply to decode in (None: the
-    reply has its own). That buffer is about to be overwritten by the new prompt, so the models'
-    record of what they were fed (`CachedModel.fed`, which prefix reuse compares) becomes a copy
-    of it (one device copy a reply)."""
-    steps.fit(tokens)
-    if not steps.captured:
-        return None
-    seq = steps.inputs.seq
-    kept = seq.clone()
-    for model in (steps.target, steps.draft):
-        if model is not None and model.fed is seq:
-            model.fed = kept
-    return seq
-
-
-def start(
-    steps: EagerSteps, reply: Reply, sampling: SamplingConfig, generator: torch.Generator
-) -> torch.Generator:
-    """A prefilled reply's first step is next: the buffers set for it (the buffer bound, the
-    position at its last prompt token, the sampling values), and the generator of its draws."""
-    steps.bind(reply)
-    steps.inputs.position.fill_(reply.length - 1)
-    steps.inputs.write_sampling(sampling)
-    return steps.reseed(sampling, generator)
-
-
-def room_ahead(steps: EagerSteps, reply: Reply, k: int) -> int | None:
-    """The room (`Reply.room`) of the step after a launched step of draft length k (0:
-    target-only) that has not been read, whatever that step emits, when the next step may be
-    launched now (module docstring, "One step in flight"); None when it may not: the steps do not
-    queue (`EagerSteps.ahead`), or the reply may end at the launched step by its length (the token
-    limit, the context window), or the room could cut the next step's k, which then might not be
-    the k the policy gives once the launched step is read."""
-    if not steps.ahead:
-        return None
-    room = reply.room() - (k + 1)
-    longest = MAX_DRAFT_TOKENS if steps.lengths is None else max(steps.lengths, default=0)
-    return room if room >= longest else None
-
-
-def whole_target_step(
-    steps: EagerSteps,
-    launched: Launched,
-    reply: Reply,
-    *,
-    clock: PhaseClock,
-    settings: DecodingSettings,
-    rule: StepRule,
-    greedy: bool,
-    prefill_seconds: float,
-) -> Step:
-    """`reply.target_step` as one step function (`target_step`), launched: one read of its block.
-
-    Raises:
-        NonFiniteError: the target's logits are not finite (the reply ends before this token).
-    """
-    check, token = launched.read().tolist()
-    steps.target.seen = reply.length
-    if not math.isfinite(check):
-        steps.clear()
-        raise non_finite_error("target")
-    ids = [int(token)]
-    reply.record(ids)
-    return commit_target(
-        reply,
-        ids,
-        clock=clock,
-        settings=settings,
-        rule=rule,
-        greedy=greedy,
-        prefill_seconds=prefill_seconds,
-    )

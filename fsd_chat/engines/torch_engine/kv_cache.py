@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsd_chat.decoding.packed_linear import unpack_linear_layers
+from fsd_chat.decoding.acceptance import compile_failure
 from fsd_chat.decoding.runner import ModelRunner, id_set
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
+from fsd_chat.engines.torch_engine.packed_linear import unpack_linear_layers
 from fsd_chat.support.errors import UnsupportedCacheError
 
 if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the torch engine alone
     from transformers import PreTrainedModel
     from transformers.cache_utils import Cache
 
-    from fsd_chat.decoding.positioned_cache import PositionedCache
+    from fsd_chat.engines.torch_engine.positioned_cache import PositionedCache
 
 DRAFT_WIDTHS = (1, 2)
 """The forward passes a compiled draft runs compiled, in tokens: one per draft step, two for a
@@ -221,7 +222,7 @@ class StaticModel(CachedModel):
     masked out (`attention_mask`) until they are overwritten. A forward pass attends over the
     whole capacity, so a capacity far beyond what a reply needs costs attention time on a CPU:
     `resize` fits it between replies. Its forward passes are what `CompiledModel` compiles, and
-    what `fsd_chat.decoding.step_graph` runs as one function a step (captured as a graph on
+    what `fsd_chat.engines.torch_engine.step_graph` runs as one function a step (captured as a graph on
     CUDA), its positions given on the device (`run`).
 
     Args:
@@ -239,7 +240,7 @@ class StaticModel(CachedModel):
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, capacity: int) -> None:
         # Deferred with the modeling stack (`AttentionInterface`), which only the torch engine imports.
-        from fsd_chat.decoding.static_attention import use
+        from fsd_chat.engines.torch_engine.static_attention import use
 
         use(model)
         # Read once: `PreTrainedModel.dtype` walks the parameters (~60 µs, at every mask).
@@ -274,7 +275,7 @@ class StaticModel(CachedModel):
         self.fed = None
 
     def _new_cache(self) -> PositionedCache:
-        from fsd_chat.decoding.positioned_cache import PositionedCache
+        from fsd_chat.engines.torch_engine.positioned_cache import PositionedCache
 
         cache = PositionedCache(self.model.config, self.capacity)
         # The slots' indices, which `attention_mask` compares with the positions of a pass.
@@ -388,7 +389,7 @@ class StaticModel(CachedModel):
 
     @torch.inference_mode()
     def _check_rollback(self) -> None:
-        from fsd_chat.decoding.positioned_cache import PositionedLayer
+        from fsd_chat.engines.torch_engine.positioned_cache import PositionedLayer
 
         # Exactly ours: the sliding-window static layers subclass StaticLayer, and are left as they are.
         self.layers = [layer for layer in self.cache.layers if type(layer) is PositionedLayer]
@@ -428,7 +429,7 @@ class CompiledModel(StaticModel):
 
     If compilation fails (no C++ compiler, an operator torch.compile cannot trace), the model runs
     eagerly from then on and `compile_error` says why. A model whose linear layers were prepacked
-    for oneDNN (`fsd_chat.decoding.packed_linear`) gets them back unpacked, in place, first.
+    for oneDNN (`fsd_chat.engines.torch_engine.packed_linear`) gets them back unpacked, in place, first.
 
     Args:
         model: A causal LM that `compile_refusal` admits (full-attention layers only).
@@ -488,12 +489,6 @@ class CompiledModel(StaticModel):
         """Feed a prompt's tokens eagerly, over the same static cache: only decoding steps (verify
         widths, draft steps) run compiled graphs, so no prompt length compiles one."""
         StaticModel.forward(self, seq, upto, keep=1)
-
-
-def compile_failure(exc: BaseException) -> str:
-    """A failed compilation in one line: the exception's type and its message's first line
-    (torch.compile's run to dozens of lines of context)."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 _COMPILED: weakref.WeakKeyDictionary[PreTrainedModel, Callable[..., Any]] = weakref.WeakKeyDictionary()
@@ -569,22 +564,20 @@ def compiled_capacity(context: int) -> int:
 
 
 def bind(
-    model: PreTrainedModel | ModelRunner,
+    model: PreTrainedModel,
     vocab_size: int,
     *,
     compiled: bool | None,
     capacity: int,
     widths: tuple[int, ...] = VERIFY_WIDTHS,
     static: bool = False,
-) -> ModelRunner:
+) -> CachedModel:
     """`model` bound to its KV cache: a `CompiledModel` when `compiled` asks for it (None: on a
     CUDA device, where kernel launches dominate a small model's forward pass; on a CPU compiling
     takes long and gains little) and `compile_refusal` and `compiler_refusal` admit it, a
-    `StaticModel` when `static` asks for one (the whole-step path, `fsd_chat.decoding.step_graph`,
+    `StaticModel` when `static` asks for one (the whole-step path, `fsd_chat.engines.torch_engine.step_graph`,
     which compiles and captures on its own), else a `CachedModel` whose `compile_error` says why
-    compiling (or a static cache) was refused (None when neither was asked for). A runner of
-    another engine (`ModelRunner`, e.g. llama.cpp's) is already bound to its cache: returned as it
-    is.
+    compiling (or a static cache) was refused (None when neither was asked for).
 
     Args:
         model: A causal LM.
@@ -596,8 +589,6 @@ def bind(
     Raises:
         UnsupportedCacheError: see `CachedModel`.
     """
-    if isinstance(model, ModelRunner):
-        return model
     if compiled is None:
         compiled = input_device(model).type == "cuda"
     reason = (

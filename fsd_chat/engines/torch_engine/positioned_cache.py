@@ -1,7 +1,7 @@
-"""The static KV cache layers of `fsd_chat.decoding.kv_cache.StaticModel`: transformers' `StaticLayer`
-and `StaticCache` written at given positions. Apart from `kv_cache` so that what imports it (the
-decoding loop, on either engine) imports no transformers: these subclass transformers' classes, and
-only the transformers engine makes them."""
+"""The static KV cache layers of `kv_cache.StaticModel`: transformers' `StaticLayer` and
+`StaticCache` written at given positions. Apart from `kv_cache` so that what imports it (the torch
+engine's modules, the models layer) imports no transformers: these subclass transformers' classes,
+and only the transformers engine makes them."""
 
 from __future__ import annotations
 
