@@ -9,7 +9,7 @@ greedy target-only whole step (`step_graph.target_step`, settings as device valu
   bfloat16 (the GPU's dtype: its RMSNorm casts are kernels too) and float32;
 - inductor's kernel launches a step and its compile seconds, each depth in a fresh process (the
   compiler's caches would otherwise serve the second depth from the first), with each decoder
-  layer one nested compile region (`engines.torch_engine.regions`) and, for comparison, unrolled.
+  layer one nested compile region (`torch_engine.regions`) and, for comparison, unrolled.
 
 The machine is shared (2 cores, other work running): compile seconds are wall-clock seconds of one
 run each, and their ratios across depths are what the check needs.

@@ -11,7 +11,7 @@ GPU") counted 52 kernels a layer, 1,247 a token. Neither count needs a GPU to be
 - **Compiled**: inductor's output code for the step (`torch._inductor.utils.run_and_get_code`)
   calls its generated kernels (`cpp_fused_*` on a CPU, Triton kernels on a GPU: one fused loop
   each), extern kernels (`extern_kernels.mm`: a GEMM) and the aten operators it does not lower
-  (attention); a nested compile region (`engines.torch_engine.regions`) is a function of that code, called
+  (attention); a nested compile region (`torch_engine.regions`) is a function of that code, called
   once a layer (`launches`).
 
 A layer's count is the slope between two depths of one model (`per_layer`), so that the work
