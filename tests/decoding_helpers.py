@@ -10,13 +10,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsd_chat.decoding import GenerationStats, Step
+from fsd_chat.decoding import Controls, GenerationStats, Step
 from fsd_chat.decoding.forward_timings import ForwardTimings
+from fsd_chat.decoding.lookup import PromptLookup
+from fsd_chat.decoding.speculative import SpeculativeDecoder
+from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.engines.torch_engine.kv_cache import CachedModel
 from fsd_chat.engines.torch_engine.timings import modelled_timings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from fsd_chat.models.pair import ModelPair
 
 # How far a float32 recomputation of a log-probability may stray. log p(x) = logit(x) − log Σ exp(logits)
 # sums the V = 512 terms of the vocabulary, and recursive float32 summation of n terms is off by at
@@ -86,3 +91,11 @@ def modelled(target: PreTrainedModel, draft: PreTrainedModel | None = None) -> C
     """A decoder's `timings` for a transformers `target` and `draft` (None: prompt lookup, whose
     draft positions take no time), modelled once (`modelled_timings`)."""
     return cache(partial(modelled_timings, target, draft))
+
+
+def lookup_decoder(pair: ModelPair, controls: Controls) -> SpeculativeDecoder:
+    """Prompt lookup over a transformers pair's target (its draft model left out), priced as
+    prompt lookup (`modelled` without a draft)."""
+    return speculative_decoder(
+        pair.target, PromptLookup(), pair.tokenizer, controls=controls, timings=modelled(pair.target)
+    )

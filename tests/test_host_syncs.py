@@ -34,12 +34,10 @@ from fsd_chat.decoding import sampling as sampling_module
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.events import Step
 from fsd_chat.decoding.forward_timings import ForwardTimings
-from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import draw, probabilities
-from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import modelled
+from tests.decoding_helpers import lookup_decoder
 
 READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
 READING_OPERATORS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim")
@@ -195,13 +193,7 @@ def _decoder(kind: str, pair: ModelPair, shuffled: ModelPair, settings: Decoding
     if kind == "mapped":
         return shuffled.speculative(Controls(settings))
     if kind == "lookup":
-        return speculative_decoder(
-            pair.target,
-            PromptLookup(),
-            pair.tokenizer,
-            controls=Controls(settings),
-            timings=modelled(pair.target),
-        )
+        return lookup_decoder(pair, Controls(settings))
     return pair.autoregressive(Controls(settings))
 
 

@@ -18,12 +18,10 @@ import torch
 from fsd_chat.decoding import Controls, DecodingSettings, Origin, SamplingConfig
 from fsd_chat.decoding.acceptance import verify
 from fsd_chat.decoding.events import StopReason
-from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.protocol import Decoder
 from fsd_chat.decoding.sampling import probabilities
-from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.pair import ModelPair
-from tests.decoding_helpers import collect, modelled
+from tests.decoding_helpers import collect, lookup_decoder
 
 TRUNCATIONS = {
     "top-k 3": SamplingConfig(temperature=0.7, top_k=3, seed=1),
@@ -74,13 +72,7 @@ def _decoder(kind: str, pair: ModelPair, shuffled: ModelPair, settings: Decoding
         return pair.speculative(Controls(settings))
     if kind == "mapped":
         return shuffled.speculative(Controls(settings))
-    return speculative_decoder(
-        pair.target,
-        PromptLookup(),
-        pair.tokenizer,
-        controls=Controls(settings),
-        timings=modelled(pair.target),
-    )
+    return lookup_decoder(pair, Controls(settings))
 
 
 @pytest.mark.parametrize("kind", ["model", "mapped", "lookup"])
