@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ def geometric_mean(ratios: list[float]) -> float:
 
 
 def prices(
-    target: llama_cpp.LlamaCppModel, label: str, table: dict[str, dict[str, object]] | None
+    target: llama_cpp.LlamaCppModel, label: str, table: dict[str, Any] | None
 ) -> tuple[list[float], Callable[[int], float]]:
     """V(w) indexed by width w (index 0: V(1)) and a prompt's prefill seconds by its length, at the
     split `label` the target's threads are set to: modelled, or measured (`table`, from
@@ -101,8 +102,8 @@ def prices(
         return llama_cpp.modelled_timings(target, None).verify_table(), partial(
             llama_cpp.forward_seconds, target
         )
-    measured = [float(v) for v in table[label]["measured_seconds"]]  # type: ignore[attr-defined]
-    per_token = float(table[label]["prefill_seconds_per_token"])  # type: ignore[arg-type]
+    measured = [float(v) for v in table[label]["measured_seconds"]]
+    per_token = float(table[label]["prefill_seconds_per_token"])
     return [measured[0], *measured], lambda length: per_token * length
 
 
