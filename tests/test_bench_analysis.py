@@ -110,6 +110,37 @@ def test_speedups_are_paired_medians_with_their_intervals() -> None:
     assert exact.mean_accepted_length == pytest.approx(2.5)
 
 
+def test_the_decode_clock_leaves_the_prefill_out_so_a_longer_reply_is_not_faster() -> None:
+    """Two methods decode at the same rate, 100 tokens/s after a 0.5 s prefill, but one writes 20%
+    longer replies: on the wall clock, which shares the prefill among a reply's tokens, the longer
+    replies look faster; on the decode clock they are not. A method whose first token was not seen
+    (transformers' methods) has no decode figure."""
+    prefill, rate = 0.5, 100.0
+    longer = Configuration(SETUP, 0.0, "fuzzy", 4, "js", 0.2)
+
+    def run(config: Configuration, prompt: int, tokens: int, first: float | None) -> Measurement:
+        seconds = prefill + tokens / rate
+        generation = Generation(
+            list(range(tokens)), seconds, None, ForwardTally(), ForwardTally(), first_token_seconds=first
+        )
+        return Measurement(config, prompt, 0, [1], generation, 20.0, None)
+
+    runs = []
+    for prompt in range(9):
+        tokens = 100 + 10 * prompt
+        first = prefill + 1 / rate
+        runs += [run(AUTOREGRESSIVE, prompt, tokens, first), run(longer, prompt, round(tokens * 1.2), first)]
+        runs.append(run(EXACT, prompt, tokens, None))
+    autoregressive, fuzzy, exact = summarize([AUTOREGRESSIVE, longer, EXACT], runs)
+    assert fuzzy.speedup["autoregressive"] > 1.03
+    assert fuzzy.decode_speedup["autoregressive"] == pytest.approx(1.0)
+    assert fuzzy.decode_speedup_ci95["autoregressive"] == pytest.approx((1.0, 1.0))
+    assert autoregressive.decode_tokens_per_second == pytest.approx(rate)
+    assert autoregressive.time_to_first_token == pytest.approx(prefill + 1 / rate)
+    assert exact.decode_tokens_per_second is None and exact.time_to_first_token is None
+    assert "autoregressive" not in exact.decode_speedup and "autoregressive" in exact.speedup
+
+
 @pytest.mark.slow
 def test_analysis_modules_load_neither_torch_nor_transformers() -> None:
     script = (

@@ -21,6 +21,7 @@ from fsd_chat.models.pair import ModelPair
 from fsd_chat.tui.app import FsdChatApp
 from tests.conftest import LLAMA_CPP_MISSING
 from tests.test_bench_cli import DATA_DIR
+from tests.test_bench_table import _check_tables
 from tests.test_cli_generate import run_cli
 from tests.test_server import MODEL, extra, serving, user
 from tests.tui.helpers import SIZE, recording_loader, wait_for_chat
@@ -106,7 +107,8 @@ def test_bench_runs_llama_cpps_own_baselines(
     # It says the engine it chose and why, then what loaded, as it runs (the file's type, not the
     # transformers dtype asked for), and llama.cpp's baselines print nothing of llama.cpp's or
     # llama-cpp-python's.
-    err = capfd.readouterr().err.splitlines()
+    printed = capfd.readouterr()
+    err = printed.err.splitlines()
     assert "engine llama.cpp (a GGUF file, llama-cpp-python installed)" in err
     assert "loaded llama.cpp F32" in err and not [line for line in err if "float32" in line]
     assert not [line for line in err if LLAMA_CPP_LINE.match(line)], err
@@ -124,6 +126,11 @@ def test_bench_runs_llama_cpps_own_baselines(
     # Every row ran on llama.cpp, over the file as it is (float32 GGUF files): the rows say so, not
     # the transformers engine's dtype.
     assert {c["setup"] for c in configs} == {"llama.cpp F32"}
+    # Both tables, cell by cell: the columns against llama.cpp (a baseline whose name holds a dot)
+    # show their figures, on the wall clock and the decode clock.
+    _check_tables(printed.out, out)
+    assert by_method["fuzzy"]["decode_speedup"]["llama.cpp"] > 0
+    assert by_method["llama.cpp"]["time_to_first_token"] > 0
 
 
 async def test_the_chat_names_the_engine_while_loading_and_opens_on_llama_cpp(

@@ -131,15 +131,17 @@ def test_the_bench_baselines_llama_cpp_notes_go_to_the_logger(
     capfd.readouterr()
     with caplog.at_level(logging.DEBUG, logger=LLAMA_CPP_LOG):
         for _ in range(2):
-            ids = llama_generate(
-                llama,
-                [1, 400, 300, 200],
-                SamplingConfig(temperature=0.0),
-                max_new_tokens=4,
-                eos=frozenset(),
-                stop_strings=(),
-                tally=ForwardTally(),
-                stop=lambda: False,
+            ids = list(
+                llama_generate(
+                    llama,
+                    [1, 400, 300, 200],
+                    SamplingConfig(temperature=0.0),
+                    max_new_tokens=4,
+                    eos=frozenset(),
+                    stop_strings=(),
+                    tally=ForwardTally(),
+                    stop=lambda: False,
+                )
             )
             assert len(ids) == 4
     assert capfd.readouterr() == ("", "")

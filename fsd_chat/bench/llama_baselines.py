@@ -21,7 +21,7 @@ string (the token completing it is emitted, as fsd-chat's decoders do) or at the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsd_chat.bench.meter import ForwardMeter
@@ -60,13 +60,14 @@ def llama_generate(
     stop_strings: tuple[str, ...],
     tally: ForwardTally,
     stop: Callable[[], bool],
-) -> list[int]:
-    """The reply llama.cpp decodes for `prompt_ids` (see the module docstring); `stop` is asked
-    after each token (a deadline)."""
+) -> Iterator[int]:
+    """The reply llama.cpp decodes for `prompt_ids`, token by token as it decodes them (see the
+    module docstring; so that its time to first token is seen); `stop` is asked after each token
+    (a deadline)."""
     if not sampling.greedy:
         llama.set_seed(sampling.seed or 0)
     temp = 0.0 if sampling.greedy else sampling.temperature
-    ids: list[int] = []
+    emitted = 0
     text = b""
     longest = max((len(s.encode()) for s in stop_strings), default=0)
     stops = [s.encode() for s in stop_strings]
@@ -90,13 +91,13 @@ def llama_generate(
             ):
                 if token in eos:
                     break
-                ids.append(token)
+                yield token
+                emitted += 1
                 if stops:
                     text = (text + llama.detokenize([token]))[-(longest + 16) :]
                     if any(s in text for s in stops):
                         break
-                if len(ids) >= max_new_tokens or stop():
+                if emitted >= max_new_tokens or stop():
                     break
     finally:
         del llama.eval  # the class's method again
-    return ids

@@ -81,6 +81,20 @@ if TYPE_CHECKING:  # the modeling stack (torch._dynamo with it): imported by the
     from transformers import PreTrainedModel
 
 
+@dataclass(slots=True)
+class FirstToken:
+    """The time to first token of a reply: wall-clock seconds from this object's making (just
+    before the call) to the first `seen` (None until then)."""
+
+    began: float = field(default_factory=time.perf_counter)
+    seconds: float | None = None
+
+    def seen(self) -> None:
+        """A token has arrived: the first one's time is kept."""
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self.began
+
+
 @dataclass(frozen=True, slots=True)
 class Deadline:
     """The time (`time.monotonic`) by which a reply must stop, checked between its steps: fsd-chat's
@@ -370,7 +384,9 @@ class PairRunner:
             return Generation(ids, seconds, None, target, draft, costs)
         if config.method in LLAMA_CPP_METHODS:
             clock = PhaseClock(self.pair.device)
-            ids = llama_generate(
+            first = FirstToken()
+            ids = []
+            for token in llama_generate(
                 self._llama(config),
                 prompt_ids,
                 sampling,
@@ -379,8 +395,10 @@ class PairRunner:
                 stop_strings=stop_strings,
                 tally=target,
                 stop=(lambda: False) if deadline is None else deadline.passed,
-            )
-            return Generation(ids, clock.lap(), None, target, draft)
+            ):
+                first.seen()
+                ids.append(token)
+            return Generation(ids, clock.lap(), None, target, draft, first_token_seconds=first.seconds)
         if config.method in HF_METHODS:  # transformers' decoding without a draft model
             clock = PhaseClock(self.hf.device)
             ids = self._hf_generate(
@@ -397,14 +415,17 @@ class PairRunner:
         stats = GenerationStats()
         ids = []
         clock = PhaseClock(self.pair.device)
+        first = FirstToken()
         for step in decoder.generate(
             prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop_strings
         ):
             stats.add(step)
+            if step.tokens:
+                first.seen()
             ids += [t.id for t in step.tokens]
             if deadline is not None and deadline.passed():
                 break
-        return Generation(ids, clock.lap(), stats, target, draft)
+        return Generation(ids, clock.lap(), stats, target, draft, first_token_seconds=first.seconds)
 
     def _empty_llama_caches(self, config: Configuration) -> None:
         """Every reply reads its whole prompt, as fsd-chat's decoders do (`reuse_prefix` off): a

@@ -11,8 +11,14 @@ For hf-assisted, transformers reports no step statistics: target forwards are co
 (every one is a verification), drafted tokens = draft forwards (one token each), and accepted
 tokens = generated tokens − target forwards (each step emits its accepted tokens plus one).
 
-Speed is measured on two clocks. Wall clock (`tokens_per_second`, `speedup`) is what a user sees,
-but on a machine shared with other processes one run can wait seconds for a core. Forward work
+Speed is measured on three clocks. Wall clock (`tokens_per_second`, `speedup`) is what a user sees,
+the prompt's prefill included, but on a machine shared with other processes one run can wait seconds
+for a core; and it favours longer replies, which share the prefill among more tokens: a lossy rule
+that changes a reply's length moves it with no change in decoding speed (on summaries of the default
+model, 2026-11-28, replies 22% longer than the target alone's ran 1.03× on it and 1.02× decoding).
+The decode clock (`decode_tokens_per_second`, `decode_speedup`) leaves the prefill out: a reply's
+tokens after its first over the wall-clock seconds after its first (the inverse of the time per
+output token), for every method whose first token is seen (`Generation.first_token_seconds`). Forward work
 (`work_speedup`) is immune to that: each run's tokens / (its target forwards × t_target + its draft
 forwards × t_draft), where t_target and t_draft are the median per-forward times over all runs of
 the same setup, temperature, k (the verify width) and draft policy, so every configuration of that kind is charged
@@ -32,7 +38,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from fsd_chat.bench.records import (
@@ -101,13 +107,18 @@ class Summary:
         tokens: Generated tokens in all of them.
         tokens_per_second: Per-run generated tokens / wall-clock seconds of the call (prefill
             included, the same clock for every method), over runs.
-        decode_tokens_per_second: Median of fsd-chat's own tokens/s (prefill excluded); None for
-            hf-assisted.
+        decode_tokens_per_second: Median over runs of the decode clock (`decode_rate`: tokens
+            after the first / wall-clock seconds after it); None where no run saw its first token
+            (transformers' methods).
         speedup: Paired median tokens/s ratio against each baseline of the same group (and k).
         speedup_ci95: Distribution-free 95% confidence interval of each of those medians (from 6
             prompts × repeats up; see `stats.median_ci95`).
         work_speedup: The same paired medians on the forward-work clock (see the module docstring).
         work_speedup_ci95: Their intervals.
+        decode_speedup: The same paired medians on the decode clock (`decode_rate`).
+        decode_speedup_ci95: Their intervals.
+        time_to_first_token: Median over runs of the seconds from the call to the first token
+            (the prompt's prefill and the first step); None as for `decode_tokens_per_second`.
         mean_accepted_length: τ, tokens per target forward.
         draft_tokens_per_step: Mean k: drafted tokens per target forward (0 for a method that
             drafted nothing; None for those whose drafts are not counted, `UNCOUNTED_DRAFTS`).
@@ -162,6 +173,9 @@ class Summary:
     warmup_seconds: float | None = None
     compiled_graphs: int | None = None
     profile: ReplyProfile | None = None
+    decode_speedup: dict[str, float] = field(default_factory=dict)
+    decode_speedup_ci95: dict[str, tuple[float, float]] = field(default_factory=dict)
+    time_to_first_token: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict: the configuration's fields flattened in with its `label`, `setup` and
@@ -216,6 +230,7 @@ class Summary:
                 "tokens_per_second": Spread(**data["tokens_per_second_spread"]),
                 "speedup_ci95": _intervals(data["speedup_ci95"]),
                 "work_speedup_ci95": _intervals(data["work_speedup_ci95"]),
+                "decode_speedup_ci95": _intervals(data.get("decode_speedup_ci95", {})),
                 "quality": Quality(**data["quality"]),
             }
         )
@@ -238,6 +253,16 @@ def _mean_forward_seconds(seconds: Iterable[float], calls: Iterable[int]) -> flo
 def run_rate(run: Measurement) -> float:
     """Generated tokens / wall-clock seconds of one run (0.0 for a run that took no time)."""
     return len(run.generation.token_ids) / run.generation.seconds if run.generation.seconds > 0 else 0.0
+
+
+def decode_rate(run: Measurement) -> float | None:
+    """The decode clock of one run (see the module docstring): tokens after the first / wall-clock
+    seconds after the first token; None without a first-token time or a second token."""
+    generation = run.generation
+    first = generation.first_token_seconds
+    if first is None or len(generation.token_ids) < 2 or generation.seconds <= first:
+        return None
+    return (len(generation.token_ids) - 1) / (generation.seconds - first)
 
 
 def tau_rate(run: Measurement) -> float:
@@ -433,18 +458,21 @@ def _speedups(
     config: Configuration,
     runs: list[Measurement],
     by_config: dict[Configuration, list[Measurement]],
-    rate: RunRate,
+    rate: Callable[[Measurement], float | None],
 ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
-    """Paired median tokens/s ratio on the clock `rate` against each baseline, with intervals."""
+    """Paired median tokens/s ratio on the clock `rate` against each baseline, with intervals (runs
+    the clock has no figure for, None, are left out)."""
+
+    def rates(of: list[Measurement]) -> dict[tuple[int, int], float]:
+        return {trial_key(r): value for r in of if (value := rate(r)) is not None}
+
     speedups: dict[str, float] = {}
     intervals: dict[str, tuple[float, float]] = {}
     for method in SPEEDUP_BASELINES:
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
-        ratios = paired_ratios(
-            {trial_key(r): rate(r) for r in runs}, {trial_key(r): rate(r) for r in reference}
-        )
+        ratios = paired_ratios(rates(runs), rates(reference))
         if ratios:
             speedups[method], interval = median_with_ci95(ratios)
             if interval is not None:
@@ -485,6 +513,9 @@ def summarize(
         engine = [r.generation.stats for r in mine if r.generation.stats is not None]
         speedups, intervals = _speedups(config, mine, by_config, run_rate)
         work_speedups, work_intervals = _speedups(config, mine, by_config, work)
+        decode_speedups, decode_intervals = _speedups(config, mine, by_config, decode_rate)
+        decode_rates = [x for r in mine if (x := decode_rate(r)) is not None]
+        first_tokens = [f for r in mine if (f := r.generation.first_token_seconds) is not None]
         wall = sum(r.generation.seconds for r in mine)
         metered = sum(r.generation.target.seconds + r.generation.draft.seconds for r in mine)
         summaries.append(
@@ -493,9 +524,10 @@ def summarize(
                 runs=len(mine),
                 tokens=tokens,
                 tokens_per_second=Spread.of([run_rate(r) for r in mine]),
-                decode_tokens_per_second=statistics.median(s.tokens_per_second for s in engine)
-                if engine
-                else None,
+                decode_tokens_per_second=statistics.median(decode_rates) if decode_rates else None,
+                decode_speedup=decode_speedups,
+                decode_speedup_ci95=decode_intervals,
+                time_to_first_token=statistics.median(first_tokens) if first_tokens else None,
                 speedup=speedups,
                 speedup_ci95=intervals,
                 work_speedup=work_speedups,

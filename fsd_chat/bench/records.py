@@ -233,6 +233,10 @@ class Generation:
         costs: Each token's cost in nats (KL of its law from the target's; greedy: regret), for
             hf-ensemble, whose costs transformers does not report (see `bench.methods`); None
             otherwise (fsd-chat's decoders carry theirs in `stats`; hf-assisted is lossless).
+        first_token_seconds: Wall-clock seconds from the call to its first token, the time to first
+            token (the prompt's prefill and the first step); None for a reply without tokens and for
+            transformers' methods, whose `generate` hands the tokens over at its end (a streamer
+            would synchronise a CUDA device at every step, slowing the baseline it measures).
     """
 
     token_ids: list[int]
@@ -241,6 +245,7 @@ class Generation:
     target: ForwardTally
     draft: ForwardTally
     costs: list[float] | None = None
+    first_token_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

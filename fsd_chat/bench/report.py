@@ -21,14 +21,13 @@ interval kept in another field)."""
 
 
 def _at(item: Mapping[str, Any], path: str) -> Any:
-    """The value at a dotted path of a report.json `configs` item ("quality.cost_per_token";
-    a missing key of a by-baseline map, as "speedup.hf-assisted" when it did not run, is None)."""
-    value: Any = item
-    for key in path.split("."):
-        value = value.get(key)
-        if value is None:
-            return None
-    return value
+    """The value at a dotted path of a report.json `configs` item, a field or a field's key
+    ("quality.cost_per_token", "speedup.llama.cpp": split at the first dot only, as a baseline's
+    name may hold one); a missing key of a by-baseline map, as "speedup.hf-assisted" when it did
+    not run, is None."""
+    name, _, key = path.partition(".")
+    value = item.get(name)
+    return value.get(key) if key and value is not None else value
 
 
 def _num(fmt: str) -> Render:
@@ -45,8 +44,9 @@ def _spread(_value: Any, item: Mapping[str, Any]) -> str:
 
 
 def _policy(value: Any, item: Mapping[str, Any]) -> str:
-    # transformers' methods and target-only decoding have no draft-length policy of fsd-chat's.
-    return "–" if item["method"].startswith(("hf-", "autoregressive")) else str(value)
+    # transformers' and llama.cpp's methods and target-only decoding have no draft-length policy of
+    # fsd-chat's.
+    return "–" if item["method"].startswith(("hf-", "autoregressive", "llama.cpp")) else str(value)
 
 
 def _speedup(intervals: str, method: str) -> Render:
@@ -137,6 +137,9 @@ SPEEDUP_RANKS: dict[str, int] = {
     "llama.cpp-lookup": 2,
 }
 """Which speed-up columns a narrow terminal keeps first (`Column.rank`)."""
+DECODE_BASELINES = ("autoregressive", "llama.cpp")
+"""The baselines whose decode-clock speed-ups have columns (report.json has them all): target-only
+decoding on each engine, what the decode clock is for."""
 
 COLUMNS: tuple[Column, ...] = (
     Column("setup", "setup", "how the pair was loaded: dtype and quantization", terminal=False),
@@ -177,6 +180,31 @@ COLUMNS: tuple[Column, ...] = (
         "outside forward passes)",
         _speedup("work_speedup_ci95", "exact"),
         rank=6,
+    ),
+    *(
+        Column(
+            f"{SPEEDUP_HEADERS[method][0]} decode",
+            f"decode_speedup.{method}",
+            f"the same against {SPEEDUP_HEADERS[method][1]} on the decode clock (tokens after the first "
+            "over the seconds after it: the prefill left out, so a reply's length does not move it)",
+            _speedup("decode_speedup_ci95", method),
+            rank=SPEEDUP_RANKS[method] + 1,
+        )
+        for method in DECODE_BASELINES
+    ),
+    Column(
+        "decode tok/s",
+        "decode_tokens_per_second",
+        "median over prompts of the tokens after the first / wall-clock seconds after the first token",
+        _num(".1f"),
+        terminal=False,
+    ),
+    Column(
+        "TTFT ms",
+        "time_to_first_token",
+        "median time to first token: the prompt's prefill and the first step",
+        _milliseconds,
+        terminal=False,
     ),
     Column(
         "limit tok/s",
