@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sqlite3
 import stat
@@ -280,6 +281,30 @@ def test_writer_waits_for_a_lock_and_retries_a_failed_save(tmp_path: Path) -> No
         "Two",
         "Done",
     ]
+
+
+def test_a_reply_is_written_as_it_was_appended_while_it_goes_on_streaming(tmp_path: Path) -> None:
+    """The writer thread writes an append later than it is asked (here: behind a lock); the reply
+    row it writes is the reply as appended, marked streaming, not the record the decoding thread
+    has grown since (with no stop reason yet): that is `update_reply`'s to write."""
+    path = tmp_path / "s.sqlite3"
+    store = SessionStore(path, busy_timeout=0.3)
+    session = make_session()
+    saved(store, session)
+    writer = SessionWriter(store, on_error=lambda reason: None)
+    locker = sqlite3.connect(path, isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    reply = Turn("assistant", "", reply=ReplyRecord())
+    exchange = [Turn("user", "One"), reply]
+    session.turns += exchange
+    writer.append(session, exchange)
+    assert reply.reply is not None
+    reply.reply.runs.append(OriginRun("Grown", Origin.TARGET, 0.1, "js", "fuzzy"))  # the decoding thread
+    locker.execute("ROLLBACK")
+    assert writer.close(5)
+    rows = sqlite3.connect(path).execute("SELECT reply FROM turns WHERE role = 'assistant'").fetchall()
+    assert [json.loads(row)["stop_reason"] for (row,) in rows] == ["stopped", "streaming"]
+    assert [t.content for t in store.load(session.id).turns][-1] == ""
 
 
 def test_an_update_whose_row_is_gone_says_so(tmp_path: Path) -> None:

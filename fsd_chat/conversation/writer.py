@@ -29,6 +29,9 @@ timeout)."""
 class _Append:
     session: Session
     turns: list[Turn]
+    """The turns given: they identify the stored rows."""
+    rows: list[Turn]
+    """What to write: the turns as they were when given (`snapshot`)."""
 
 
 @dataclass(slots=True)
@@ -45,6 +48,15 @@ class _Update:
 class _Settings:
     session_id: str
     settings: dict[str, object]
+
+
+def snapshot(turn: Turn) -> Turn:
+    """`turn` as it is now, for the writer thread to serialise while the decoding thread goes on:
+    a reply's record copied (one still streaming marked so, `ReplyRecord.snapshot`); a message,
+    never changed once made, as it is."""
+    if turn.reply is None:
+        return turn
+    return Turn(turn.role, turn.reply.text, turn.created, turn.reply.snapshot())
 
 
 class SessionWriter:
@@ -82,24 +94,26 @@ class SessionWriter:
         self._thread.start()
 
     def append(self, session: Session, turns: list[Turn]) -> None:
-        """Store `turns` (already appended to `session.turns`) after the session's stored ones."""
-        self._put(_Append(session, list(turns)))
+        """Store `turns` (already appended to `session.turns`) after the session's stored ones, as
+        they are now: a reply the decoding thread goes on growing is written as it was given, still
+        streaming (the rows that follow are `update_reply`'s)."""
+        self._put(_Append(session, list(turns), [snapshot(turn) for turn in turns]))
 
     def update_reply(self, session_id: str, turn: Turn) -> None:
         """Store the reply turn `turn` (given to `append` before) as it is now; a reply still
         streaming is stored as such (see `ReplyRecord.snapshot`)."""
         assert turn.reply is not None
-        snapshot = Turn(turn.role, turn.reply.text, turn.created, turn.reply.snapshot())
+        frozen = snapshot(turn)
         with self._wake:
             for op in self._queue:
                 # A newer snapshot replaces a pending one: throttled streaming writes never pile
                 # up behind a lock.
                 if isinstance(op, _Update) and op.turn is turn and not op.in_flight:
-                    op.snapshot = snapshot
+                    op.snapshot = frozen
                     self._puts += 1
                     self._wake.notify()
                     return
-        self._put(_Update(session_id, turn, snapshot))
+        self._put(_Update(session_id, turn, frozen))
 
     def update_settings(self, session: Session) -> None:
         """Store the session's settings as they are now (the dial moved); a newer pending save of
@@ -179,7 +193,7 @@ class SessionWriter:
     def _write(self, op: _Append | _Update | _Settings) -> None:
         if isinstance(op, _Append):
             self._sessions[op.session.id] = op.session
-            self._append(op.session, op.turns, op.turns)
+            self._append(op.session, op.turns, op.rows)
         elif isinstance(op, _Settings):
             self.store.update_settings(op.session_id, op.settings)
         elif not self.store.update_turn(op.session_id, self._positions[id(op.turn)][1], op.snapshot):
