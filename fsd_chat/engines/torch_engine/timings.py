@@ -65,7 +65,7 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
                 sample.append(seconds)
     fastest = [min(s) for s in samples]
     return ForwardTimings(
-        draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), measured=True
+        draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), follows_clock=True
     )
 
 
