@@ -204,6 +204,7 @@ def main() -> None:
         if args.decide_at == "modelled":
             pair.timings = llama_cpp.priced_timings(target, None, {})
         timings = pair.forward_timings()
+        report[f"{args.decide_at}_verify_seconds"] = timings.verify_table()[1:9]  # V(1..8) decided at
         verify, prefill = prices(target, POLICY_SPLIT, table)
         goodput = replace(settings, draft_policy="goodput")
         for label, find in (("goodput", lookup.find_continuation), ("goodput_latest", latest_continuation)):
