@@ -11,6 +11,7 @@ afresh where a test needs a pair of its own (a pair keeps its times once found).
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -142,11 +143,11 @@ def test_a_calibration_is_sane_over_the_policys_widths(
     pair = load(stories_gguf_files, lookup=True)
     target = pair.target
     assert isinstance(target, LlamaCppModel)
-    assert calibration.CALIBRATED_WIDTHS == tuple(range(1, DEFAULT_DRAFT_TOKENS + 2))
+    assert tuple(range(1, DEFAULT_DRAFT_TOKENS + 2)) == calibration.CALIBRATED_WIDTHS
     times = calibration.calibrate(target)
     assert target.seen == 0  # its KV cache emptied for the decoders
     assert len(times) == len(calibration.CALIBRATED_WIDTHS) and times[0] > 0
-    assert all(a <= b for a, b in zip(times, times[1:], strict=False))
+    assert all(a <= b for a, b in itertools.pairwise(times))
     assert all(v <= w * times[0] for w, v in zip(calibration.CALIBRATED_WIDTHS, times, strict=True))
 
 
