@@ -152,7 +152,9 @@ def test_a_calibration_is_sane_over_the_policys_widths(
 
 
 @pytest.mark.slow
-def test_a_seeded_lossy_reply_is_the_same_on_two_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_seeded_lossy_reply_is_the_same_on_two_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Goodput decides each k from the prices, and under a lossy rule an undrafted position is the
     target's token: two loads on one machine price alike (the second reads the first's times, timed
     once), so the same seed writes the same reply. The default model with prompt lookup at the
@@ -171,7 +173,9 @@ def test_a_seeded_lossy_reply_is_the_same_on_two_loads(tmp_path: Path, monkeypat
         pair.use_threads(1, requested_batch=2)
         prompt = prompt_ids(pair.tokenizer, [Message("user", text)])
         sampling = SamplingConfig(temperature=1.0, seed=3)
-        steps = list(pair.speculative(Controls(settings)).generate(prompt, max_new_tokens=48, sampling=sampling))
+        steps = list(
+            pair.speculative(Controls(settings)).generate(prompt, max_new_tokens=48, sampling=sampling)
+        )
         return [t.id for s in steps for t in s.tokens], [s.stats.drafted for s in steps]
 
     first = reply()
