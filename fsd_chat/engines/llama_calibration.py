@@ -45,8 +45,9 @@ CALIBRATED_WIDTHS = tuple(range(1, 7))
 """Verify widths (tokens) timed: a step of draft length k verifies k + 1 tokens, and the chat's
 k is at most 5 (`DEFAULT_DRAFT_TOKENS`, the settings' default). A wider verify (a k the user raises,
 up to `MAX_DRAFT_TOKENS`) is priced by the model scaled to V(6) (`llama_cpp.priced_timings`): timing
-every width up to 33 would take seconds, where these take about 0.4 s on the default model at the
-chat's split on a 2-core CPU, before the first reply on a new file or thread split."""
+every width up to 33 would take seconds, where these take 0.65 s on the default model at the
+chat's split on a 2-core CPU (1.0 s at one thread; load 2), before the first reply on a new file
+or thread split."""
 CALIBRATION_REPEATS = 3
 """Timed passes over the widths, each after an untimed 1-token forward; a width's time is the least
 of its passes (timing noise, another process or a cache miss, only adds to a time)."""

@@ -253,9 +253,9 @@ class ModelPair:
         decoder of the pair (until `use_threads` changes llama.cpp's threads). Transformers models:
         modelled from the models (`modelled_timings`). llama.cpp: measured on this machine at the
         threads in use and cached per machine, file and threads
-        (`llama_calibration.calibrated_timings`: about 0.4 s the first time, before the first
-        reply's prefill, and a file read after). Either way no clock during a reply, so a seed
-        gives the same reply on every run on the machine.
+        (`llama_calibration.calibrated_timings`: 0.65 s the first time on the default model, before
+        the first reply's prefill, and a file read after). Either way no clock during a reply, so a
+        seed gives the same reply on every run on the machine.
 
         The llama.cpp calibration runs here, at the first speculative reply's first step (its policy
         is made before the clock starts), not at load: a load's threads are not yet the command's
