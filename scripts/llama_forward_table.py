@@ -1,10 +1,12 @@
-"""This CPU's forward times of the default model on the llama.cpp engine, beside what the policy
-prices them at (`fsd_chat.engines.llama_cpp.modelled_timings`, whose constants were fitted on
-another 2-core CPU): V(w), a target forward over w tokens after `MEASURE_CONTEXT` tokens of
+"""This CPU's forward times of the default model on the llama.cpp engine, beside what the model
+prices them at (`fsd_chat.engines.llama_cpp.forward_seconds`, whose constants were fitted on
+another 2-core CPU; the chat prices at times calibrated on the machine,
+`fsd_chat.engines.llama_calibration`, whose timing pass this is): V(w), a target forward over w tokens after `MEASURE_CONTEXT` tokens of
 context, and a prompt's prefill per token (over `PREFILL` tokens), at one thread, two, and one for a token with two for a batch (the chat's split).
 
-Each width is timed `--repeats` times, the widths and splits interleaved in every round (so a load
-that comes and goes touches each alike); each time is the median of its samples. The goodput
+Each width is timed `--repeats` times (`llama_calibration.time_widths`), the widths and splits
+interleaved in every round (so a load that comes and goes touches each alike); each time is the
+median of its samples (the calibration takes the least of 3: here, the typical time of many). The goodput
 policy's decisions follow the ratios V(w) / V(1) alone, so those are written too; the JSON feeds
 `scripts/lookup_ceiling.py --forward-table`, which prices the policy's steps at these times.
 
@@ -21,10 +23,9 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT
 from fsd_chat.engines import llama_cpp
+from fsd_chat.engines.llama_calibration import calibration_ids, time_widths
 from fsd_chat.models.default_model import default_model_path
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
@@ -47,7 +48,7 @@ def main() -> None:
     )
     target = pair.target
     assert isinstance(target, llama_cpp.LlamaCppModel)
-    seq = torch.arange(max(MEASURE_CONTEXT + WIDTHS[-1], PREFILL))[None] + 1000
+    seq = calibration_ids(target, PREFILL)
     samples: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
         for label, threads in SPLITS.items():
@@ -56,18 +57,13 @@ def main() -> None:
             start = time.perf_counter()
             target.prefill(seq, PREFILL)
             samples.setdefault((label, 0), []).append((time.perf_counter() - start) / PREFILL)
-            target.rollback(MEASURE_CONTEXT)
-            target.forward(seq, MEASURE_CONTEXT + 1, 1)  # untimed: the split's first call
-            for width in WIDTHS:
-                target.rollback(MEASURE_CONTEXT)
-                start = time.perf_counter()
-                target.forward(seq, MEASURE_CONTEXT + width, width)
-                samples.setdefault((label, width), []).append(time.perf_counter() - start)
+            for width, seconds in zip(WIDTHS, time_widths(target, WIDTHS), strict=True):
+                samples.setdefault((label, width), []).append(seconds)
     report: dict[str, object] = {"repeats": args.repeats, "load": os.getloadavg(), "context": MEASURE_CONTEXT}
     for label, threads in SPLITS.items():
         target.set_threads(*threads)
         measured = [statistics.median(samples[label, width]) for width in WIDTHS]
-        modelled = llama_cpp.modelled_timings(target, None).verify_table()[1 : WIDTHS[-1] + 1]
+        modelled = [llama_cpp.forward_seconds(target, width) for width in WIDTHS]
         report[label] = {
             "prefill_seconds_per_token": statistics.median(samples[label, 0]),
             "modelled_prefill_seconds_per_token": llama_cpp.forward_seconds(target, PREFILL) / PREFILL,

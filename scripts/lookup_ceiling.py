@@ -1,5 +1,6 @@
 """The most prompt lookup could gain over target-only decoding on the llama.cpp engine, at the
-modelled forward times of each thread count (`fsd_chat.engines.llama_cpp.modelled_timings`): one
+modelled forward times of each thread count (`fsd_chat.engines.llama_cpp.priced_timings` with none
+measured): one
 thread, two, and one for a token with two for a batch (the chat's split on an idle 2-core CPU).
 
 Each prompt's reply is decoded once per rule with a fixed draft length k (every matched copy
@@ -19,7 +20,9 @@ lookup's choice among a suffix's occurrences (`lookup.find_continuation`: the mo
 token) and with the latest occurrence's continuation in its place (`goodput_latest_*`), what
 prompt lookup proposed before. With `--forward-table` every figure is priced at this CPU's
 measured forward and prefill times (`scripts/llama_forward_table.py`) instead: the modelled ones
-were fitted on another CPU, and the policy decides at them still, as the chat does.
+were fitted on another CPU. The policy decides at the prices the chat decides at, calibrated on
+this machine (`fsd_chat.engines.llama_calibration`, cached), or with `--decide-at modelled` at the
+modelled ones (what the chat did before).
 
     PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 [--thresholds 1 2] \
         --output /tmp/lookup-ceiling.json
@@ -99,7 +102,7 @@ def prices(
     split `label` the target's threads are set to: modelled, or measured (`table`, from
     `scripts/llama_forward_table.py`)."""
     if table is None:
-        return llama_cpp.modelled_timings(target, None).verify_table(), partial(
+        return llama_cpp.priced_timings(target, None, {}).verify_table(), partial(
             llama_cpp.forward_seconds, target
         )
     measured = [float(v) for v in table[label]["measured_seconds"]]
@@ -125,7 +128,14 @@ def main() -> None:
         "--forward-table",
         type=Path,
         help="price at this CPU's measured forward and prefill times (scripts/llama_forward_table.py's "
-        "JSON) instead of the modelled ones; the policy still decides at the modelled times, as the chat does",
+        "JSON) instead of the modelled ones",
+    )
+    parser.add_argument(
+        "--decide-at",
+        choices=["calibrated", "modelled"],
+        default="calibrated",
+        help="the prices the goodput policy decides at: this machine's calibrated ones (the chat's) "
+        "or the modelled ones",
     )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
@@ -191,7 +201,10 @@ def main() -> None:
                 "with_prefill": overall,
             }
         pair.use_threads(SPLITS[POLICY_SPLIT][0], requested_batch=SPLITS[POLICY_SPLIT][1])
+        if args.decide_at == "modelled":
+            pair.timings = llama_cpp.priced_timings(target, None, {})
         timings = pair.forward_timings()
+        report[f"{args.decide_at}_verify_seconds"] = timings.verify_table()[1:9]  # V(1..8) decided at
         verify, prefill = prices(target, POLICY_SPLIT, table)
         goodput = replace(settings, draft_policy="goodput")
         for label, find in (("goodput", lookup.find_continuation), ("goodput_latest", latest_continuation)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import DistilBertConfig, DistilBertModel
 from fsd_chat.models.loading import load_pair
 from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
+from fsd_chat.support.config import ENV_CALIBRATION_DIR
 from tests.mapped_pairs import permuted_draft
 
 MODELS_DIR = Path(
@@ -36,6 +38,18 @@ def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sessions, the error log, which llama.cpp's warnings reach once a command has set logging up)."""
     monkeypatch.setenv("FSD_CHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("FSD_CHAT_DATA_DIR", str(tmp_path / "data"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Keep llama.cpp's forward times (`fsd_chat.engines.llama_calibration`) in a folder of the
+    session's, not the user's cache: timed once a worker for a file and thread split, then read by
+    every later load of the worker (commands run as subprocesses inherit it), so that a test's two
+    loads price alike."""
+    folder = tmp_path_factory.mktemp("forward-times")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_CALIBRATION_DIR, str(folder))
+        yield folder
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks

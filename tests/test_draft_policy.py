@@ -268,7 +268,7 @@ def test_goodput_never_drafts_from_a_draft_that_promises_too_little() -> None:
     assert [policy.limit(DecodingSettings(draft_tokens=5), room=100) for _ in range(300)] == [0] * 300
 
 
-PRICED = ForwardTimings(draft=0.25, widths=(1, WIDE), verify=(1.0, 1.0), measured=True)
+PRICED = ForwardTimings(draft=0.25, widths=(1, WIDE), verify=(1.0, 1.0), follows_clock=True)
 """Measured here: a draft at a quarter of its target's forward, verification free in width."""
 
 
@@ -306,7 +306,7 @@ def test_goodput_prices_steps_by_their_own_seconds() -> None:
     assert ks[0] >= 1 and ks[-1] == 0 and dear.pause is not None and dear.pause.startswith("draft 0.")
     assert dear.drafting_price > 2.0
     as_written = drive(
-        GoodputPolicy(replace(PRICED, measured=False), "model"), 40, draft_cost=3.0, target_cost=1.0
+        GoodputPolicy(replace(PRICED, follows_clock=False), "model"), 40, draft_cost=3.0, target_cost=1.0
     )
     assert as_written[-30:] == [3] * 30  # not measured here: taken as is, and drafting pays
     slower = GoodputPolicy(PRICED, "model")
@@ -669,14 +669,14 @@ def test_a_reply_that_starts_paused_feeds_the_draft_on_its_first_probe(
 
 
 def _goodput_reply(
-    pair: ModelPair, sampling: SamplingConfig, measured: bool = False
+    pair: ModelPair, sampling: SamplingConfig, follows_clock: bool = False
 ) -> tuple[list[int], list[int]]:
     """The tokens and the per-step draft lengths of one reply under goodput and a lossy rule
-    (`measured`: the pair's timings handed in as if timed on this machine)."""
+    (`follows_clock`: the pair's timings handed in as following the steps' seconds)."""
     settings = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.5, draft_policy="goodput")
     decoder = pair.speculative(Controls(settings))
-    if measured:
-        timings = replace(pair.forward_timings(), measured=True)
+    if follows_clock:
+        timings = replace(pair.forward_timings(), follows_clock=True)
         decoder.timings = lambda: timings
     run = collect(
         decoder.generate(pair.tokenizer(PROMPTS[1]).input_ids, max_new_tokens=160, sampling=sampling)
@@ -709,7 +709,7 @@ def test_goodput_replies_do_not_follow_the_clock(
     pair: ModelPair, monkeypatch: pytest.MonkeyPatch, sampling: SamplingConfig
 ) -> None:
     """The same prompt, settings and seed give the same reply however long the steps take: goodput
-    decides k from acceptance counts and modelled forward costs, never from a clock (under a
+    decides k from acceptance counts and forward costs fixed before the reply, never from a clock (under a
     lossy rule an undrafted position is a target token, so a k that followed the load would change
     the text)."""
     quiet = _goodput_reply(pair, sampling)
@@ -721,9 +721,9 @@ def test_goodput_replies_do_not_follow_the_clock(
     # The check has teeth: timings that follow the clock (as the app's did) change the draft lengths.
     with monkeypatch.context() as patch:
         _steady_clock(patch)
-        measured_quiet = _goodput_reply(pair, sampling, measured=True)
+        measured_quiet = _goodput_reply(pair, sampling, follows_clock=True)
     _loaded_clock(monkeypatch, 1)
-    assert _goodput_reply(pair, sampling, measured=True)[1] != measured_quiet[1]
+    assert _goodput_reply(pair, sampling, follows_clock=True)[1] != measured_quiet[1]
 
 
 def test_a_draft_too_dear_to_probe_stays_paused() -> None:

@@ -50,8 +50,8 @@ makes the step a target-only step (one target forward over one token, no draft w
   and the exact test keeps sampling lossless. Reading c takes one host synchronisation per draft
   forward under `latency` (the other policies read nothing: one per step, the verdict's).
 
-  c_d and V(w) are modelled once per loaded pair (`modelled_timings`; `ModelPair` keeps them, a
-  decoder given none models its own) and can be injected (tests pass synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
+  c_d and V(w) are found once per loaded pair (`ModelPair.forward_timings` keeps them: modelled for
+  transformers models, measured once and cached per machine on llama.cpp) and can be injected (tests pass synthetic `ForwardTimings`). Sampling, verification and rollback are left out of the timings.
 
 - `goodput` (the app's default, `DEFAULT_DRAFT_POLICY`): each step's k in 0..settings.draft_tokens with the most expected tokens
   per second, k = 0 being a target-only step (one target forward over one token, no draft forward,
@@ -78,12 +78,15 @@ makes the step a target-only step (one target forward over one token, no draft w
   (max_k (k + 1)·V(1) / T_k < MIN_CEILING: nearly as slow per forward as its target) is never
   drafted from, not even to probe, and a draft model's cache is never filled ("draft ≤ 1.04× target").
 
-  The prices c_d and V(w) are modelled from the models' shapes and sizes (`modelled_timings`),
-  never read from a clock: under a lossy rule an undrafted position is a target token, so a k
-  that followed the machine's load would change the text from run to run. The policy's every
-  decision is then a function of the acceptance counts alone, and a seed gives the same reply on
-  any run. Only timings measured on the machine and handed in as such (`ForwardTimings.measured`,
-  from `time_forwards`: an experiment, not the app) follow the steps' own seconds: two running factors scale them to what steps actually take: the target's
+  The prices c_d and V(w) are fixed before a reply and never read from a clock during one:
+  modelled from the models' shapes and sizes for transformers models (`modelled_timings`), timed
+  once on the machine and cached per machine, file and threads on llama.cpp
+  (`fsd_chat.engines.llama_calibration`). Under a lossy rule an undrafted position is a target
+  token, so a k that followed the machine's load would change the text from run to run. The
+  policy's every decision is then a function of the acceptance counts alone, and a seed gives the
+  same reply on every run on a machine (and, for transformers models, on any). Only timings handed
+  in as following the clock (`ForwardTimings.follows_clock`, from `time_forwards`: an
+  experiment, not the app) follow the steps' own seconds: two running factors scale them to what steps actually take: the target's
   (a target-only step's seconds / V(1), and a drafting step's verify forward / V(k + 1) where that
   lap is its own: on the CPU, or with a synchronisation per phase) and drafting's (a drafting
   step's seconds / (k·c_d + V(k + 1))), each a geometric mean discounted by `TIME_FORGET` a
@@ -384,7 +387,7 @@ class GoodputPolicy(FixedPolicy):
 
     Args:
         timings: The device's draft and verify forward times (scaled by measured step times only
-            when `timings.measured`).
+            when `timings.follows_clock`).
         kind: What proposes, a `fsd_chat.decoding.proposal.DraftKind` (named in `pause`; a str
             here: that module imports this one).
         matched: Prompt lookup's matched suffix length whose proposals this policy decides
@@ -399,7 +402,7 @@ class GoodputPolicy(FixedPolicy):
         self._context = MEASURE_CONTEXT  # the context self._verify is priced at
         self._step = timings.step
         self._kind = kind
-        self._learns = timings.measured
+        self._learns = timings.follows_clock
         # Discounted accepted / observed draft tokens at each position of a block.
         self._hits = torch.zeros(MAX_DRAFT_TOKENS, dtype=torch.float64)
         self._tries = torch.zeros(MAX_DRAFT_TOKENS, dtype=torch.float64)

@@ -1,13 +1,15 @@
 """What drafting and verifying cost: the forward times (`ForwardTimings`) by which the draft-length
 policies (`fsd_chat.decoding.draft_policy`) price a step of k draft tokens against a target-only step.
 
-Two sources, each an engine's. The app's: modelled from the models' shapes and sizes
-(`fsd_chat.engines.torch_engine.timings.modelled_timings` for transformers models,
-`fsd_chat.engines.llama_cpp.modelled_timings` for llama.cpp's, both through `timings_of`), never
-read from a clock, so that the draft lengths chosen, and with them the text a lossy rule writes,
-are the same on every run and under any load. An experiment's: timed on this machine
+The app's are fixed before a reply and never read from a clock during one, so that the draft
+lengths chosen, and with them the text a lossy rule writes for a seed, are the same on every run:
+for transformers models modelled from the models' shapes and sizes
+(`fsd_chat.engines.torch_engine.timings.modelled_timings`), the same under any load; on llama.cpp
+timed once on this machine and cached per machine, file and threads
+(`fsd_chat.engines.llama_calibration.calibrated_timings`), the same on every later run there (both
+through `timings_of`). An experiment's: timed on this machine
 (`fsd_chat.engines.torch_engine.timings.time_forwards`), which `goodput` then scales by the
-seconds its steps take (`ForwardTimings.measured`).
+seconds its steps take (`ForwardTimings.follows_clock`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import TypeVar
 from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 
 MEASURED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 17, MAX_DRAFT_TOKENS + 1)
-"""Verify widths (tokens) an engine's timings cover (modelled, or timed by `time_forwards`); other
-widths are linearly interpolated."""
+"""Verify widths (tokens) an engine's timings cover (modelled, calibrated, or timed by
+`time_forwards`); other widths are linearly interpolated."""
 
 MEASURE_CONTEXT = 64
 """Tokens of context the timed forwards attend to."""
@@ -53,9 +55,10 @@ class ForwardTimings:
         draft: Seconds of one draft position (a 1-token draft forward and its softmax).
         widths: Verify widths in tokens, increasing, from 1 to at least MAX_DRAFT_TOKENS + 1.
         verify: Seconds of a target forward over each of `widths` tokens.
-        measured: Measured on this machine (`time_forwards`): `goodput` then scales these by the
-            seconds its steps take. False for timings modelled (`modelled_timings`) or written by
-            hand (tests), which are taken as they are.
+        follows_clock: `goodput` scales these by the seconds its steps take at run time (a clock
+            in the loop: the text then follows the load): timings from `time_forwards`, an
+            experiment's. False for the app's, modelled or calibrated once (`timings_of`), and for
+            those written by hand (tests), which are taken as they are.
         step: Seconds a drafting step spends beyond its forwards, against a target-only step's
             (the acceptance rule, the draft's draws, the rollback): what makes a small pair's
             speculation dearer than its forwards say.
@@ -73,7 +76,7 @@ class ForwardTimings:
     draft: float
     widths: tuple[int, ...]
     verify: tuple[float, ...]
-    measured: bool = False
+    follows_clock: bool = False
     step: float = 0.0
     catch_up: float = 0.0
     attention: float = 0.0
@@ -113,8 +116,8 @@ def timings_of(
     attention_width: float,
     batch_attention: float | None = None,
 ) -> ForwardTimings:
-    """Modelled `ForwardTimings` of an engine's models from its `forward_seconds(model, width)`
-    (`modelled_timings` for transformers models; `fsd_chat.engines.llama_cpp.modelled_timings`):
+    """`ForwardTimings` of an engine's models from its `forward_seconds(model, width)`
+    (`modelled_timings` for transformers models; `fsd_chat.engines.llama_cpp.priced_timings`):
     the verify widths, a draft position (0 s without a draft model: prompt lookup), the marginal
     token of a draft's catch-up, a step's work over a vocabulary of `vocab` ids, and the attention
     terms (seconds per token of context, see `ForwardTimings`)."""
@@ -126,7 +129,7 @@ def timings_of(
         draft=draft_seconds,
         widths=MEASURED_WIDTHS,
         verify=verify,
-        measured=False,
+        follows_clock=False,
         step=STEP_SECONDS + vocab * STEP_VOCAB_SECONDS,
         catch_up=catch_up,
         attention=attention,

@@ -91,9 +91,10 @@ class SpeculativeDecoder:
             share with the last sequence (see `begin`; a mapped draft compares its own spelling,
             see `MappedDraft.begin`).
         timings: The draft and verify forward times, asked for when the `latency` or `goodput`
-            policy is first used: the engine's, modelled from the models so that no clock decides
-            a draft length (`ModelPair.forward_timings`; a proposer without a draft model taking
-            no time per position).
+            policy is first used: the engine's, fixed before the reply (modelled from the models,
+            or on llama.cpp timed once on the machine and cached) so that no clock decides a draft
+            length (`ModelPair.forward_timings`; a proposer without a draft model taking no time
+            per position).
         vocab_map: The draft's vocabulary mapped onto the target's, for a draft with another
             tokenizer (`MappedProposer`; None: one shared vocabulary).
         context_cap: The most tokens of context the models' static KV caches hold (None: the

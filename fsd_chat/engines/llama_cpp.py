@@ -41,7 +41,7 @@ import itertools
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -50,6 +50,7 @@ import torch
 from gguf import LlamaFileType
 
 from fsd_chat.decoding.forward_timings import ForwardTimings, timings_of
+from fsd_chat.decoding.settings import MAX_DRAFT_TOKENS
 from fsd_chat.support.errors import ContextLengthError, ModelLoadError, UnsupportedCacheError
 from fsd_chat.support.log import LLAMA_CPP_LOG
 
@@ -441,39 +442,63 @@ TOKEN_PARAMETER_SECONDS = 7.45e-11
 """`forward_seconds`: seconds per token of a forward's width and per parameter (the quantized
 multiply-adds), divided among the threads."""
 ATTENTION_SECONDS = 4.1e-10
-"""`modelled_timings`: seconds a 1-token forward adds per token of context, per layer and unit of
+"""`priced_timings`: seconds a 1-token forward adds per token of context, per layer and unit of
 hidden width, on one thread (SmolLM2-135M Q4_1: V(1) 18.1 ms over 64 tokens of context, 24.7 over
 1,000); divided among the threads as the products are (not measured on two)."""
 ATTENTION_WIDTH_SECONDS = 6.8e-10
-"""`modelled_timings`: what each further token of a forward's width adds to ATTENTION_SECONDS (same
+"""`priced_timings`: what each further token of a forward's width adds to ATTENTION_SECONDS (same
 measurement: V(8) 85.9 ms over 64 tokens, 169.5 over 1,000); divided among the threads likewise."""
 
 
-def modelled_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
+def priced_timings(
+    target: LlamaCppModel,
+    draft: LlamaCppModel | None,
+    measured: Mapping[LlamaCppModel, Sequence[float]],
+) -> ForwardTimings:
     """The draft and verify forward times of models on llama.cpp at their thread counts
-    (`LlamaCppModel.threads` for one token, `batch_threads` for several), from their sizes alone
-    (as `fsd_chat.engines.torch_engine.timings.modelled_timings` does for transformers models): no
-    clock, so a seed gives the same reply under any load. A forward of w tokens costs a part per
-    layer, the read of its weights (`llama_model_size`) and a part per token and parameter, the last
-    two divided among the threads (`forward_seconds`); prompt lookup's positions cost nothing."""
+    (`LlamaCppModel.threads` for one token, `batch_threads` for several).
+
+    A model in `measured` is priced at its times V(1), V(2)... (seconds, index w − 1 for width w;
+    `fsd_chat.engines.llama_calibration` times them on this machine), a wider forward at
+    `forward_seconds` scaled to the widest measured one, and the target's context terms (seconds
+    per token of context, see `ForwardTimings`) at the model's scaled alike: a 1-token forward's by
+    V(1), a batch's by the widest measured V(w). A model not in `measured` is priced by
+    `forward_seconds` alone (modelled from its size, no clock: `scripts/lookup_ceiling.py` compares
+    the policy deciding at those). Prompt lookup's positions cost nothing."""
     lib = target._llama_cpp
     model = target.llama.model
     attended = int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_embd(model))
+
+    def scale(runner: LlamaCppModel, width: int) -> float:
+        """Measured over modelled seconds of `runner`'s forward of `width`, or of its widest
+        measured forward for a wider one (1 where none is measured)."""
+        times = measured.get(runner, ())
+        if not times:
+            return 1.0
+        width = min(width, len(times))
+        return times[width - 1] / forward_seconds(runner, width)
+
+    def seconds(runner: LlamaCppModel, width: int) -> float:
+        return forward_seconds(runner, width) * scale(runner, width)
+
+    wide = scale(target, MAX_DRAFT_TOKENS + 1)
     return timings_of(
-        forward_seconds,
+        seconds,
         target,
         draft,
         vocab=target.vocab_size,
-        attention=attended * ATTENTION_SECONDS / target.threads,
-        attention_width=attended * ATTENTION_WIDTH_SECONDS / target.batch_threads,
-        batch_attention=attended * ATTENTION_SECONDS / target.batch_threads,
+        attention=attended * ATTENTION_SECONDS / target.threads * scale(target, 1),
+        attention_width=attended * ATTENTION_WIDTH_SECONDS / target.batch_threads * wide,
+        batch_attention=attended * ATTENTION_SECONDS / target.batch_threads * wide,
     )
 
 
 def forward_seconds(model: LlamaCppModel, width: int) -> float:
     """The modelled seconds of a forward of `width` tokens on llama.cpp over
     `fsd_chat.decoding.forward_timings.MEASURE_CONTEXT` tokens of context, at the model's threads for
-    its width (`modelled_timings`; the constants say how they were fitted)."""
+    its width (`priced_timings` scales it to the widths measured; the constants say how they were
+    fitted). A forward costs a part per layer, the read of its weights (`llama_model_size`) and a
+    part per token and parameter, the last two divided among the threads."""
     lib = model._llama_cpp
     layers = int(lib.llama_model_n_layer(model.llama.model))
     params = int(lib.llama_model_n_params(model.llama.model))

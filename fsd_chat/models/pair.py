@@ -20,7 +20,7 @@ from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.decoding.speculative import SpeculativeDecoder
 from fsd_chat.decoding.tokenizer import Tokenizer
 from fsd_chat.decoding.vocab_map import VocabularyMap
-from fsd_chat.engines import llama_cpp
+from fsd_chat.engines import llama_calibration
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.engines.torch_engine.binding import autoregressive_decoder, speculative_decoder
 from fsd_chat.engines.torch_engine.kv_cache import compile_refusal
@@ -46,7 +46,7 @@ class ModelPair:
             vocabulary, the draft's too.
         device: The device inputs go to (the draft's; the target's first shard).
         dtype: Compute dtype of the unquantized weights.
-        timings: The draft and verify forward times (`forward_timings`), once modelled.
+        timings: The draft and verify forward times (`forward_timings`), once found.
         vocab_map: The draft's vocabulary mapped onto the target's (None: one shared vocabulary).
         coverage: With a vocab_map, the share of the target's probability mass its paired tokens
             hold (`fsd_chat.decoding.vocab_map.coverage`).
@@ -249,14 +249,21 @@ class ModelPair:
             apply_threads(requested, reserve=reserve)
 
     def forward_timings(self) -> ForwardTimings:
-        """The pair's draft and verify forward times, modelled from the models on the first call
-        (`modelled_timings`, or the llama.cpp engine's at its thread count: no clock, so a seed
-        gives the same reply under any load), then kept for every decoder of the pair (until
-        `use_threads` changes llama.cpp's threads)."""
+        """The pair's draft and verify forward times, found on the first call, then kept for every
+        decoder of the pair (until `use_threads` changes llama.cpp's threads). Transformers models:
+        modelled from the models (`modelled_timings`). llama.cpp: measured on this machine at the
+        threads in use and cached per machine, file and threads
+        (`llama_calibration.calibrated_timings`: 0.65 s the first time on the default model, before
+        the first reply's prefill, and a file read after). Either way no clock during a reply, so a
+        seed gives the same reply on every run on the machine.
+
+        The llama.cpp calibration runs here, at the first speculative reply's first step (its policy
+        is made before the clock starts), not at load: a load's threads are not yet the command's
+        (`use_threads` comes after it), and a target-only reply never needs the prices."""
         if self.timings is None:
             if isinstance(self.target, LlamaCppModel):
                 assert self.draft is None or isinstance(self.draft, LlamaCppModel)  # one engine a pair
-                self.timings = llama_cpp.modelled_timings(self.target, self.draft)
+                self.timings = llama_calibration.calibrated_timings(self.target, self.draft)
             else:
                 assert not isinstance(self.draft, LlamaCppModel)
                 self.timings = modelled_timings(self.target, self.draft)

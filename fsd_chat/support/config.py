@@ -2,7 +2,8 @@
 
 Folders come from platformdirs (`~/.config/fsd-chat`, `~/.local/share/fsd-chat`, `~/.cache/fsd-chat`
 on Linux); `FSD_CHAT_CONFIG_DIR` / `FSD_CHAT_DATA_DIR` / `FSD_CHAT_CACHE_DIR` override them (tests
-point them at temporary folders).
+point them at temporary folders), and `FSD_CHAT_CALIBRATION_DIR` the cache's folder of llama.cpp's
+forward times (tests share one a session, apart from the user's).
 The file holds defaults for the `fsd-chat chat` options (named as the options, with underscores;
 checked like the flags, see `fsd_chat.cli.options`) and a `[keymap]` table of binding id -> keys::
 
@@ -30,6 +31,7 @@ APP_NAME = "fsd-chat"
 ENV_CONFIG_DIR = "FSD_CHAT_CONFIG_DIR"
 ENV_DATA_DIR = "FSD_CHAT_DATA_DIR"
 ENV_CACHE_DIR = "FSD_CHAT_CACHE_DIR"
+ENV_CALIBRATION_DIR = "FSD_CHAT_CALIBRATION_DIR"
 
 
 class ConfigError(FsdChatError):
@@ -50,6 +52,13 @@ def cache_dir() -> Path:
     """The cache folder (the default chat model, GGUF files converted for a fast start: anything
     here can be fetched or rebuilt again): $FSD_CHAT_CACHE_DIR, else the platform's user cache dir."""
     return Path(os.environ.get(ENV_CACHE_DIR) or platformdirs.user_cache_dir(APP_NAME))
+
+
+def calibration_dir() -> Path:
+    """Where llama.cpp's forward times measured on this machine are kept
+    (`fsd_chat.engines.llama_calibration`): $FSD_CHAT_CALIBRATION_DIR, else `cache_dir()`'s
+    `forward-times` folder."""
+    return Path(os.environ.get(ENV_CALIBRATION_DIR) or cache_dir() / "forward-times")
 
 
 def sessions_path() -> Path:

@@ -2,7 +2,7 @@
 sizes (`modelled_timings`, the app's: no clock, so a seed gives the same reply under any load), or
 timed on this machine (`time_forwards`, an experiment's). The constants below are the fitted
 prices of `modelled_timings`, each with the measurement it was fitted to; the llama.cpp engine's
-are `fsd_chat.engines.llama_cpp.modelled_timings`.
+are timed on the machine once and cached (`fsd_chat.engines.llama_calibration`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def time_forwards(target: PreTrainedModel, draft: PreTrainedModel | None, vocab_
                 sample.append(seconds)
     fastest = [min(s) for s in samples]
     return ForwardTimings(
-        draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), measured=True
+        draft=fastest[-1], widths=MEASURED_WIDTHS, verify=tuple(fastest[:-1]), follows_clock=True
     )
 
 

@@ -1,0 +1,188 @@
+"""llama.cpp's forward times measured on this machine, once, and kept: the prices the draft-length
+policies decide at on the llama.cpp engine (`calibrated_timings`).
+
+A model's verify times V(1)..V(`CALIBRATED_WIDTHS`[-1]) are timed with `LlamaCppModel.forward`
+over `MEASURE_CONTEXT` tokens of context at its thread split (`time_widths`, which
+`scripts/llama_forward_table.py` runs too), and written to a small JSON file in
+`calibration_dir()`, one a model, named by a digest of what the times depend on
+(`calibration_key`: the CPU, llama-cpp-python's version, the GGUF file, the threads, GPU offload).
+Every later load on the same machine reads that file and times nothing, so the prices, and with
+them the draft lengths and the text a lossy rule writes for a seed, are the same on every run and
+under any load: no clock during a reply (`fsd_chat.decoding.draft_policy`). A missing, unreadable or
+damaged file, or one of another key, is timed again; a folder that cannot be written is no error
+(the times are used, and timed again next time).
+
+Why measured: the modelled prices (`fsd_chat.engines.llama_cpp.forward_seconds`, fitted on another
+2-core CPU) put a 2-token verify at 0.98 V(1) where this CPU takes 1.32 V(1)
+(docs/llama-forward-table.json), and mispriced speculation made lossless decoding slower than the
+target alone (docs/engines.md, "Forward prices").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT, ForwardTimings
+from fsd_chat.engines import llama_cpp
+from fsd_chat.engines.llama_cpp import LlamaCppModel
+from fsd_chat.support.config import calibration_dir
+from fsd_chat.support.log import LLAMA_CPP_LOG
+
+log = logging.getLogger(LLAMA_CPP_LOG)
+
+CALIBRATED_WIDTHS = tuple(range(1, 7))
+"""Verify widths (tokens) timed: a step of draft length k verifies k + 1 tokens, and the chat's
+k is at most 5 (`DEFAULT_DRAFT_TOKENS`, the settings' default). A wider verify (a k the user raises,
+up to `MAX_DRAFT_TOKENS`) is priced by the model scaled to V(6) (`llama_cpp.priced_timings`): timing
+every width up to 33 would take seconds, where these take 0.65 s on the default model at the
+chat's split on a 2-core CPU (1.0 s at one thread; load 2), before the first reply on a new file
+or thread split."""
+CALIBRATION_REPEATS = 3
+"""Timed passes over the widths, each after an untimed 1-token forward; a width's time is the least
+of its passes (timing noise, another process or a cache miss, only adds to a time)."""
+FORMAT = 1
+"""The cache files' layout; a file of another is timed again."""
+
+
+def calibration_ids(model: LlamaCppModel, length: int) -> torch.Tensor:
+    """The token ids the forwards are timed over: shape [1, length], ids 1000, 1001... wrapped into
+    the model's vocabulary (a forward's time does not depend on which ids it reads)."""
+    return ((torch.arange(length) + 1000) % model.vocab_size)[None]
+
+
+def time_widths(model: LlamaCppModel, widths: tuple[int, ...]) -> list[float]:
+    """One pass: the seconds of `model`'s forward over each of `widths` tokens (in that order) after
+    `MEASURE_CONTEXT` tokens of context (`calibration_ids`, prefilled first where the cache does not
+    hold them), at its threads; an untimed 1-token forward first (the split's first call pays for
+    what a thread change leaves cold). The cache holds the context again after."""
+    seq = calibration_ids(model, MEASURE_CONTEXT + max(widths))
+    model.keep_prefix(seq, MEASURE_CONTEXT)
+    if model.seen < MEASURE_CONTEXT:
+        model.prefill(seq, MEASURE_CONTEXT)
+    model.forward(seq, MEASURE_CONTEXT + 1, 1)
+    seconds = []
+    for width in widths:
+        model.rollback(MEASURE_CONTEXT)
+        start = time.perf_counter()
+        model.forward(seq, MEASURE_CONTEXT + width, width)
+        seconds.append(time.perf_counter() - start)
+    model.rollback(MEASURE_CONTEXT)
+    return seconds
+
+
+def calibrate(model: LlamaCppModel) -> list[float]:
+    """V(w) in seconds for w in `CALIBRATED_WIDTHS` (index w − 1): each width's least time over
+    `CALIBRATION_REPEATS` passes (`time_widths`), then made non-decreasing from the right (a wider
+    forward does all a narrower one does, so a narrower width measured dearer than a wider one
+    was disturbed: it takes the wider one's time), and at most w·V(1) (llama.cpp could run the w
+    tokens one by one: a dearer verify was disturbed, as by another process holding one of the
+    batch's threads' cores, which stalls the others at each barrier: 251 ms for V(5) against
+    12.4 ms for V(1), on this 2-core CPU under load 2). The model's KV cache is emptied after.
+
+    Raises:
+        ContextLengthError: the model's KV cache holds fewer than `MEASURE_CONTEXT` + 6 tokens.
+    """
+    passes = [time_widths(model, CALIBRATED_WIDTHS) for _ in range(CALIBRATION_REPEATS)]
+    model.reset()
+    least = [min(times) for times in zip(*passes, strict=True)]
+    for i in range(len(least) - 2, -1, -1):
+        least[i] = min(least[i], least[i + 1])
+    return [min(seconds, width * least[0]) for width, seconds in zip(CALIBRATED_WIDTHS, least, strict=True)]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's "model name", else `platform.processor()`, else the
+    architecture)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def calibration_key(model: LlamaCppModel) -> dict[str, Any]:
+    """What a model's forward times depend on: the CPU (model name, core count), llama-cpp-python's
+    version, the GGUF file (resolved path, size in bytes, modification time in ns), the threads for
+    one token and for a batch, and whether layers are offloaded to a GPU."""
+    stat = model.path.stat()
+    return {
+        "format": FORMAT,
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "llama_cpp_python": str(getattr(model._llama_cpp, "__version__", "unknown")),
+        "file": str(model.path.resolve()),
+        "file_bytes": stat.st_size,
+        "file_mtime_ns": stat.st_mtime_ns,
+        "threads": model.threads,
+        "batch_threads": model.batch_threads,
+        "gpu": model.gpu,
+        "widths": list(CALIBRATED_WIDTHS),
+    }
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    """The file the times of `key` are kept in: `calibration_dir()`/<digest of the key>.json."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return calibration_dir() / f"{digest}.json"
+
+
+def read_times(path: Path, key: dict[str, Any]) -> list[float] | None:
+    """The times kept at `path` for `key`; None where the file is missing, unreadable, damaged, of
+    another key, or holds a time that is not a positive finite number for each width."""
+    try:
+        data = json.loads(path.read_text())
+        times = [float(v) for v in data["seconds"]]
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError):
+        return None
+    valid = len(times) == len(CALIBRATED_WIDTHS) and all(math.isfinite(v) and v > 0 for v in times)
+    return times if valid and data.get("key") == key else None
+
+
+def write_times(path: Path, key: dict[str, Any], times: list[float]) -> None:
+    """Keep `times` at `path`, replaced whole (a temporary file renamed: a reader never sees half a
+    file), private to the user (folder 0700, file 0600). A folder that cannot be written is no
+    error: logged, and the next load times again."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    record = {"key": key, "seconds": times, "load": os.getloadavg(), "timed_at": time.time()}
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(partial, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as file:
+            json.dump(record, file, indent=1)
+        partial.replace(path)
+    except OSError as exc:
+        log.warning("could not keep llama.cpp's forward times at %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+
+
+def forward_times(model: LlamaCppModel) -> list[float]:
+    """`model`'s V(w) for w in `CALIBRATED_WIDTHS` at its threads: read from its cache file, or timed
+    (`calibrate`, which empties its KV cache) and written there."""
+    key = calibration_key(model)
+    path = cache_path(key)
+    times = read_times(path, key)
+    if times is None:
+        times = calibrate(model)
+        write_times(path, key, times)
+    return times
+
+
+def calibrated_timings(target: LlamaCppModel, draft: LlamaCppModel | None) -> ForwardTimings:
+    """The pair's forward times for the draft policies: each model's widths as measured on this
+    machine (`forward_times`, cached), wider ones and the context's terms by the model scaled to them
+    (`llama_cpp.priced_timings`)."""
+    models = [m for m in (target, draft) if m is not None]
+    return llama_cpp.priced_timings(target, draft, {m: forward_times(m) for m in models})
