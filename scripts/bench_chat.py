@@ -72,6 +72,15 @@ PROMPT = "Once upon a time"
 SETTINGS = DecodingSettings(rule="fuzzy", divergence="js", threshold=0.05, draft_tokens=5)
 CHAT_PROMPT = "Tell me a long story about a dragon who learns to fly."
 """A chat request the default model answers at length (300 greedy tokens before its end)."""
+MECHANISM = (
+    "tokens",
+    "mean_accepted_length",
+    "target_forwards",
+    "drafted",
+    "target_seconds",
+    "other_seconds",
+)
+"""The reply's stats kept beside its tokens/s."""
 KEYS = ("a", "ctrl+down", "a", "ctrl+up")
 """Pressed in turn while a reply streams: a character, then the dial down and back up."""
 
@@ -134,11 +143,7 @@ def timed_effect(method: Callable[..., Any], pressed: deque[float], into: list[f
 
 async def type_while_streaming(app: FsdChatApp, screen: ChatScreen, rng: random.Random) -> Latencies:
     """Press `KEYS` in turn every 50-150 ms (at random) until the reply ends; the latency of each
-    press to its effect: the prompt's text edited, or the dial's controls moved.
-
-    A key is sent as the terminal driver sends it (`Driver.send_message`), as Pilot's `press` does,
-    without Pilot's wait for the process to idle after each key: a process decoding is never idle,
-    so that wait runs to its 1 s cap twice a key."""
+    press (`send_key`) to its effect: the prompt's text edited, or the dial's controls moved."""
     latencies = Latencies()
     pressed: dict[str, deque[float]] = {"text": deque(), "dial": deque()}
     prompt = screen.query_one(PromptInput)
@@ -146,8 +151,6 @@ async def type_while_streaming(app: FsdChatApp, screen: ChatScreen, rng: random.
     screen._update_controls = timed_effect(  # type: ignore[method-assign]
         screen._update_controls, pressed["dial"], latencies.dial
     )
-    driver = app._driver
-    assert driver is not None
     keys = itertools.cycle(KEYS)
     while screen.streaming is None and not screen.session.turns:  # Enter's message not yet taken
         await asyncio.sleep(0.01)
@@ -157,10 +160,19 @@ async def type_while_streaming(app: FsdChatApp, screen: ChatScreen, rng: random.
             break
         key = next(keys)
         pressed["text" if len(key) == 1 else "dial"].append(time.perf_counter())
-        event = events.Key(key, key if len(key) == 1 else None)
-        event.set_sender(app)
-        driver.send_message(event)
+        send_key(app, key)
     return latencies
+
+
+def send_key(app: FsdChatApp, key: str) -> None:
+    """Press `key` as the terminal driver does (`Driver.send_message`), as Pilot's `press` does,
+    without Pilot's wait for the process to idle after it: a process decoding is never idle, so that
+    wait runs to its 1 s cap twice a key."""
+    driver = app._driver
+    assert driver is not None
+    event = events.Key(key, key if len(key) == 1 else None)
+    event.set_sender(app)
+    driver.send_message(event)
 
 
 async def chat_run(
@@ -223,7 +235,8 @@ async def chat_run(
             show(ended)
 
         screen._show_steps = counting  # type: ignore[method-assign]
-        await pilot.press(*setup.prompt, "enter")
+        await pilot.press(*setup.prompt)
+        send_key(app, "enter")  # Pilot would wait (2 s) for the decoding process to idle
         latencies = Latencies()
         if setup.typing:
             latencies = await type_while_streaming(app, screen, rng or random.Random(0))
@@ -241,7 +254,8 @@ async def chat_run(
         "updates": len(marks),
         "ui_ms_per_update": 1000 * per_update,
         "ui_share_of_decoding": (ui_end - ui_start) / (end - start),
-        "tokens": stats["tokens"],
+        # Where the time went: how many target forwards, at what price (the thread counts move both).
+        **{key: stats[key] for key in MECHANISM},
         "text_ms": [1000 * t for t in latencies.text],
         "dial_ms": [1000 * t for t in latencies.dial],
     }
@@ -344,6 +358,7 @@ def compare_threads(args: argparse.Namespace, pair: ModelPair, setup: Setup, fol
         with context():
             time.sleep(1)  # the busy process started, the load average settled a little
             seen = idle_cores()
+            policy = {f"reserve {r}": choose_thread_counts(None, reserve=r) for r in (0, 1)}
             load_before = os.getloadavg()[0]
             runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
             typed: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
@@ -371,10 +386,7 @@ def compare_threads(args: argparse.Namespace, pair: ModelPair, setup: Setup, fol
         ]
         row: dict[str, Any] = {
             "idle_cores_seen": seen,
-            "policy_counts": {
-                "reserve 0": choose_thread_counts(None),
-                "reserve 1": choose_thread_counts(None, reserve=1),
-            },
+            "policy_counts": policy,
             "load_average_1min": [load_before, load_after],
             f"ratio_{b}_over_{a}": ratios,
             f"ratio_{b}_over_{a}_median": statistics.median(ratios),
@@ -389,7 +401,9 @@ def compare_threads(args: argparse.Namespace, pair: ModelPair, setup: Setup, fol
                 "ui_share_of_decoding": shares,
                 "ui_share_of_decoding_median": statistics.median(shares),
                 "ui_share_of_decoding_median_ci95": median_interval(shares),
+                **{key: [r[key] for r in runs[n]] for key in MECHANISM},
                 "typing_tokens_per_second": [r["tokens_per_second"] for r in typed[n]],
+                "typing_tokens": [r["tokens"] for r in typed[n]],
                 "key_to_text_ms": summary([t for r in typed[n] for t in r["text_ms"]]),
                 "key_to_dial_ms": summary([t for r in typed[n] for t in r["dial_ms"]]),
             }
