@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support import threads
 from tests.tui.helpers import SIZE, make_app, wait_for_chat
@@ -20,9 +21,11 @@ llama_cpp = pytest.importorskip("llama_cpp")
 def counts(pair: ModelPair) -> set[tuple[int, int]]:
     """Each model's (one-token, batch) thread counts as llama.cpp's contexts hold them."""
     models = [pair.target] if pair.draft is None else [pair.target, pair.draft]
+    assert all(isinstance(m, LlamaCppModel) for m in models)
     return {
-        (llama_cpp.llama_n_threads(m.llama.ctx), llama_cpp.llama_n_threads_batch(m.llama.ctx))  # type: ignore[union-attr]
+        (llama_cpp.llama_n_threads(m.llama.ctx), llama_cpp.llama_n_threads_batch(m.llama.ctx))
         for m in models
+        if isinstance(m, LlamaCppModel)
     }
 
 
