@@ -15,6 +15,8 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import psutil
@@ -34,6 +36,17 @@ def generate_tps(args: argparse.Namespace, threads: int | None) -> float:
     return float(json.loads(out.strip().splitlines()[-1])["stats"]["tokens_per_second"])
 
 
+@contextmanager
+def busy_core() -> Iterator[None]:
+    """One more process keeping a core busy (a Python loop) while the block runs."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(MODELS / "stories260K"))
@@ -46,19 +59,12 @@ def main() -> None:
     settings = {"policy": None, f"torch default ({cores})": cores}
     results: dict[str, dict[str, list[float]]] = {"as is": {}, "one busy core": {}}
     for condition in results:
-        busy = None
-        if condition == "one busy core":
-            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
+        with busy_core() if condition == "one busy core" else nullcontext():
             for _ in range(args.repeats):
                 for name, threads in settings.items():
                     tps = generate_tps(args, threads)
                     results[condition].setdefault(name, []).append(tps)
                     print(f"{condition:14s} {name:18s} {tps:8.1f} tok/s", flush=True)
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
     medians = {c: {n: statistics.median(v) for n, v in r.items()} for c, r in results.items()}
     report = {
         "cores": cores,

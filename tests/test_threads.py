@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from fsd_chat.support.errors import SettingsError
-from fsd_chat.support.threads import apply_threads, choose_thread_counts, choose_threads, idle_cores
+from fsd_chat.support.threads import (
+    apply_threads,
+    choose_thread_counts,
+    choose_threads,
+    idle_cores,
+    split_threads,
+)
 
 
 def test_an_explicit_count_wins_and_must_be_positive() -> None:
@@ -36,6 +42,23 @@ def test_batches_take_the_explicit_counts_else_every_idle_core() -> None:
         choose_thread_counts(1, 0)
     with pytest.raises(SettingsError, match="--threads must be ≥ 1, got 0"):
         choose_thread_counts(0, 2)
+
+
+@pytest.mark.parametrize(
+    ("idle", "reserve", "counts"),
+    [
+        (2, 1, (1, 2)),  # the chat on an idle 2-core CPU: one thread a token, both cores a batch
+        (1, 1, (1, 1)),  # one core busy elsewhere: what idle_cores then sees
+        (0, 1, (1, 1)),  # every core busy: never below one
+        (2, 0, (2, 2)),  # generate, serve, bench: every idle core for both
+        (8, 1, (7, 8)),
+        (8, 0, (8, 8)),
+    ],
+)
+def test_the_split_with_no_count_given(idle: int, reserve: int, counts: tuple[int, int]) -> None:
+    """The counts the policy takes from the idle cores: one token on the idle cores less the reserve
+    (the chat's UI thread), a batch on every idle core."""
+    assert split_threads(idle, reserve=reserve) == counts
 
 
 def test_apply_sets_torchs_thread_count() -> None:

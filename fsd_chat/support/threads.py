@@ -17,6 +17,15 @@ time on two threads, a one-token forward 0.62). So an explicit `--threads-batch`
 explicit `--threads`, as llama.cpp's `-tb` defaults to `-t`; else the idle cores, never fewer than
 the one-token forwards' threads. llama-cpp-python's own default is the same split (half the cores
 for one token, all of them for a batch).
+
+The chat keeps its UI's core on llama.cpp too, though a one-token forward of the default model
+takes 7.0 ms on two threads against 11.0 on one (docs/llama-forward-table.json): in the chat
+(prompt lookup, the goodput policy, batches on two threads either way; 2-core CPU) two threads a
+token decoded at 0.94× one (95% CI 0.90-0.96, median of 10 paired 300-token replies), 0.88×
+(0.73-0.94) with one more process keeping a core busy, keys taking effect alike (median 1 ms, 95th
+percentile under 6 ms). The policy, pricing V(1) at two threads, drafted half as much (τ 1.40
+against 2.38), and its cheaper single forwards did not pay for the extra ones
+(`scripts/bench_chat.py --compare-threads`; docs/benchmarks.md, "The chat's threads on llama.cpp").
 """
 
 from __future__ import annotations
@@ -64,9 +73,16 @@ def choose_thread_counts(
         if requested < 1:
             raise SettingsError(f"--threads must be ≥ 1, got {requested}")
         return requested, requested_batch or requested
-    idle = idle_cores()
+    threads, batch = split_threads(idle_cores(), reserve=reserve)
+    return threads, requested_batch or batch
+
+
+def split_threads(idle: int, *, reserve: int = 0) -> tuple[int, int]:
+    """The policy's counts when no count is given and `idle` cores are idle: forwards of one token
+    on the idle cores less `reserve`, at least one; forwards of several on every idle core, never
+    fewer (the chat on an idle 2-core CPU, `reserve` 1: one and two)."""
     threads = max(1, idle - reserve)
-    return threads, requested_batch or max(threads, idle)
+    return threads, max(threads, idle)
 
 
 def check_threads_batch(requested: int) -> int:
