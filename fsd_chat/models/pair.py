@@ -243,7 +243,7 @@ class ModelPair:
                 if isinstance(model, LlamaCppModel):
                     model.set_threads(*threads)
             torch.set_num_threads(1)
-            # llama.cpp's forward times depend on its threads: modelled anew at the next call.
+            # llama.cpp's forward times depend on its threads: found anew (read or timed) at the next call.
             self.timings = None
         elif self.device.type == "cpu":
             apply_threads(requested, reserve=reserve)
