@@ -468,11 +468,12 @@ def _speedups(
 
     speedups: dict[str, float] = {}
     intervals: dict[str, tuple[float, float]] = {}
+    mine = rates(runs)
     for method in SPEEDUP_BASELINES:
         reference = by_config.get(_reference(config, method))
         if not reference:
             continue
-        ratios = paired_ratios(rates(runs), rates(reference))
+        ratios = paired_ratios(mine, rates(reference))
         if ratios:
             speedups[method], interval = median_with_ci95(ratios)
             if interval is not None:
