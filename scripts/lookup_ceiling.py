@@ -21,8 +21,12 @@ token) and with the latest occurrence's continuation in its place (`goodput_late
 prompt lookup proposed before. With `--forward-table` every figure is priced at this CPU's
 measured forward and prefill times (`scripts/llama_forward_table.py`) instead: the modelled ones
 were fitted on another CPU. The policy decides at the prices the chat decides at, calibrated on
-this machine (`fsd_chat.engines.llama_calibration`, cached), or with `--decide-at modelled` at the
-modelled ones (what the chat did before).
+this machine (`fsd_chat.engines.llama_calibration`, cached), with `--decide-at modelled` at the
+modelled ones (what the chat did before), or with `--decide-at measured` at the forward table's (the
+prices it is priced at: the policy apart from a calibration's noise). With `--length-bound`, the
+best fixed draft length for each matched suffix length found on the replies themselves
+(`length_bound`): between the oracle, which knows each copy's fate, and the goodput policy, which
+learns acceptance as it goes, what the matched length alone can tell.
 
     PYTHONPATH=. .venv/bin/python scripts/lookup_ceiling.py --prompts tinystories-retell --limit 10 [--thresholds 1 2] \
         --output /tmp/lookup-ceiling.json
@@ -44,7 +48,10 @@ from typing import Any
 import numpy as np
 
 from fsd_chat.bench.prompts import load_prompt_set
-from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step, lookup
+from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step, lookup, speculative
+from fsd_chat.decoding.draft_policy import DraftPolicy, Next
+from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT
+from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.engines import llama_cpp
 from fsd_chat.models.chat_template import Message, prompt_ids
 from fsd_chat.models.default_model import default_model_path
@@ -80,8 +87,11 @@ def latest_continuation(tokens: np.ndarray, ngram: int, limit: int) -> lookup.Ma
     return lookup.Match(start, min(limit, tokens.shape[0] - start), matched)
 
 
+Finder = Callable[[np.ndarray, int, int], lookup.Match]
+
+
 @contextlib.contextmanager
-def choosing(find: Callable[[np.ndarray, int, int], lookup.Match]) -> Iterator[None]:
+def choosing(find: Finder) -> Iterator[None]:
     """Prompt lookup choosing its continuation with `find` inside the block."""
     chosen = lookup.find_continuation
     lookup.find_continuation = find  # type: ignore[assignment]  # mypy takes a module function for fixed
@@ -89,6 +99,114 @@ def choosing(find: Callable[[np.ndarray, int, int], lookup.Match]) -> Iterator[N
         yield
     finally:
         lookup.find_continuation = chosen
+
+
+class ByMatchedLength:
+    """A draft policy that drafts a fixed k for each matched suffix length (`ks[m - 1]` after an
+    m-token match; nothing where nothing matched): what `length_bound` searches over."""
+
+    pause: str | None = None
+
+    def __init__(self, ks: tuple[int, ...]) -> None:
+        self.ks = ks
+
+    def limit(
+        self,
+        settings: DecodingSettings,
+        room: int,
+        evidence: int | None = None,
+        context: int = MEASURE_CONTEXT,
+    ) -> int:
+        return min(self.ks[evidence - 1], room) if evidence else 0
+
+    def extend(self, q: object) -> Next:
+        return Next.DRAFT
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Nothing learnt."""
+
+    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
+        """No clock."""
+
+    def begin_reply(self) -> None:
+        """Nothing to restart."""
+
+
+@contextlib.contextmanager
+def deciding(policy: Callable[[], DraftPolicy] | None) -> Iterator[None]:
+    """Every decoder made inside the block drafting by `policy()` (None: its own policy)."""
+    if policy is None:
+        yield
+        return
+    made = speculative.make_policy
+    speculative.make_policy = lambda *_args, **_kwargs: policy()
+    try:
+        yield
+    finally:
+        speculative.make_policy = made
+
+
+def length_bound(
+    price: Callable[[Callable[[], DraftPolicy]], dict[str, Any]], ngram: int, most: int
+) -> dict[str, Any]:
+    """The best fixed k for each matched length, 1..`ngram` tokens (each k in 0..`most`), by the
+    geometric mean of the replies' decoding speed-ups that `price(policy)` (`priced`) reports for
+    `ByMatchedLength` of those ks: coordinate ascent from never drafting, two rounds over the
+    lengths, longest first. Chosen on the very replies it is scored on, it is what a policy that
+    decides from the matched length alone could hope for there at most, short of a better optimum
+    the ascent missed (it knows the set; a policy must learn it as it goes)."""
+    ks = (0,) * ngram
+    best = price(partial(ByMatchedLength, ks))
+    tried = {ks: best["decode_geometric_mean"]}
+    for _ in range(2):
+        for length in reversed(range(ngram)):
+            for k in range(most + 1):
+                trial = (*ks[:length], k, *ks[length + 1 :])
+                if trial in tried:
+                    continue
+                scored = price(partial(ByMatchedLength, trial))
+                tried[trial] = scored["decode_geometric_mean"]
+                if scored["decode_geometric_mean"] > best["decode_geometric_mean"]:
+                    ks, best = trial, scored
+    return {"ks_by_matched_length": ks, "tried": {str(k): v for k, v in tried.items()}} | best
+
+
+def priced(
+    decode: Callable[[list[int]], list[Step]],
+    prompts: list[list[int]],
+    verify: list[float],
+    step: float,
+    prefill: Callable[[int], float],
+    find: Finder,
+    policy: Callable[[], DraftPolicy] | None = None,
+) -> dict[str, Any]:
+    """`decode`'s replies to `prompts` (drafting by `policy()`, default the decoder's own, with
+    prompt lookup choosing by `find`), priced at `verify` (V(w) by width) plus `step` seconds a
+    drafting step: each reply's speed-up over the target alone, decoding and with its `prefill`,
+    their medians and geometric means, and the replies' nats/token."""
+    taken_alone: list[tuple[float, float, float]] = []
+    cost = tokens = 0.0
+    with choosing(find), deciding(policy):
+        for prompt in prompts:
+            steps = decode(prompt)
+            cost += sum(s.stats.cost for s in steps)
+            tokens += sum(s.stats.emitted for s in steps)
+            taken = sum(
+                verify[s.stats.drafted + 1] + (step if s.stats.drafted else 0.0)
+                for s in steps
+                if s.stats.target_forwards
+            )
+            alone = sum(s.stats.emitted for s in steps) * verify[1]
+            taken_alone.append((alone, taken, prefill(len(prompt))))
+    decode_ratios, overall_ratios = speedups(taken_alone)
+    return {
+        "decode_median": statistics.median(decode_ratios),
+        "decode_geometric_mean": geometric_mean(decode_ratios),
+        "with_prefill_median": statistics.median(overall_ratios),
+        "with_prefill_geometric_mean": geometric_mean(overall_ratios),
+        "with_prefill": overall_ratios,
+        "nats_per_token": cost / tokens,
+    }
 
 
 def geometric_mean(ratios: list[float]) -> float:
@@ -132,13 +250,21 @@ def main() -> None:
     )
     parser.add_argument(
         "--decide-at",
-        choices=["calibrated", "modelled"],
+        choices=["calibrated", "modelled", "measured"],
         default="calibrated",
-        help="the prices the goodput policy decides at: this machine's calibrated ones (the chat's) "
-        "or the modelled ones",
+        help="the prices the goodput policy decides at: this machine's calibrated ones (the chat's), "
+        "the modelled ones, or the --forward-table's",
+    )
+    parser.add_argument(
+        "--length-bound",
+        action="store_true",
+        help="also search the best fixed k for each matched length at the policy's split (slow: "
+        "about 30 decodings of the set a rule)",
     )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
+    if args.decide_at == "measured" and args.forward_table is None:
+        parser.error("--decide-at measured needs --forward-table")
     table = None if args.forward_table is None else json.loads(args.forward_table.read_text())
     pair = load_pair(
         ModelSpec(str(default_model_path())), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1)
@@ -201,35 +327,29 @@ def main() -> None:
                 "with_prefill": overall,
             }
         pair.use_threads(SPLITS[POLICY_SPLIT][0], requested_batch=SPLITS[POLICY_SPLIT][1])
-        if args.decide_at == "modelled":
-            pair.timings = llama_cpp.priced_timings(target, None, {})
+        if args.decide_at != "calibrated":
+            measured = (
+                {target: table[POLICY_SPLIT]["measured_seconds"]}
+                if table is not None and args.decide_at == "measured"
+                else {}
+            )
+            pair.timings = llama_cpp.priced_timings(target, None, measured)
         timings = pair.forward_timings()
         report[f"{args.decide_at}_verify_seconds"] = timings.verify_table()[1:9]  # V(1..8) decided at
         verify, prefill = prices(target, POLICY_SPLIT, table)
-        goodput = replace(settings, draft_policy="goodput")
+        goodput_reply = partial(reply, replace(settings, draft_policy="goodput"))
+
         for label, find in (("goodput", lookup.find_continuation), ("goodput_latest", latest_continuation)):
-            priced = []
-            goodput_cost = goodput_tokens = 0.0
-            with choosing(find):
-                for prompt in prompts:
-                    steps = reply(goodput, prompt)
-                    goodput_cost += sum(s.stats.cost for s in steps)
-                    goodput_tokens += sum(s.stats.emitted for s in steps)
-                    taken = sum(
-                        verify[s.stats.drafted + 1] + (timings.step if s.stats.drafted else 0.0)
-                        for s in steps
-                        if s.stats.target_forwards
-                    )
-                    alone = sum(s.stats.emitted for s in steps) * verify[1]
-                    priced.append((alone, taken, prefill(len(prompt))))
-            decode_ratios, overall_ratios = speedups(priced)
-            by_threads[POLICY_SPLIT] |= {
-                f"{label}_decode_median": statistics.median(decode_ratios),
-                f"{label}_with_prefill_median": statistics.median(overall_ratios),
-                f"{label}_with_prefill_geometric_mean": geometric_mean(overall_ratios),
-                f"{label}_with_prefill": overall_ratios,
-                f"{label}_nats_per_token": goodput_cost / goodput_tokens,
-            }
+            scored = priced(goodput_reply, prompts, verify, timings.step, prefill, find)
+            by_threads[POLICY_SPLIT] |= {f"{label}_{key}": value for key, value in scored.items()}
+        if args.length_bound:
+            by_threads[POLICY_SPLIT]["length_bound"] = length_bound(
+                partial(
+                    priced, goodput_reply, prompts, verify, timings.step, prefill, lookup.find_continuation
+                ),
+                DEFAULT_LOOKUP_NGRAM,
+                args.draft_tokens,
+            )
         target.set_threads(1, 1)
         tokens = sum(emitted for _, steps, _ in runs for _, emitted in steps)
         report[name] = {"threads": by_threads, "nats_per_token": sum(cost for *_, cost in runs) / tokens}
