@@ -82,22 +82,28 @@ def replay(
     replies: list[Reply], timings: ForwardTimings, choose: Callable[[], Callable[[Copy, int, int], int]]
 ) -> dict[str, Any]:
     """Each reply's decoding speed-up over the target alone when `choose()` (a fresh chooser a reply)
-    picks each step's draft length from (copy, room left, context length)."""
-    ratios = []
+    picks each step's draft length from (copy, room to draft, context length), and its steps (tokens
+    drafted, tokens emitted)."""
+    ratios: list[float] = []
+    steps: list[list[tuple[int, int]]] = []
     for reply in replies:
         pick = choose()
         position = 0
         taken = alone = 0.0
+        steps.append([])
         while position < len(reply.copies):
             context = reply.prompt + position
             copy = reply.copies[position]
-            drafted = min(pick(copy, len(reply.copies) - position, context), copy.proposed)
+            # The decoder's room: the tokens a step may draft and still emit one after them.
+            room = len(reply.copies) - position - 1
+            drafted = min(pick(copy, room, context), copy.proposed)
             emitted = min(min(drafted, copy.accepted) + 1, len(reply.copies) - position)
             taken += timings.verify_table(context)[drafted + 1] + (timings.step if drafted else 0.0)
             alone += sum(timings.verify_table(context + j)[1] for j in range(emitted))
             position += emitted
+            steps[-1].append((drafted, emitted))
         ratios.append(alone / taken)
-    return {"decode_geometric_mean": geometric_mean(ratios), "decode": ratios}
+    return {"decode_geometric_mean": geometric_mean(ratios), "decode": ratios, "steps": steps}
 
 
 def deciding(policy: Callable[[], DraftPolicy], k: int) -> Callable[[], Callable[[Copy, int, int], int]]:
