@@ -29,7 +29,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_threads import busy_core
+from scripts.bench_threads import busy_core  # a child run by path finds `scripts` on PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "llama-forward-table.json"
@@ -45,6 +45,7 @@ def calibrate_once() -> None:
     was written, as one JSON line."""
     import torch
 
+    import fsd_chat
     from fsd_chat.engines.llama_calibration import forward_times
     from fsd_chat.engines.llama_cpp import LlamaCppModel
     from fsd_chat.models.default_model import default_model_path
@@ -62,15 +63,17 @@ def calibrate_once() -> None:
     seconds = forward_times(target)
     took = time.perf_counter() - start
     kept = any(Path(os.environ["FSD_CHAT_CALIBRATION_DIR"]).glob("*.json"))
-    print(json.dumps({"seconds": seconds, "took": took, "kept": kept}))
+    print(json.dumps({"seconds": seconds, "took": took, "kept": kept, "fsd_chat": fsd_chat.__file__}))
 
 
 def run_child(code: Path) -> dict[str, Any]:
     """One calibration in a fresh process importing `code`'s fsd_chat, into a fresh folder."""
     with tempfile.TemporaryDirectory() as folder:
         env = os.environ | {"PYTHONPATH": f"{code.resolve()}:{ROOT}", "FSD_CHAT_CALIBRATION_DIR": folder}
-        command = [sys.executable, "-m", "scripts.bench_calibration_spread", "--child"]
-        out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+        # Run by path from `code`: neither the working folder nor the script's puts this checkout's
+        # fsd_chat before `code`'s (as `-m` from here would).
+        command = [sys.executable, str(Path(__file__).resolve()), "--child"]
+        out = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=code).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     result["load"] = os.getloadavg()[0]
     return result

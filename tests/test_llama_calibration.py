@@ -13,7 +13,7 @@ afresh where a test needs a pair of its own (a pair keeps its times once found).
 - a seeded reply of a lossy rule under goodput is the same on two loads on the same machine.
 
 Tests of the cache file keep every calibration (`STEADY_SPREAD` infinite): on a loaded machine the
-tiny model's V(1) samples (tenths of a millisecond) can spread past the rule, which has its own test.
+tiny model's samples (tenths of a millisecond) can spread past the rule, which has its own test.
 """
 
 from __future__ import annotations
@@ -322,9 +322,9 @@ def test_a_burst_of_slow_forwards_does_not_raise_the_kept_v1(
     per_pass = 1 + calibration.INTERLEAVED.count(1)  # `time_widths`' untimed lead is one of them
     slow_ones(monkeypatch, target, per_pass)
     burst = calibration.calibrate(target)
-    assert sum(v >= DELAY for v in burst.v1_samples) == per_pass - 1  # the first pass's, all timed
-    assert len(burst.v1_samples) == calibration.CALIBRATION_PASSES * (per_pass - 1)
-    assert burst.seconds[0] == min(burst.v1_samples) < DELAY
+    assert sum(v >= DELAY for v in burst.samples[0]) == per_pass - 1  # the first pass's, all timed
+    assert len(burst.samples[0]) == calibration.CALIBRATION_PASSES * (per_pass - 1)
+    assert burst.seconds[0] == min(burst.samples[0]) < DELAY
     slow_ones(monkeypatch, target, 3 * per_pass)
     pair.use_threads(1)
     assert len(calibrations) == 2 and not list(fresh_dir.glob("*.json"))  # used, not kept

@@ -58,11 +58,13 @@ another process's work that slows part of a pass cannot leave V(1) alone disturb
 CALIBRATION_PASSES = 4
 """Timed passes of `INTERLEAVED`: V(1) gets 20 samples, each wider width 4. A time is the least of its
 samples (timing noise, another process or a cache miss, only adds to a time)."""
-STEADY_SPREAD = 1.2
-"""A calibration is kept (written to its file) only where the median of its V(1) samples is within
-this factor of their least (`steady`). Quiet, the median was 1.02-1.06 times the least on a 2-core
-CPU (docs/benchmarks.md, "llama.cpp's calibration"); other work slowing half the samples or more
-leaves the times unsure: they are used for this load and timed again at the next."""
+STEADY_SPREAD = 1.25
+"""A calibration is kept (written to its file) only where, at every width, the median of its samples
+is within this factor of their least (`Calibration.steady`): other work slowing half a width's
+samples or more leaves the times unsure, so they are used for this load and timed again at the next.
+On a 2-core CPU at the chat's split the widest such spread was 1.02-1.19 in quiet calibrations, and
+1.36-5.2 with one more process keeping a core busy, which stalls the batches' second thread
+(docs/benchmarks.md, "llama.cpp's calibration, robust to noise")."""
 FORMAT = 2
 """The cache files' layout and meaning; a file of another is timed again. 2: V(1) interleaved with
 the wider widths, least of 20 (1: least of 3 passes over the widths in order)."""
@@ -103,16 +105,18 @@ class Calibration:
 
     Attributes:
         seconds: V(w) in seconds for w in `CALIBRATED_WIDTHS` (index w − 1).
-        v1_samples: Every V(1) sample in seconds, in the order timed (`CALIBRATION_PASSES` × 5).
+        samples: Each width's samples in seconds, in the order timed (index w − 1; V(1) has
+            `CALIBRATION_PASSES` × 5, a wider width `CALIBRATION_PASSES`).
     """
 
     seconds: list[float]
-    v1_samples: list[float]
+    samples: list[list[float]]
 
     @property
     def spread(self) -> float:
-        """The median of the V(1) samples over their least (1.0: every sample alike)."""
-        return statistics.median(self.v1_samples) / min(self.v1_samples)
+        """The widest, over the widths, of the median of a width's samples over their least (1.0:
+        every sample alike)."""
+        return max(statistics.median(times) / min(times) for times in self.samples)
 
     @property
     def steady(self) -> bool:
@@ -143,7 +147,7 @@ def calibrate(model: LlamaCppModel) -> Calibration:
     for i in range(len(least) - 2, -1, -1):
         least[i] = min(least[i], least[i + 1])
     capped = [min(seconds, width * least[0]) for width, seconds in zip(CALIBRATED_WIDTHS, least, strict=True)]
-    return Calibration(capped, samples[1])
+    return Calibration(capped, [samples[width] for width in CALIBRATED_WIDTHS])
 
 
 def cpu_name() -> str:
@@ -229,8 +233,8 @@ def forward_times(model: LlamaCppModel, progress: Callable[[str], object] | None
             write_times(path, key, times)
         else:
             log.info(
-                "llama.cpp's forward times of %s not kept (V(1)'s median %.2f times its least: other "
-                "work on the CPU); timed again next load",
+                "llama.cpp's forward times of %s not kept (a width's median %.2f times its least: "
+                "other work on the CPU); timed again next load",
                 model.path.name,
                 calibration.spread,
             )
