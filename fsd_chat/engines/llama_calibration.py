@@ -55,9 +55,13 @@ INTERLEAVED = tuple(w for width in CALIBRATED_WIDTHS[1:] for w in (1, width))
 """One pass's forwards, in order: V(1) before every wider width (1, 2, 1, 3, ... 1, 6), so that V(1),
 the unit every price is a multiple of, has five samples a pass spread over the pass, and a burst of
 another process's work that slows part of a pass cannot leave V(1) alone disturbed."""
-CALIBRATION_PASSES = 4
-"""Timed passes of `INTERLEAVED`: V(1) gets 20 samples, each wider width 4. A time is the least of its
-samples (timing noise, another process or a cache miss, only adds to a time)."""
+CALIBRATION_PASSES = 3
+"""Timed passes of `INTERLEAVED`: V(1) gets 15 samples, each wider width 3 (4 passes took 1.06 s at
+the chat's split, over the ~1 s aimed at). A time is the least of its samples (timing noise, another
+process or a cache miss, only adds to a time). Each V(1) follows a batch forward and each batch a
+V(1), as in a reply whose verifies and one-token steps alternate: V(1) after a batch measured 7%
+dearer than after a V(1), a verify after a V(1) 5% dearer than after its own width (the caches
+the other thread's core warmed), so the ratios V(w) / V(1) the policy decides by move little."""
 STEADY_SPREAD = 1.25
 """A calibration is kept (written to its file) only where, at every width, the median of its samples
 is within this factor of their least (`Calibration.steady`): other work slowing half a width's
@@ -67,7 +71,7 @@ On a 2-core CPU at the chat's split the widest such spread was 1.02-1.19 in quie
 (docs/benchmarks.md, "llama.cpp's calibration, robust to noise")."""
 FORMAT = 2
 """The cache files' layout and meaning; a file of another is timed again. 2: V(1) interleaved with
-the wider widths, least of 20 (1: least of 3 passes over the widths in order)."""
+the wider widths, least of 15 (1: least of 3 passes over the widths in order)."""
 TIMING_NOTE = "timing llama.cpp's forwards of {name} on this CPU (once per file and threads)"
 """What `forward_times` tells its `progress` before it times (the chat's loading screen shows it)."""
 
@@ -132,7 +136,7 @@ def calibrate(model: LlamaCppModel) -> Calibration:
     tokens one by one: a dearer verify was disturbed, as by another process holding one of the
     batch's threads' cores, which stalls the others at each barrier: 251 ms for V(5) against
     12.4 ms for V(1), on this 2-core CPU under load 2). The model's KV cache is emptied after.
-    The least of V(1)'s 20 samples against the least of a wider width's 4 leans, if anything,
+    The least of V(1)'s 15 samples against the least of a wider width's 3 leans, if anything,
     towards verifies priced dear (the policy drafts a little less), not cheap.
 
     Raises:
