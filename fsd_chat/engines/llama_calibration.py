@@ -49,8 +49,9 @@ CALIBRATED_WIDTHS = tuple(range(1, 7))
 """Verify widths (tokens) timed: a step of draft length k verifies k + 1 tokens, and the chat's
 k is at most 5 (`DEFAULT_DRAFT_TOKENS`, the settings' default). A wider verify (a k the user raises,
 up to `MAX_DRAFT_TOKENS`) is priced by the model scaled to V(6) (`llama_cpp.priced_timings`): timing
-every width up to 33 would take seconds, where these take 1.0 s on the default model at the
-chat's split on a 2-core CPU (load 2), once per file and thread split, as a command sets its threads."""
+every width up to 33 would take seconds, where these take 0.9 s on the default model at the
+chat's split on a 2-core CPU (median of 10, load 2-3; docs/benchmarks.md), once per file and thread
+split, as a command sets its threads."""
 INTERLEAVED = tuple(w for width in CALIBRATED_WIDTHS[1:] for w in (1, width))
 """One pass's forwards, in order: V(1) before every wider width (1, 2, 1, 3, ... 1, 6), so that V(1),
 the unit every price is a multiple of, has five samples a pass spread over the pass, and a burst of
@@ -59,16 +60,17 @@ CALIBRATION_PASSES = 3
 """Timed passes of `INTERLEAVED`: V(1) gets 15 samples, each wider width 3 (4 passes took 1.06 s at
 the chat's split, over the ~1 s aimed at). A time is the least of its samples (timing noise, another
 process or a cache miss, only adds to a time). Each V(1) follows a batch forward and each batch a
-V(1), as in a reply whose verifies and one-token steps alternate: V(1) after a batch measured 7%
-dearer than after a V(1), a verify after a V(1) 5% dearer than after its own width (the caches
-the other thread's core warmed), so the ratios V(w) / V(1) the policy decides by move little."""
+V(1), as in a reply whose verifies and one-token steps alternate: V(1) after a batch came out 7%
+dearer than after a V(1), a verify after a V(1) 6% dearer than after its own width, in an
+exploratory check (docs/benchmarks.md), so the ratios V(w) / V(1) the policy decides by move little."""
 STEADY_SPREAD = 1.25
 """A calibration is kept (written to its file) only where, at every width, the median of its samples
 is within this factor of their least (`Calibration.steady`): other work slowing half a width's
 samples or more leaves the times unsure, so they are used for this load and timed again at the next.
-On a 2-core CPU at the chat's split the widest such spread was 1.02-1.19 in quiet calibrations, and
-1.36-5.2 with one more process keeping a core busy, which stalls the batches' second thread
-(docs/benchmarks.md, "llama.cpp's calibration, robust to noise")."""
+On a 2-core CPU at the chat's split it kept 9 of 10 calibrations as the machine was (load 2-3) and
+none of 10 with one more process keeping a core busy, which stalls the batches' second thread
+(docs/benchmarks.md, "llama.cpp's calibration, robust to noise"). A slowdown lasting the whole
+calibration leaves its samples agreeing, and is kept."""
 FORMAT = 2
 """The cache files' layout and meaning; a file of another is timed again. 2: V(1) interleaved with
 the wider widths, least of 15 (1: least of 3 passes over the widths in order)."""
