@@ -124,6 +124,7 @@ def main() -> None:
                         flush=True,
                     )
     table = json.loads(TABLE.read_text())["1, batches 2"]["measured_seconds"]
+    summaries = {c: {label: summary(r) for label, r in by_code.items()} for c, by_code in runs.items()}
     report = {
         "split": SPLIT,
         "load_average": os.getloadavg(),
@@ -134,11 +135,11 @@ def main() -> None:
             "v2_over_v1": table[1] / table[0],
             "v6_over_v1": table[5] / table[0],
         },
-        "summary": {c: {label: summary(r) for label, r in by_code.items()} for c, by_code in runs.items()},
+        "summary": summaries,
         "runs": runs,
     }
     args.output.write_text(json.dumps(report, indent=1))
-    for condition, by_code in report["summary"].items():
+    for condition, by_code in summaries.items():
         for label, s in by_code.items():
             print(
                 f"{condition:13s} {label:8s} V(1) {s['v1_ms']['median']:.2f} ms "
