@@ -6,7 +6,7 @@ context, and a prompt's prefill per token (over `PREFILL` tokens), at one thread
 
 Each width is timed `--repeats` times (`llama_calibration.time_widths`), the widths and splits
 interleaved in every round (so a load that comes and goes touches each alike); each time is the
-median of its samples (the calibration takes the least of 3: here, the typical time of many). The goodput
+median of its samples (the calibration takes the least of its samples: here, the typical time of many). The goodput
 policy's decisions follow the ratios V(w) / V(1) alone, so those are written too; the JSON feeds
 `scripts/lookup_ceiling.py --forward-table`, which prices the policy's steps at these times.
 

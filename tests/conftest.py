@@ -43,9 +43,9 @@ def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def calibration_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Keep llama.cpp's forward times (`fsd_chat.engines.llama_calibration`) in a folder of the
-    session's, not the user's cache: timed once a worker for a file and thread split, then read by
-    every later load of the worker (commands run as subprocesses inherit it), so that a test's two
-    loads price alike."""
+    session's, not the user's cache: timed once a worker for a file and thread split where the timing
+    was steady, then read by every later load of the worker (commands run as subprocesses inherit
+    it)."""
     folder = tmp_path_factory.mktemp("forward-times")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV_CALIBRATION_DIR, str(folder))
@@ -162,17 +162,20 @@ def stories_gguf_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 
 @pytest.fixture(scope="session")
 def llama_pair(stories_gguf_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
-    """The offline pair as GGUF files on the llama.cpp engine, one thread (skipped without llama-cpp-python)."""
+    """The offline pair as GGUF files on the llama.cpp engine, one thread (skipped without
+    llama-cpp-python), set as a command sets it (`use_threads`, which finds its forward prices)."""
     pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
     cache = tmp_path_factory.mktemp("llama-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FSD_CHAT_CACHE_DIR", str(cache))  # the tokenizers read from the files go there
         target, draft = stories_gguf_files
-        return load_pair(
+        pair = load_pair(
             ModelSpec(str(target)),
             ModelSpec(str(draft)),
             LoadOptions(device="cpu", engine="llama.cpp", threads=1),
         )
+    pair.use_threads(1)
+    return pair
 
 
 @pytest.fixture(params=["transformers", "llama.cpp"])

@@ -223,8 +223,10 @@ def run_bench(
         # once it has loaded, as it runs (on llama.cpp: not the dtype asked for, and the file's
         # type, known only then).
         with console.status("loading") as status:
-            pair = load_pair(*specs_of(setup, engine), progress=_phases(console, status))
-        pair.use_threads(threads, requested_batch=threads_batch)
+            phases = _phases(console, status)
+            pair = load_pair(*specs_of(setup, engine), progress=phases)
+            # On llama.cpp: the forward prices too (timed on a new file or split, said as a phase).
+            pair.use_threads(threads, requested_batch=threads_batch, progress=phases)
         ran = ran_as[setup] = run_as(setup, pair)
         console.print(Text(f"loaded {ran.label}"))
         pairs[ran.label] = by_setup[ran] = pair

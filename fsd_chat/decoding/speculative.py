@@ -237,7 +237,7 @@ class SpeculativeDecoder:
         """
         sampling = sampling or SamplingConfig()
         policy_name = self.controls.snapshot().draft_policy
-        policy = self._policy(policy_name)  # before the clock starts: it may measure
+        policy = self._policy(policy_name)  # before the clock starts (its prices are found already)
         # A paused policy drafts nothing for a while (a draft that cannot pay: never), so a draft
         # model's cache is not fed the prompt now; its first forward, on a probe, reads it at once.
         defer = policy.pause is not None

@@ -26,6 +26,7 @@ from fsd_chat.engines.torch_engine.binding import autoregressive_decoder, specul
 from fsd_chat.engines.torch_engine.kv_cache import compile_refusal
 from fsd_chat.engines.torch_engine.timings import modelled_timings
 from fsd_chat.models.generation import FileGeneration
+from fsd_chat.models.gguf_sources import Progress
 from fsd_chat.models.options import ModelSpec, quantization_note
 from fsd_chat.support.threads import apply_threads, choose_thread_counts
 
@@ -223,7 +224,12 @@ class ModelPair:
         )
 
     def use_threads(
-        self, requested: int | None, *, reserve: int = 0, requested_batch: int | None = None
+        self,
+        requested: int | None,
+        *,
+        reserve: int = 0,
+        requested_batch: int | None = None,
+        progress: Progress | None = None,
     ) -> None:
         """Run on `choose_threads(requested, reserve=reserve)` CPU threads (`--threads`, or the idle
         cores less `reserve`): torch's on the CPU; on llama.cpp, llama.cpp's for one token (target
@@ -234,6 +240,13 @@ class ModelPair:
         llama.cpp thread halved target-only decoding of the default model, 31 tokens/s against
         llama.cpp's own 56, on a 2-core CPU). Nothing for transformers models on a GPU.
 
+        On llama.cpp the pair's forward prices at these threads are then found
+        (`llama_calibration.calibrated_timings`: read from this machine's cache file, or timed:
+        0.9 s on the default model at the chat's split, once per file and threads; `progress` is
+        told before timing). Here, because every command calls this once after loading and before
+        it reads or decodes anything: the timing empties the KV caches, which hold nothing yet, and
+        no reply ever waits on it (`forward_timings`). The models' KV caches are empty after.
+
         Raises:
             SettingsError: `requested` or `requested_batch` < 1.
         """
@@ -243,30 +256,31 @@ class ModelPair:
                 if isinstance(model, LlamaCppModel):
                     model.set_threads(*threads)
             torch.set_num_threads(1)
-            # llama.cpp's forward times depend on its threads: found anew (read or timed) at the next call.
-            self.timings = None
+            assert self.draft is None or isinstance(self.draft, LlamaCppModel)  # one engine a pair
+            self.timings = llama_calibration.calibrated_timings(self.target, self.draft, progress)
         elif self.device.type == "cpu":
             apply_threads(requested, reserve=reserve)
 
     def forward_timings(self) -> ForwardTimings:
-        """The pair's draft and verify forward times, found on the first call, then kept for every
-        decoder of the pair (until `use_threads` changes llama.cpp's threads). Transformers models:
-        modelled from the models (`modelled_timings`). llama.cpp: measured on this machine at the
-        threads in use and cached per machine, file and threads
-        (`llama_calibration.calibrated_timings`: 0.65 s the first time on the default model, before
-        the first reply's prefill, and a file read after). Either way no clock during a reply, so a
-        seed gives the same reply on every run on the machine.
+        """The pair's draft and verify forward times, kept for every decoder of the pair: no clock
+        during a reply, so a seed gives the same reply on every run on the machine. Transformers
+        models: modelled from the models (`modelled_timings`) on the first call, a few arithmetic
+        operations. llama.cpp: found by `use_threads` at the threads in use (measured on this
+        machine and cached per machine, file and threads), before anything is read or decoded.
 
-        The llama.cpp calibration runs here, at the first speculative reply's first step (its policy
-        is made before the clock starts), not at load: a load's threads are not yet the command's
-        (`use_threads` comes after it), and a target-only reply never needs the prices."""
+        Raises:
+            RuntimeError: a llama.cpp pair whose command never called `use_threads`. Timing here
+                instead would run in a reply (the first priced policy's first step, perhaps
+                mid-reply) and empty the KV caches of what was read ahead; a command that sets no
+                threads is a bug, found by its first priced reply.
+        """
         if self.timings is None:
             if isinstance(self.target, LlamaCppModel):
-                assert self.draft is None or isinstance(self.draft, LlamaCppModel)  # one engine a pair
-                self.timings = llama_calibration.calibrated_timings(self.target, self.draft)
-            else:
-                assert not isinstance(self.draft, LlamaCppModel)
-                self.timings = modelled_timings(self.target, self.draft)
+                raise RuntimeError(
+                    "llama.cpp's forward prices are found by ModelPair.use_threads, not called"
+                )
+            assert not isinstance(self.draft, LlamaCppModel)
+            self.timings = modelled_timings(self.target, self.draft)
         return self.timings
 
     def autoregressive(

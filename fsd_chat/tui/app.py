@@ -190,12 +190,21 @@ class FsdChatApp(App[None]):
 
     @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> tuple[ModelPair, Decoder]:
-        """Load the pair and build its decoder in a thread, posting progress: the decoder's step
-        graphs (`--whole-step` on CUDA) are captured as it is built, which takes seconds the
-        loading screen shows."""
-        pair = self.loader(lambda text: self.post_message(LoadProgress(text)))
+        """Load the pair, set its threads and build its decoder in a thread, posting progress: on
+        llama.cpp, setting the threads times the forward prices on a new file or split (about a
+        second), and the decoder's step graphs (`--whole-step` on CUDA) are captured as it is
+        built, which takes seconds: the loading screen shows both."""
+
+        def report(text: str) -> None:
+            self.post_message(LoadProgress(text))
+
+        pair = self.loader(report)
         # One core is left to the UI for one-token forwards; batches take it too (`support.threads`).
-        pair.use_threads(self.options.threads, reserve=1, requested_batch=self.options.threads_batch)
+        # On llama.cpp this finds the forward prices, timing them where this machine has none kept
+        # (said on the loading screen), before the chat reads anything ahead.
+        pair.use_threads(
+            self.options.threads, reserve=1, requested_batch=self.options.threads_batch, progress=report
+        )
         return pair, self.decoder_factory(pair, self.controls)
 
     def on_load_progress(self, message: LoadProgress) -> None:

@@ -10,9 +10,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsd_chat.engines.llama_calibration import TIMING_NOTE
 from fsd_chat.engines.llama_cpp import LlamaCppModel
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support import threads
+from fsd_chat.support.config import ENV_CALIBRATION_DIR
+from fsd_chat.tui.screens.loading import LoadingScreen
 from tests.tui.helpers import SIZE, make_app, wait_for_chat
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -73,5 +76,32 @@ async def test_given_counts_win_in_the_chat(
                 assert chosen[1] == 3 and 1 <= chosen[0] <= max(1, (psutil.cpu_count() or 1) - 1)
             else:
                 assert chosen == expected
+    finally:
+        llama_pair.use_threads(1)
+
+
+async def test_the_loading_screen_says_it_times_llama_cpps_forwards(
+    llama_pair: ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine with no prices kept for the file and split, setting the threads times them in
+    the load worker, and the loading screen says so (a spy around the real `show_progress`); then
+    the chat opens."""
+    monkeypatch.setenv(ENV_CALIBRATION_DIR, str(tmp_path / "times"))
+    shown: list[str] = []
+    real = LoadingScreen.show_progress
+
+    def spy(screen: LoadingScreen, text: str) -> None:
+        shown.append(text)
+        real(screen, text)
+
+    monkeypatch.setattr(LoadingScreen, "show_progress", spy)
+    try:
+        app = make_app(llama_pair, tmp_path, threads=1, threads_batch=2)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for_chat(pilot)
+        names = [
+            Path(m.path).name for m in (llama_pair.target, llama_pair.draft) if isinstance(m, LlamaCppModel)
+        ]
+        assert shown == [TIMING_NOTE.format(name=name) for name in names]
     finally:
         llama_pair.use_threads(1)
