@@ -282,11 +282,6 @@ class LlamaCppModel:
         # only when llama.cpp needs more rows than it has, and the views are made anew then.
         self._logits_address = 0
         self._logits: dict[int, torch.Tensor] = {}
-        # The token buffer last fed and its numpy view: a reply feeds the same buffer every step, and
-        # a torch call right after `llama_decode` runs from cold caches (tens of µs), so the view is
-        # made once a buffer.
-        self._fed: torch.Tensor | None = None
-        self._fed_ids = np.zeros(0, dtype=np.int64)
         vocab = lib.llama_model_get_vocab(model)  # asked once: 49,152 calls a token apart cost 16 ms
         self._eos = frozenset(i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(vocab, i))
 
@@ -364,9 +359,7 @@ class LlamaCppModel:
             raise ContextLengthError(
                 f"the sequence reached {upto} tokens but llama.cpp's KV cache holds {self.n_ctx}"
             )
-        if seq is not self._fed:
-            self._fed, self._fed_ids = seq, seq.numpy()[0]
-        ids = self._fed_ids[self.seen : upto]
+        ids = seq.numpy()[0, self.seen : upto]
         start = self.seen
         first = (len(ids) - 1) % BATCH + 1
         for begin, end in itertools.pairwise([0, *range(first, len(ids) + 1, BATCH)]):
