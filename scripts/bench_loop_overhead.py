@@ -46,7 +46,8 @@ from typing import Any
 class DecodeClock:
     """Process CPU seconds and calls inside `llama_decode`, wrapped in both llama_cpp modules (the
     package's re-export, which fsd-chat's engine calls, and `llama_cpp.llama_cpp`, which
-    llama-cpp-python's own `Llama` calls)."""
+    llama-cpp-python's own `Llama` calls); those of one-token calls (the decoding steps, the prefill
+    left out) apart too, so that llama.cpp's own work a token is compared between the two loops."""
 
     def __init__(self) -> None:
         import llama_cpp
@@ -54,13 +55,19 @@ class DecodeClock:
 
         self.seconds = 0.0
         self.calls = 0
+        self.step_seconds = 0.0
+        self.step_calls = 0
         original = bindings.llama_decode
 
         def timed(ctx: Any, batch: Any) -> int:
             began = time.process_time()
             code = original(ctx, batch)
-            self.seconds += time.process_time() - began
+            spent = time.process_time() - began
+            self.seconds += spent
             self.calls += 1
+            if batch.n_tokens == 1:
+                self.step_seconds += spent
+                self.step_calls += 1
             return int(code)
 
         llama_cpp.llama_decode = bindings.llama_decode = timed
@@ -134,6 +141,7 @@ def measure(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[
         for name, sampled in configurations(args.sampled):
             sampling = SamplingConfig(temperature=0.7, top_p=0.9, seed=index) if sampled else SamplingConfig()
             decode_seconds, decode_calls = clock.seconds, clock.calls
+            step_seconds, step_calls = clock.step_seconds, clock.step_calls
             wall, cpu = time.perf_counter(), time.process_time()
             if profile is not None:
                 profile.enable()
@@ -149,6 +157,8 @@ def measure(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[
                     "cpu_s": cpu,
                     "decode_cpu_s": inside,
                     "decode_calls": clock.calls - decode_calls,
+                    "step_decode_cpu_s": clock.step_seconds - step_seconds,
+                    "step_decode_calls": clock.step_calls - step_calls,
                     "outside_ms_per_token": 1e3 * (cpu - inside) / count,
                     "wall_s": wall,
                 }
@@ -159,7 +169,8 @@ def measure(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict[
 
 def summary(runs: list[dict[str, float]]) -> dict[str, float]:
     """A configuration's replies summed: the loop's CPU outside `llama_decode` a token (over all
-    its tokens), the decode CPU a token, and the median and range of the per-reply figure."""
+    its tokens), the decode CPU a token, that of a one-token `llama_decode` (a step's, the prefill
+    left out), and the median and range of the per-reply figure."""
     tokens = sum(r["tokens"] for r in runs)
     outside = sum(r["cpu_s"] - r["decode_cpu_s"] for r in runs)
     per_reply = [r["outside_ms_per_token"] for r in runs]
@@ -168,6 +179,9 @@ def summary(runs: list[dict[str, float]]) -> dict[str, float]:
         "tokens": tokens,
         "outside_ms_per_token": 1e3 * outside / tokens,
         "decode_cpu_ms_per_token": 1e3 * sum(r["decode_cpu_s"] for r in runs) / tokens,
+        "step_decode_cpu_ms": 1e3
+        * sum(r["step_decode_cpu_s"] for r in runs)
+        / max(sum(r["step_decode_calls"] for r in runs), 1),
         "outside_share": outside / sum(r["cpu_s"] for r in runs),
         "reply_median_ms": statistics.median(per_reply),
         "reply_min_ms": min(per_reply),

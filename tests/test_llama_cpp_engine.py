@@ -7,7 +7,8 @@ chat model (SmolLM2-135M-Instruct Q4_1).
   rollback and prefix reuse give the logits of a fresh feed;
 - greedy identity: fsd-chat's target-only and speculative decoding (prompt lookup, exact rule) on
   the llama.cpp engine emit llama.cpp's own greedy decoding (`Llama.generate` at temperature 0) on
-  the default model, token for token; a GGUF draft's exact greedy decoding is target-only decoding;
+  the default model, token for token, and so does the bench's llama.cpp baseline on summaries; a
+  GGUF draft's exact greedy decoding is target-only decoding;
 - the engine choice (`--engine`) and its one-line errors;
 - prefix reuse across turns, `--threads`.
 
@@ -24,7 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from fsd_chat.bench.llama_baselines import baseline_llama
+from fsd_chat.bench.llama_baselines import baseline_llama, llama_generate
+from fsd_chat.bench.prompts import load_prompt_set
+from fsd_chat.bench.records import ForwardTally
 from fsd_chat.decoding import AutoregressiveDecoder, Controls, DecodingSettings, SamplingConfig
 from fsd_chat.decoding.forward_timings import ForwardTimings
 from fsd_chat.decoding.runner import ModelRunner
@@ -39,6 +42,7 @@ from fsd_chat.models.options import LoadOptions, ModelSpec
 from fsd_chat.models.pair import ModelPair
 from fsd_chat.support.errors import ModelLoadError
 from tests.conftest import LLAMA_CPP_MISSING, TARGET_DIR
+from tests.test_bench import DATA_DIR
 
 llama_cpp = pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
 
@@ -213,6 +217,42 @@ def test_greedy_decoding_is_llama_cpps_own_on_the_default_model(default_pair: Mo
         assert decoded(target_only, prompt, 64) == expected
         lookup = default_pair.speculative(Controls(DecodingSettings(rule="exact", draft_tokens=5)))
         assert decoded(lookup, prompt, 64) == expected
+
+
+@pytest.mark.slow
+def test_the_bench_llama_cpp_baseline_emits_the_target_alones_greedy_summaries(
+    default_pair: ModelPair,
+) -> None:
+    """The bench's llama.cpp baseline (`llama_generate`) reads a prompt as fsd-chat's decoders do,
+    all but its last token and then the last, so its greedy replies are the target alone's token
+    for token and its decode clock times the same text. Read whole (`Llama.generate` alone), these
+    two summaries parted from the target alone's after 7 and 21 tokens (2026-11-29, this CPU)."""
+    items = load_prompt_set("tinystories-summarise-chat", data_dir=DATA_DIR, limit=5).items[3:5]
+    target = default_pair.target
+    assert isinstance(target, engine.LlamaCppModel)
+    llama = baseline_llama(target, lookup_tokens=None)
+    try:
+        for item in items:
+            prompt = chat_prompt(default_pair, item.text)
+            # Both read the prompt from an empty cache, as the bench has them: a cached prefix moves
+            # the batches' bounds, and with them the logits' last bits.
+            target.reset()
+            llama.reset()
+            expected = decoded(default_pair.autoregressive(Controls()), prompt, 40)
+            assert len(expected) == 40
+            baseline = llama_generate(
+                llama,
+                prompt,
+                SamplingConfig(),
+                max_new_tokens=40,
+                eos=target.eos_token_ids,
+                stop_strings=(),
+                tally=ForwardTally(),
+                stop=lambda: False,
+            )
+            assert list(baseline) == expected
+    finally:
+        llama.close()
 
 
 QUIET_FORWARDS = {

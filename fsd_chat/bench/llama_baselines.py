@@ -13,6 +13,15 @@ llama-cpp-python offers no speculation with a draft model (its `LlamaDraftModel`
 prompt lookup; llama.cpp's draft-model speculation lives in its C++ `common` library and examples,
 which the binding does not wrap), so there is no such baseline.
 
+Both read a prompt as fsd-chat's decoders do (`fsd_chat.decoding.reply.begin`): all its tokens but
+the last in one `Llama.eval` (the prefill), the last in the first step. llama.cpp's logits for a token
+read alone differ slightly from those of the same token read in a batch, so a prompt read whole made
+a different greedy reply at a near tie: on 8 of 8 summaries (`tinystories-summarise-chat`, the
+default model, 128 new tokens) the replies parted after 7 to 97 tokens, and their lengths differed by
+up to 74 tokens, so the decode clock compared different texts at different context lengths.
+Read alike, the greedy replies are the same tokens, so a ratio of the two is one of speed alone; the
+price is one more one-token forward before the first token, which fsd-chat pays too.
+
 A reply ends at any of the pair's end-of-sequence ids (not emitted), at `max_new_tokens`, at a stop
 string (the token completing it is emitted, as fsd-chat's decoders do) or at the deadline. Each
 `Llama.eval` is one forward pass on the tally (the first the prompt's prefill).
@@ -63,7 +72,8 @@ def llama_generate(
 ) -> Iterator[int]:
     """The reply llama.cpp decodes for `prompt_ids`, token by token as it decodes them (see the
     module docstring; so that its time to first token is seen); `stop` is asked after each token
-    (a deadline)."""
+    (a deadline). The tokens `llama`'s cache holds that start the prompt are kept, as
+    `Llama.generate` keeps them."""
     if not sampling.greedy:
         llama.set_seed(sampling.seed or 0)
     temp = 0.0 if sampling.greedy else sampling.temperature
@@ -80,6 +90,12 @@ def llama_generate(
 
     llama.eval = metered
     try:
+        # All but the last token read first, as fsd-chat's decoders read a prompt (module docstring):
+        # `Llama.generate` then finds them cached and reads the last alone.
+        head = prompt_ids[:-1]
+        llama.n_tokens = llama.longest_token_prefix(llama.input_ids[: llama.n_tokens], head)
+        if len(head) > llama.n_tokens:
+            llama.eval(head[llama.n_tokens :])
         with prints_to_log():  # `Llama.generate`'s notes on the prefix it reuses (`open_gguf`: verbose)
             for token in llama.generate(
                 prompt_ids,
