@@ -49,7 +49,7 @@ import numpy as np
 
 from fsd_chat.bench.prompts import load_prompt_set
 from fsd_chat.decoding import Controls, DecodingSettings, SamplingConfig, Step, lookup, speculative
-from fsd_chat.decoding.draft_policy import DraftPolicy, Next
+from fsd_chat.decoding.draft_policy import DraftPolicy, FixedPolicy
 from fsd_chat.decoding.forward_timings import MEASURE_CONTEXT
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM
 from fsd_chat.engines import llama_cpp
@@ -101,11 +101,9 @@ def choosing(find: Finder) -> Iterator[None]:
         lookup.find_continuation = chosen
 
 
-class ByMatchedLength:
+class ByMatchedLength(FixedPolicy):
     """A draft policy that drafts a fixed k for each matched suffix length (`ks[m - 1]` after an
     m-token match; nothing where nothing matched): what `length_bound` searches over."""
-
-    pause: str | None = None
 
     def __init__(self, ks: tuple[int, ...]) -> None:
         self.ks = ks
@@ -118,18 +116,6 @@ class ByMatchedLength:
         context: int = MEASURE_CONTEXT,
     ) -> int:
         return min(self.ks[evidence - 1], room) if evidence else 0
-
-    def extend(self, q: object) -> Next:
-        return Next.DRAFT
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Nothing learnt."""
-
-    def timed(self, drafted: int, seconds: float, verify_seconds: float | None) -> None:
-        """No clock."""
-
-    def begin_reply(self) -> None:
-        """Nothing to restart."""
 
 
 @contextlib.contextmanager
