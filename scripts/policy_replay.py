@@ -58,14 +58,16 @@ class Copy(NamedTuple):
     """How many of them the reply goes on with."""
 
 
-class Reply(NamedTuple):
+class Recorded(NamedTuple):
+    """A greedy reply as the replay reads it (not the decoder's `Reply`)."""
+
     prompt: int
     """The prompt's length in tokens."""
     copies: list[Copy]
     """One a position of the reply."""
 
 
-def copies(prompt: list[int], reply: list[int], k: int) -> Reply:
+def copies(prompt: list[int], reply: list[int], k: int) -> Recorded:
     """Prompt lookup's copy at each position of `reply` after `prompt` (up to `k` tokens)."""
     context = np.array(prompt + reply, dtype=np.int64)
     found = []
@@ -75,11 +77,11 @@ def copies(prompt: list[int], reply: list[int], k: int) -> Reply:
         same = context[start : start + n] == context[length : length + n]
         accepted = int(same.size if same.all() else same.argmin())
         found.append(Copy(matched, proposed, accepted))
-    return Reply(len(prompt), found)
+    return Recorded(len(prompt), found)
 
 
 def replay(
-    replies: list[Reply], timings: ForwardTimings, choose: Callable[[], Callable[[Copy, int, int], int]]
+    replies: list[Recorded], timings: ForwardTimings, choose: Callable[[], Callable[[Copy, int, int], int]]
 ) -> dict[str, Any]:
     """Each reply's decoding speed-up over the target alone when `choose()` (a fresh chooser a reply)
     picks each step's draft length from (copy, room to draft, context length), and its steps (tokens
@@ -106,7 +108,7 @@ def replay(
     return {"decode_geometric_mean": geometric_mean(ratios), "decode": ratios, "steps": steps}
 
 
-def deciding(policy: Callable[[], DraftPolicy], k: int) -> Callable[[], Callable[[Copy, int, int], int]]:
+def driving(policy: Callable[[], DraftPolicy], k: int) -> Callable[[], Callable[[Copy, int, int], int]]:
     """A chooser driving a fresh `policy()` as the decoder does: `limit` with the matched length,
     then `observe` with the verdict."""
     settings = DecodingSettings(draft_tokens=k)
@@ -188,10 +190,10 @@ def main() -> None:
     report: dict[str, Any] = {"argv": {key: str(value) for key, value in vars(args).items()}}
     report["oracle"] = replay(replies, measured, lambda: oracle(measured))
     report["length_bound"] = length_bound(
-        lambda policy: replay(replies, measured, deciding(policy, k)), DEFAULT_LOOKUP_NGRAM, k
+        lambda policy: replay(replies, measured, driving(policy, k)), DEFAULT_LOOKUP_NGRAM, k
     )
-    report["goodput_at_measured_prices"] = replay(replies, measured, deciding(goodput(measured), k))
-    report["goodput_at_modelled_prices"] = replay(replies, measured, deciding(goodput(modelled), k))
+    report["goodput_at_measured_prices"] = replay(replies, measured, driving(goodput(measured), k))
+    report["goodput_at_modelled_prices"] = replay(replies, measured, driving(goodput(modelled), k))
     for name, result in report.items():
         if name != "argv":
             print(f"{name}: {result['decode_geometric_mean']:.3f}", result.get("ks_by_matched_length", ""))

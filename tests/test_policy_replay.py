@@ -12,7 +12,7 @@ from fsd_chat.decoding.lookup import PromptLookup
 from fsd_chat.decoding.settings import DEFAULT_LOOKUP_NGRAM, MAX_DRAFT_TOKENS
 from fsd_chat.engines.torch_engine.binding import speculative_decoder
 from fsd_chat.models.pair import ModelPair
-from scripts.policy_replay import copies, deciding, replay
+from scripts.policy_replay import copies, driving, replay
 from tests.decoding_helpers import collect
 
 K = 5
@@ -37,7 +37,7 @@ def test_a_replayed_policy_takes_the_decoders_steps(pair: ModelPair, prompt: str
     )
     decoded = collect(decoder.generate(ids, max_new_tokens=120))
     reply = copies(list(ids), decoded.ids, K)
-    policy = deciding(lambda: make_policy("goodput", lambda: CHEAP_COPIES, "lookup", DEFAULT_LOOKUP_NGRAM), K)
+    policy = driving(lambda: make_policy("goodput", lambda: CHEAP_COPIES, "lookup", DEFAULT_LOOKUP_NGRAM), K)
     (steps,) = replay([reply], CHEAP_COPIES, policy)["steps"]
     assert [(s.stats.drafted, s.stats.emitted) for s in decoded.steps] == steps
     assert any(drafted for drafted, _ in steps) and any(not drafted for drafted, _ in steps)
