@@ -61,7 +61,6 @@ def main() -> None:
             ModelSpec(str(model)), ModelSpec("lookup"), LoadOptions(engine="llama.cpp", threads=1)
         )
         report = table(pair, args.repeats)
-    report["file_type"] = args.file_type or "Q4_1"
     args.output.write_text(json.dumps(report, indent=1))
 
 
@@ -84,7 +83,7 @@ def requantized(model: Path, file_type: str, folder: Path) -> Path:
 
 def table(pair: ModelPair, repeats: int) -> dict[str, object]:
     """V(w) for each width and thread split, and the prefill's seconds per token, over `repeats`
-    interleaved rounds (printed as they are written)."""
+    interleaved rounds (printed as they are written), and the file's type as llama.cpp names it."""
     target = pair.target
     assert isinstance(target, llama_cpp.LlamaCppModel)
     seq = calibration_ids(target, PREFILL)
@@ -98,7 +97,12 @@ def table(pair: ModelPair, repeats: int) -> dict[str, object]:
             samples.setdefault((label, 0), []).append((time.perf_counter() - start) / PREFILL)
             for width, seconds in zip(WIDTHS, time_widths(target, WIDTHS), strict=True):
                 samples.setdefault((label, width), []).append(seconds)
-    report: dict[str, object] = {"repeats": repeats, "load": os.getloadavg(), "context": MEASURE_CONTEXT}
+    report: dict[str, object] = {
+        "file_type": target.file_type,
+        "repeats": repeats,
+        "load": os.getloadavg(),
+        "context": MEASURE_CONTEXT,
+    }
     for label, threads in SPLITS.items():
         target.set_threads(*threads)
         measured = [statistics.median(samples[label, width]) for width in WIDTHS]
