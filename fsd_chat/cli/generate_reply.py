@@ -124,24 +124,39 @@ def run_generate(
     texts: list[str] = []
     stop_reason: str | None = None
     status = 0
+
+    def record(step: Step) -> None:
+        """Count the step in the summary and write it out."""
+        nonlocal stop_reason
+        totals.add(step)
+        token_ids.extend(t.id for t in step.tokens)
+        texts.append(step.text)
+        stop_reason = step.stop_reason
+        if as_json:
+            _emit_json(step_record(step))
+        elif colour:
+            # Model text is data: an ESC token must not reach the terminal as an escape sequence.
+            spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
+            console.print(Text.assemble(visible(step.flushed), *spans), end="")
+        else:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+
     # Ctrl-C or SIGTERM ends the reply where it is: the tokens so far and their stats are reported.
-    with interrupts():
+    # A step decoded is recorded whole, counted and written (`held`), also when the signal came
+    # before its recording began (`unrecorded`): a summary listing a token whose step line was never
+    # written, or a line for a token it does not list, would lose part of the reply.
+    unrecorded: Step | None = None
+    with interrupts() as signals:
         try:
             for step in decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=resolved.config):
-                totals.add(step)
-                token_ids += [t.id for t in step.tokens]
-                texts.append(step.text)
-                stop_reason = step.stop_reason
-                if as_json:
-                    _emit_json(step_record(step))
-                elif colour:
-                    # Model text is data: an ESC token must not reach the terminal as an escape sequence.
-                    spans = [(visible(t.text), styles[t.origin]) for t in step.tokens]
-                    console.print(Text.assemble(visible(step.flushed), *spans), end="")
-                else:
-                    sys.stdout.write(step.text)
-                    sys.stdout.flush()
+                unrecorded = step
+                with signals.held():
+                    record(step)
+                    unrecorded = None
         except KeyboardInterrupt as interrupt:
+            if unrecorded is not None:
+                record(unrecorded)
             status, stop_reason = exit_status(interrupt), INTERRUPTED
     if as_json:
         _emit_json(

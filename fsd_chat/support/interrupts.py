@@ -31,24 +31,52 @@ def exit_status(interrupt: KeyboardInterrupt) -> int:
     return 128 + (interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT)
 
 
-@contextmanager
-def interrupts() -> Iterator[None]:
-    """Within: SIGINT and SIGTERM raise `Interrupted` (SIGTERM would otherwise end the process at
-    once, losing what was measured). A signal ignored on entry stays ignored: a shell starts a
-    background job with SIGINT ignored, so that Ctrl-C meant for the foreground spares it. The
-    previous handlers come back after. Main thread only (`signal.signal`).
-    """
+class Interrupts:
+    """The signals `interrupts()` turns into `Interrupted`, with a way to hold them off (`held`)."""
 
-    def interrupt(signum: int, _frame: FrameType | None) -> None:
+    def __init__(self) -> None:
+        self._holding = False
+        self._pending: int | None = None
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        """The signal handler: raise `Interrupted` now, or at the end of the `held` block within."""
+        if self._holding:
+            self._pending = signum
+            return
         raise Interrupted(signum)
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Within: a signal is kept until the block ends, then raised as `Interrupted`, so that
+        work that must be whole (a step counted in the summary and written out) is not cut between
+        its parts. Only for short blocks: the user waits for the block's end."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        # Not reached when the block raised: its exception goes on, and a signal with it is dropped.
+        if self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise Interrupted(signum)
+
+
+@contextmanager
+def interrupts() -> Iterator[Interrupts]:
+    """Within: SIGINT and SIGTERM raise `Interrupted` (SIGTERM would otherwise end the process at
+    once, losing what was measured), outside the yielded object's `held` blocks. A signal ignored on
+    entry stays ignored: a shell starts a background job with SIGINT ignored, so that Ctrl-C meant
+    for the foreground spares it. The previous handlers come back after. Main thread only
+    (`signal.signal`).
+    """
+    signals = Interrupts()
     previous = {
-        signum: signal.signal(signum, interrupt)
+        signum: signal.signal(signum, signals.handle)
         for signum in STOP_SIGNALS
         if signal.getsignal(signum) is not signal.SIG_IGN
     }
     try:
-        yield
+        yield signals
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
