@@ -5,10 +5,22 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from fsd_chat.support.interrupts import Interrupted, interrupts
+from fsd_chat.support.interrupts import STOP_SIGNALS, Interrupted, interrupts
+
+
+@pytest.fixture(autouse=True)
+def default_handlers() -> Iterator[None]:
+    """The stop signals at their default handlers, as in a command run from a shell: pytest-xdist's
+    workers ignore SIGINT (Ctrl-C is the controller's), and `interrupts` keeps an ignored signal
+    ignored."""
+    before = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
 def test_a_signal_raises_at_once_outside_a_held_block() -> None:
@@ -32,8 +44,9 @@ def test_a_signal_in_a_held_block_waits_for_its_end() -> None:
     assert done == ["the rest of the block", "the next block"]
 
 
-def test_the_previous_handlers_come_back() -> None:
-    before = signal.getsignal(signal.SIGTERM)
+def test_the_previous_handlers_come_back_and_an_ignored_signal_stays_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
     with interrupts():
-        assert signal.getsignal(signal.SIGTERM) is not before
-    assert signal.getsignal(signal.SIGTERM) is before
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
